@@ -1,0 +1,42 @@
+"""Shared fixtures: store paths, real activations from tests/data, torch availability."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+try:
+    import torch  # noqa: F401
+
+    HAS_TORCH = True
+except ImportError:  # torch is an optional extra
+    HAS_TORCH = False
+
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed (optional extra)")
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> str:
+    return str(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def real_kv() -> np.ndarray:
+    """Real K/V of all-MiniLM-L6-v2: [layers=6, 2, heads=12, tokens=128, head_dim=32] fp16."""
+    return np.load(DATA / "minilm_qkv_128tok.npz")["kv"]
+
+
+@pytest.fixture(scope="session")
+def real_emb() -> np.ndarray:
+    """1024 real MiniLM sentence embeddings [1024, 384] fp16."""
+    return np.load(DATA / "minilm_embeddings_1k_fp16.npy")
+
+
+def segment_files(path: str) -> list[str]:
+    seg = os.path.join(path, "segments")
+    return sorted(os.path.join(seg, n) for n in os.listdir(seg) if n.endswith(".tseg"))

@@ -1,0 +1,87 @@
+"""Compaction reclaims space, keeps every live object bit-exact, never resurrects a delete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+import tierstore
+from tierstore import Blob, KVCache, recovery
+from tierstore.fileio import DEFAULT_IO
+
+from .conftest import segment_files
+
+
+def disk_bytes(path: str) -> int:
+    return sum(os.path.getsize(p) for p in segment_files(path))
+
+
+def test_compaction_reclaims_and_preserves(store_path, real_kv):
+    rng = np.random.default_rng(0)
+    with tierstore.open(store_path, segment_bytes="1MiB") as s:
+        live = {}
+        for i in range(40):
+            key = f"k{i % 10}"
+            kv = rng.standard_normal((2, 2, 2, 32, 16)).astype(np.float16)
+            s.put(key, KVCache(kv), meta={"v": i})
+            live[key] = (kv, i)
+        for i in range(0, 10, 3):
+            s.delete(f"k{i}")
+            live.pop(f"k{i}")
+        s.put("blob", Blob(b"small"))
+        live_before = s.stats()["live_bytes"]
+        before = disk_bytes(store_path)
+        result = s.compact()
+        after = disk_bytes(store_path)
+        assert result["victims"] and result["copied"] == len(live) + 1
+        assert after < before / 2, (before, after)
+        assert s.stats()["dead_bytes"] < 64 * 1024
+        for key, (kv, i) in live.items():
+            assert np.array_equal(s.get(key).data, kv) and s.info(key).meta == {"v": i}
+        assert sorted(s.keys()) == sorted([*live, "blob"])
+        assert s.stats()["live_bytes"] <= live_before
+    # reopen; then rebuild from segments alone: deletes stay deleted
+    with tierstore.open(store_path) as s:
+        assert sorted(s.keys()) == sorted([*live, "blob"])
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert sorted(s.keys()) == sorted([*live, "blob"])
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+
+
+def test_tombstones_carried_when_older_segment_survives(store_path):
+    """A delete whose PUT lives in a segment that is not compacted must survive compaction."""
+    with tierstore.open(store_path, segment_bytes="16KiB") as s:
+        s.put("old", Blob(b"o" * 9000))  # fills segment 1: no dead bytes, never a victim
+        for i in range(5):
+            s.put("churn", Blob(bytes([i]) * 9000))  # segments with garbage
+        s.delete("old")  # tombstone in a later segment
+        s.put("churn", Blob(b"final" * 1000))
+        s.compact(min_dead_ratio=0.5)
+        assert not s.contains("old")
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert not s.contains("old") and s.get("churn").data == b"final" * 1000
+
+
+def test_compact_then_write_then_compact(store_path):
+    with tierstore.open(store_path, segment_bytes="64KiB", durability="group") as s:
+        for round_ in range(4):
+            for i in range(50):
+                s.put(f"k{i}", Blob(bytes([round_]) * (100 + i * 50)))
+            s.compact()
+        assert all(s.get(f"k{i}").data == bytes([3]) * (100 + i * 50) for i in range(50))
+        n_segments = s.stats()["segments"]
+    assert n_segments <= 4
+    with tierstore.open(store_path) as s:
+        assert len(s.keys()) == 50
+
+
+def test_compaction_of_empty_store_is_a_noop(store_path):
+    with tierstore.open(store_path) as s:
+        result = s.compact()
+        assert result["victims"] == [] and result["copied"] == 0
+        s.put("a", Blob(b"1"))
+        assert s.get("a").data == b"1"

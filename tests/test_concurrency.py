@@ -1,0 +1,171 @@
+"""Threads sharing a handle; processes sharing a path (one writer, many readers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tierstore
+from tierstore import Blob, KVCache
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
+
+
+def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n" + code, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("durability", ["sync", "group", "none"])
+def test_threads_put_get_delete(store_path, durability):
+    errors: list[BaseException] = []
+    with tierstore.open(store_path, durability=durability, segment_bytes="256KiB") as s:
+
+        def worker(t: int) -> None:
+            try:
+                rng = np.random.default_rng(t)
+                for i in range(60):
+                    key = f"t{t}-{i % 7}"
+                    kv = rng.standard_normal((2, 2, 1, 8, 4)).astype(np.float32)
+                    s.put(key, KVCache(kv), meta={"i": i})
+                    got = s.get(key)  # only this thread writes this key
+                    assert np.array_equal(got.data, kv) and s.info(key).meta == {"i": i}
+                    if i % 11 == 0:
+                        assert s.delete(key)
+                        assert not s.contains(key)
+            except BaseException as e:  # collected and re-raised in the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors[0]
+        n = len(s.keys())
+    with tierstore.open(store_path) as s:
+        assert len(s.keys()) == n
+
+
+def test_readers_during_compaction(store_path):
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        for i in range(30):
+            s.put(f"k{i}", Blob(bytes([i]) * 3000))
+
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    for i in range(30):
+                        assert s.get(f"k{i}").data == bytes([i]) * 3000
+            except BaseException as e:
+                errors.append(e)
+
+        th = threading.Thread(target=reader)
+        th.start()
+        for round_ in range(3):
+            for i in range(0, 30, 2):
+                s.put(f"k{i}", Blob(bytes([i]) * 3000))  # make garbage
+            s.compact()
+        stop.set()
+        th.join()
+        assert not errors, errors[0]
+
+
+def test_second_process_sees_committed_put(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("before", Blob(b"1"))
+        s.flush()
+        s.put("after", Blob(b"2"))
+        s.flush()
+        out = run_py("import tierstore\n"
+                     "with tierstore.open(sys.argv[1], readonly=True) as r:\n"
+                     "    print(r.get('before').data.decode(), r.get('after').data.decode())", store_path)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", "2"]
+        # without flush, the committer publishes a sync-mode put within index_commit_ms
+        s.put("later", Blob(b"3"))
+        time.sleep(0.3)
+        out = run_py("import tierstore\n"
+                     "with tierstore.open(sys.argv[1], readonly=True) as r: print(r.get('later').data.decode())",
+                     store_path)
+        assert out.stdout.strip() == "3", out.stderr
+
+
+def test_reader_process_follows_writer(store_path):
+    """A long-lived read-only handle in another process sees new puts, overwrites and deletes,
+    also after the writer grew the index's memory map."""
+    with tierstore.open(store_path, index_map_size="128KiB") as s:
+        s.put("a", Blob(b"1"))
+        s.flush()
+        reader = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n"
+             "import tierstore\n"
+             "r = tierstore.open(sys.argv[1], readonly=True)\n"
+             "for line in sys.stdin:\n"
+             "    k = line.strip()\n"
+             "    print(r.get(k).data.decode() if r.contains(k) else '-', flush=True)\n",
+             store_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def ask(k: str) -> str:
+            reader.stdin.write(k + "\n")
+            reader.stdin.flush()
+            return reader.stdout.readline().strip()
+
+        assert ask("a") == "1"
+        s.put("a", Blob(b"2"))
+        s.put("b", Blob(b"3"))
+        s.flush()
+        assert ask("a") == "2" and ask("b") == "3"
+        s.delete("a")
+        for i in range(200):  # lots of writes: the index map may grow under the reader
+            s.put(f"bulk{i}", Blob(b"z" * 200), meta={"pad": "x" * 2000})
+        s.flush()
+        assert s._index.env.info()["map_size"] > 128 * 1024
+        assert ask("a") == "-" and ask("bulk199") == "z" * 200
+        reader.stdin.close()
+        assert reader.wait(timeout=30) == 0
+
+
+def test_writers_are_serialised(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("x", Blob(b"1"))
+        out = run_py("import tierstore\n"
+                     "try:\n"
+                     "    tierstore.open(sys.argv[1], lock_timeout=0.2)\n"
+                     "except tierstore.StoreLocked as e:\n"
+                     "    print('locked', e.hint is not None)\n", store_path)
+        assert out.stdout.split() == ["locked", "True"], out.stderr
+        with pytest.raises(tierstore.StoreLocked):  # a second writer in the same process too
+            tierstore.open(store_path, lock_timeout=0.1)
+        with tierstore.open(store_path, readonly=True) as r:  # readers never wait
+            assert r.get("x").data == b"1"
+    # once the first writer closes, a waiting writer proceeds
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {SRC!r})\n"
+                               "import tierstore\n"
+                               "s = tierstore.open(sys.argv[1]); print('open', flush=True); time.sleep(1.0)\n"
+                               "s.put('y', tierstore.Blob(b'2')); s.close()", store_path],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "open"
+    t0 = time.monotonic()
+    with tierstore.open(store_path, lock_timeout=30) as s:
+        waited = time.monotonic() - t0
+        assert s.get("y").data == b"2"
+    assert waited > 0.3
+    assert holder.wait(timeout=30) == 0
+
+
+def test_writer_in_other_process_killed_releases_lock(store_path):
+    out = run_py("import tierstore, os\n"
+                 "s = tierstore.open(sys.argv[1]); s.put('k', tierstore.Blob(b'v'))\n"
+                 "os.kill(os.getpid(), 9)", store_path)
+    assert out.returncode == -9
+    with tierstore.open(store_path, lock_timeout=1) as s:
+        assert s.get("k").data == b"v"

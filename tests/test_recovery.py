@@ -1,0 +1,268 @@
+"""Torn tails, lost and stale indexes, corrupt extents, sealed-segment damage, rollover."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import tierstore
+from tierstore import Blob, KVCache
+from tierstore import format as fmt
+from tierstore import recovery
+from tierstore import segment as seglib
+from tierstore.fileio import DEFAULT_IO
+
+from .conftest import segment_files
+
+
+def crash(store: tierstore.Store) -> None:
+    """Abandon a handle like a killed process would: no flush, no index commit."""
+    store._closed = True
+    store._teardown()
+
+
+def lagging_store(path, n=5, **kw):
+    """A store whose log holds n puts that the index never saw."""
+    s = tierstore.open(path, index_commit_ms=1e9, index_batch=10**9, **kw)
+    for i in range(n):
+        s.put(f"k{i}", Blob(f"v{i}".encode() * 100))
+    crash(s)
+
+
+def test_replay_after_crash(store_path):
+    lagging_store(store_path)
+    with tierstore.open(store_path) as s:
+        assert s.stats()["recovery"]["replayed_records"] == 5
+        assert [s.get(f"k{i}").data for i in range(5)] == [f"v{i}".encode() * 100 for i in range(5)]
+    with tierstore.open(store_path) as s:
+        assert s.stats()["recovery"]["replayed_records"] == 0
+
+
+def test_readonly_open_sees_unapplied_tail(store_path):
+    lagging_store(store_path)
+    with tierstore.open(store_path, readonly=True) as r:
+        assert sorted(r.keys()) == [f"k{i}" for i in range(5)] and r.get("k3").data == b"v3" * 100
+
+
+def record_offsets(path):
+    """(offset, end) of every record in the single segment of a store."""
+    (seg,) = segment_files(path)
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        sc = seglib.SegmentScanner(DEFAULT_IO, fd, 1, path=seg, verify_payload=True)
+        return [(off, off + h.record_len) for off, h in sc.records()], seg
+    finally:
+        os.close(fd)
+
+
+def test_torn_tail_at_every_boundary(tmp_path):
+    base = str(tmp_path / "base")
+    lagging_store(base, n=3)
+    recs, seg = record_offsets(base)
+    assert len(recs) == 3
+    last_start, last_end = recs[-1]
+    cuts = sorted({last_start - 1, last_start, last_start + 1, last_start + 47, last_start + 48, last_start + 100,
+                   last_end - 1, last_end, last_end + 1})
+    for cut in cuts:
+        work = str(tmp_path / f"cut{cut}")
+        shutil.copytree(base, work)
+        with open(os.path.join(work, "segments", os.path.basename(seg)), "r+b") as f:
+            f.truncate(cut)
+        with tierstore.open(work) as s:
+            assert s.get("k0").data == b"v0" * 100 and s.get("k1").data == b"v1" * 100
+            if cut >= last_end:
+                assert s.get("k2").data == b"v2" * 100
+            else:
+                assert not s.contains("k2"), cut
+            s.put("after", Blob(b"new"))
+        with tierstore.open(work) as s:  # appending after the cut left a valid log
+            assert s.get("after").data == b"new"
+            rep = recovery.check_store(DEFAULT_IO, work, s._index, deep=True)
+            assert rep.ok, rep.as_dict()
+
+
+def test_garbage_tail_is_torn_not_corrupt(store_path):
+    lagging_store(store_path, n=2)
+    (seg,) = segment_files(store_path)
+    with open(seg, "ab") as f:
+        f.write(os.urandom(5000))
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["k0", "k1"]
+        assert s.stats()["recovery"]["damage"][0]["quarantined_to"] is None
+
+
+def test_invalid_then_valid_in_tail_is_quarantined(store_path):
+    lagging_store(store_path, n=3)
+    recs, seg = record_offsets(store_path)
+    with open(seg, "r+b") as f:  # damage the middle record's header: the last one is still valid
+        f.seek(recs[1][0] + 20)
+        f.write(b"\xff\xff")
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["k0"]
+        dmg = s.stats()["recovery"]["damage"][0]
+        assert dmg["quarantined_to"] and os.path.exists(dmg["quarantined_to"])
+        assert os.path.getsize(dmg["quarantined_to"]) == dmg["bytes_dropped"]
+        s.put("k9", Blob(b"z"))
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["k0", "k9"]
+
+
+def test_index_missing_is_rebuilt(store_path, real_kv):
+    with tierstore.open(store_path, segment_bytes="256KiB") as s:
+        for i in range(6):
+            s.put(f"kv{i}", KVCache(real_kv[:, :, :, :16]))
+        s.put("gone", Blob(b"x"))
+        s.delete("gone")
+        s.put("kv0", Blob(b"overwritten"))
+    assert len(segment_files(store_path)) > 1
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert s.recovery["rebuilt_index"] == "index missing"
+        assert sorted(s.keys()) == [f"kv{i}" for i in range(6)]
+        assert s.get("kv0").data == b"overwritten"
+        assert np.array_equal(s.get("kv5").data, real_kv[:, :, :, :16])
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+
+
+def test_readonly_open_without_index_refuses(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("a", Blob(b"1"))
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with pytest.raises(tierstore.CorruptionError):
+        tierstore.open(store_path, readonly=True)
+
+
+def test_index_ahead_of_log_is_rebuilt(tmp_path):
+    """An index that names records the log lost (e.g. durability='none' and power loss)."""
+    a = str(tmp_path / "a")
+    with tierstore.open(a) as s:
+        s.put("x", Blob(b"1"))
+    snapshot = str(tmp_path / "snap")
+    shutil.copytree(a, snapshot)
+    with tierstore.open(a) as s:
+        s.put("y", Blob(b"2"))
+    # the new index with the old log: the index's applied record does not exist
+    shutil.rmtree(os.path.join(snapshot, "index"))
+    shutil.copytree(os.path.join(a, "index"), os.path.join(snapshot, "index"))
+    with tierstore.open(snapshot) as s:
+        assert "rebuilt_index" in s.recovery
+        assert s.keys() == ["x"]
+
+
+def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache(real_kv))
+        s.put("ok", Blob(b"fine"))
+        info = s.info("c")
+    (seg,) = segment_files(store_path)
+    layer = real_kv[0].nbytes
+    with open(seg, "r+b") as f:  # flip a byte inside layer 2
+        pos = info.offset + 4096 * ((info.stored_bytes - 6 * layer) // 4096) + 2 * layer + 100
+        pos = info.offset + (info.stored_bytes - 6 * layer) + 2 * layer + 100
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+    with tierstore.open(store_path) as s:
+        assert s.get("ok").data == b"fine"
+        assert np.array_equal(s.get("c", layers=range(0, 2)).data, real_kv[:2])  # other layers still read
+        with pytest.raises(tierstore.CorruptionError) as ei:
+            s.get("c")
+        assert ei.value.segment == 1 and ei.value.offset == info.offset and ei.value.key == "c"
+        with pytest.raises(tierstore.CorruptionError):
+            s.get("c", layers=2)
+        report = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True)
+        assert not report.ok and "extent 2 checksum mismatch" in report.findings[0].what
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=False).ok  # shallow: headers only
+
+
+def test_sealed_segment_damage_needs_recover(store_path):
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        for i in range(40):
+            s.put(f"k{i:02d}", Blob(bytes([i]) * 5000))
+    segs = segment_files(store_path)
+    assert len(segs) >= 3
+    with open(segs[0], "r+b") as f:  # damage a record header in the first, sealed segment
+        f.seek(4096 + 30)
+        f.write(b"\x00\x01\x02")
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with pytest.raises(tierstore.CorruptionError) as ei:
+        tierstore.open(store_path)
+    assert "recover" in str(ei.value)
+    scan = recovery.rebuild_index(DEFAULT_IO, store_path, repair=True)
+    assert scan.damage and scan.damage[0].quarantined_to
+    with tierstore.open(store_path) as s:
+        keys = s.keys()
+        assert "k00" not in keys and len(keys) == 39
+        for k in keys:
+            i = int(k[1:])
+            assert s.get(k).data == bytes([i]) * 5000
+
+
+def test_rollover_many_segments(store_path):
+    with tierstore.open(store_path, segment_bytes="32KiB", durability="group") as s:
+        for i in range(200):
+            s.put(f"k{i}", Blob(os.urandom(1000) if i % 2 else bytes([i % 256]) * 3000))
+        s.flush()
+        n_segs = s.stats()["segments"]
+    assert n_segs > 10
+    with tierstore.open(store_path) as s:
+        assert len(s.keys()) == 200
+        assert s.get("k100").data == bytes([100]) * 3000
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+
+
+def test_foreign_segment_is_rejected(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for p in (a, b):
+        with tierstore.open(p) as s:
+            s.put("x", Blob(p.encode()))
+    shutil.copy(segment_files(b)[0], os.path.join(a, "segments", seglib.segment_name(2)))
+    with pytest.raises(tierstore.CorruptionError):
+        with tierstore.open(a) as s:
+            pass
+
+
+def test_newer_major_version_refused(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("x", Blob(b"1"))
+    (seg,) = segment_files(store_path)
+    with open(seg, "r+b") as f:
+        f.seek(8)
+        f.write((2).to_bytes(2, "little"))
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with pytest.raises(tierstore.FormatVersionError):
+        tierstore.open(store_path)
+
+
+def test_newer_minor_version_opens_read_only(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("x", Blob(b"1"))
+    (seg,) = segment_files(store_path)
+    with open(seg, "r+b") as f:
+        hdr = bytearray(f.read(fmt.SEGMENT_HEADER_SIZE))
+        hdr[10:12] = (fmt.FORMAT_MINOR + 1).to_bytes(2, "little")
+        hdr[112:116] = seglib.rec.crc32c(bytes(hdr[:112])).to_bytes(4, "little")
+        f.seek(0)
+        f.write(hdr)
+    with pytest.raises(tierstore.ReadOnlyError):
+        tierstore.open(store_path)
+    with tierstore.open(store_path, readonly=True) as r:
+        assert r.get("x").data == b"1"
+
+
+def test_unsynced_new_segment_header_is_dropped(store_path):
+    """A crash after creating a segment file but before its header was durable."""
+    with tierstore.open(store_path) as s:
+        s.put("x", Blob(b"1"))
+    with open(os.path.join(store_path, "segments", seglib.segment_name(2)), "wb") as f:
+        f.write(b"\0" * 100)
+    with tierstore.open(store_path) as s:
+        assert s.get("x").data == b"1"
+        s.put("y", Blob(b"2"))
+        assert s.recovery["removed_segments"] == [2]
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["x", "y"]

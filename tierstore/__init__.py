@@ -1,0 +1,44 @@
+"""tierstore: an embedded storage engine for the long-term memory of LLM systems.
+
+Typed objects (KV-cache chunks, vector shards, blobs) in one versioned, checksummed block
+format, with a segment log as write-ahead log and an LMDB index.  See README.md, SPEC.md and
+docs/guide.md.
+
+    import tierstore
+    with tierstore.open("/data/kv") as store:
+        store.put(b"chunk-hash", tierstore.KVCache(kv), namespace="llama3-8b")
+        kv4 = store.get(b"chunk-hash", namespace="llama3-8b", layers=range(0, 4))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import (CorruptionError, FormatVersionError, InvalidObject, NotFound, ReadOnlyError, StoreClosed,
+                     StoreFull, StoreIOError, StoreLocked, StoreNotFound, TierstoreError)
+from .objects import Blob, KVCache, ObjectInfo, Vectors
+from .store import Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "Store", "KVCache", "Vectors", "Blob", "ObjectInfo",
+    "TierstoreError", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
+    "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
+]
+
+
+def open(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False, durability: str = "sync",
+         **options: Any) -> Store:
+    """Open (or create) the store at ``path``.
+
+    ``durability``: "sync" (a put returns once it survives power loss: one fdatasync),
+    "group" (puts are made durable together by ``flush()`` or within ``group_commit_ms``),
+    "none" (no fsync; survives a process crash, not power loss).  ``readonly=True`` opens
+    without taking the writer lock; any number of read-only handles may coexist with one
+    writer.  ``options``: see ``tierstore.store.Options`` (segment_bytes, group_commit_ms,
+    group_commit_bytes, index_commit_ms, index_batch, lock_timeout, vector_extent_bytes,
+    index_map_size).
+    """
+    return Store(path, create=create, readonly=readonly, durability=durability, **options)

@@ -1,0 +1,163 @@
+"""Arrays in and out: dtype ids, zero-copy byte views of numpy arrays / torch tensors, and
+wrapping bytes read from disk back into arrays of the caller's framework.
+
+This module owns the mapping between the format's dtype ids (SPEC.md §5.2) and numpy/torch
+dtypes.  It never copies an array that is already C-contiguous on the CPU, and it never
+imports torch unless torch is installed (torch is an optional extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from .errors import InvalidObject
+
+FRAMEWORK_NUMPY = "numpy"
+FRAMEWORK_TORCH = "torch"
+
+_torch: Any = None
+_ml_dtypes: Any = None
+
+
+def torch_module() -> Any:
+    """Return the torch module, or None when torch is not installed."""
+    global _torch
+    if _torch is None:
+        if importlib.util.find_spec("torch") is None:
+            _torch = False
+        else:
+            _torch = importlib.import_module("torch")
+    return _torch or None
+
+
+def _ml_dtypes_module() -> Any:
+    global _ml_dtypes
+    if _ml_dtypes is None:
+        if importlib.util.find_spec("ml_dtypes") is None:
+            _ml_dtypes = False
+        else:
+            _ml_dtypes = importlib.import_module("ml_dtypes")
+    return _ml_dtypes or None
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = torch_module() if type(x).__module__.startswith("torch") else None
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+_TORCH_NAMES = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float64": "float64",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+}
+_NUMPY_NATIVE = {"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"}
+
+
+def dtype_name(x: Any) -> str:
+    """The format dtype name of a numpy array or torch tensor; InvalidObject if unsupported."""
+    if is_torch_tensor(x):
+        name = str(x.dtype).removeprefix("torch.")
+    elif isinstance(x, np.ndarray):
+        name = x.dtype.name
+        if x.dtype.byteorder == ">":
+            raise InvalidObject(f"big-endian arrays are not supported (dtype {x.dtype}); use .astype('<...')")
+    else:
+        raise InvalidObject(f"expected a numpy array or torch tensor, got {type(x).__name__}")
+    if name not in fmt.DTYPE_IDS:
+        raise InvalidObject(f"unsupported dtype {name}; supported: {', '.join(sorted(fmt.DTYPE_IDS))}")
+    return name
+
+
+def framework_of(x: Any) -> str:
+    return FRAMEWORK_TORCH if is_torch_tensor(x) else FRAMEWORK_NUMPY
+
+
+def as_bytes_view(x: Any) -> np.ndarray:
+    """A C-contiguous CPU numpy view of the array's bytes, shaped like the array.
+
+    Zero-copy for C-contiguous CPU arrays; a non-contiguous array is made contiguous (one
+    copy) and a GPU tensor is copied to the host once.  The returned array's dtype is the
+    storage dtype of SPEC.md §5.2 (bfloat16 and fp8 are viewed as unsigned integers).
+    """
+    name = dtype_name(x)
+    storage = np.dtype(fmt.DTYPES[fmt.DTYPE_IDS[name]][2])
+    if is_torch_tensor(x):
+        torch = torch_module()
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if name in _NUMPY_NATIVE:
+            return t.numpy()
+        view_as = torch.int16 if storage.itemsize == 2 else torch.uint8
+        return t.view(view_as).numpy().view(storage)
+    arr = np.ascontiguousarray(x)
+    return arr.view(storage) if arr.dtype != storage else arr
+
+
+def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, device: str | None) -> Any:
+    """Wrap a uint8 numpy buffer holding C-order data as an array of ``framework``.
+
+    ``device`` (e.g. "cpu", "cuda:0") forces a torch tensor on that device.  Without torch,
+    data stored from torch comes back as numpy when numpy can represent the dtype.
+    """
+    storage = np.dtype(fmt.DTYPES[fmt.DTYPE_IDS[name]][2])
+    flat = buf.view(storage)
+    torch = torch_module() if device is not None or framework == FRAMEWORK_TORCH else None
+    if device is not None or (framework == FRAMEWORK_TORCH and torch is not None):
+        if torch is None:
+            raise InvalidObject(
+                f"device={device!r} needs torch", hint="pip install 'tierstore[torch]'"
+            )
+        t = torch.from_numpy(flat)
+        if name not in _NUMPY_NATIVE:
+            t = t.view(getattr(torch, _TORCH_NAMES[name]))
+        t = t.reshape(shape)
+        if device is not None and device != "cpu":
+            try:
+                dev = torch.device(device)
+            except RuntimeError as e:
+                raise InvalidObject(f"bad device {device!r}: {e}") from None
+            if dev.type != "cpu":
+                t = t.to(dev, non_blocking=False)
+        return t
+    if name in _NUMPY_NATIVE:
+        return flat.reshape(shape)
+    ml = _ml_dtypes_module()
+    if ml is None:
+        raise InvalidObject(
+            f"{name} data needs torch or ml_dtypes to be returned as an array",
+            hint="pip install 'tierstore[torch]' or ml_dtypes, or pass device='cpu'",
+        )
+    return flat.view(getattr(ml, name)).reshape(shape)
+
+
+def validate_device(device: str | None) -> None:
+    """Reject a device string that is not "cpu" or a torch device name, before any I/O."""
+    if device is None:
+        return
+    if not isinstance(device, str):
+        raise InvalidObject(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+    torch = torch_module()
+    if torch is None:
+        raise InvalidObject(f"device={device!r} needs torch", hint="pip install 'tierstore[torch]'")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidObject(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidObject(f"device {device!r} requested but CUDA is not available")

@@ -1,0 +1,215 @@
+"""Typed objects <-> blocks: which bytes go in which extent (SPEC.md §5.3), and back.
+
+``encode_block`` turns a KVCache / Vectors / Blob into metadata plus zero-copy views of its
+extents: one extent per KV layer, one per row range of vectors (and of their ids), one per
+blob.  ``read_object`` plans which extents a (partial) get needs, has the caller's reader
+fill preallocated buffers, and wraps them as arrays without copying.
+
+This module does no I/O: reading is delegated to an ``ExtentReader``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from . import arrays
+from . import format as fmt
+from . import record as rec
+from .errors import InvalidObject
+from .objects import Blob, KVCache, Vectors
+
+
+@dataclass(frozen=True)
+class Block:
+    kind: int
+    meta: dict[str, Any]
+    extents: tuple[memoryview, ...]
+    align_log2: int
+    logical_bytes: int
+    keepalive: Any  # the arrays the extent views point into
+
+
+def _mv(a: np.ndarray) -> memoryview:
+    return memoryview(a).cast("B") if a.ndim else memoryview(a.reshape(1)).cast("B")
+
+
+def encode_block(obj: Any, user_meta: dict[str, Any], *, vector_extent_bytes: int) -> Block:
+    """Describe ``obj`` as metadata and extent views (no copy of C-contiguous CPU data)."""
+    meta: dict[str, Any] = {}
+    if isinstance(obj, KVCache):
+        arr = arrays.as_bytes_view(obj.data)
+        name = arrays.dtype_name(obj.data)
+        meta = {"dtype": fmt.DTYPE_IDS[name], "shape": list(arr.shape), "layer_start": obj.layer_start,
+                "fw": arrays.framework_of(obj.data)}
+        extents = tuple(_mv(arr[i]) for i in range(arr.shape[0]))
+        kind, align, keep, logical = fmt.KIND_KV, fmt.ALIGN_PAGE_LOG2, arr, arr.nbytes
+    elif isinstance(obj, Vectors):
+        arr = arrays.as_bytes_view(obj.data)
+        name = arrays.dtype_name(obj.data)
+        n, dim = arr.shape
+        rpe = max(1, vector_extent_bytes // max(1, dim * arr.itemsize))
+        meta = {"dtype": fmt.DTYPE_IDS[name], "shape": [n, dim], "metric": obj.metric, "rows_per_extent": rpe,
+                "ids": obj.ids is not None, "fw": arrays.framework_of(obj.data)}
+        exts = [_mv(arr[i : i + rpe]) for i in range(0, n, rpe)]
+        keep: Any = arr
+        logical = arr.nbytes
+        if obj.ids is not None:
+            ids = arrays.as_bytes_view(obj.ids)
+            exts += [_mv(ids[i : i + rpe]) for i in range(0, n, rpe)]
+            keep = (arr, ids)
+            logical += ids.nbytes
+        extents = tuple(exts)
+        kind, align = fmt.KIND_VECTORS, fmt.ALIGN_PAGE_LOG2
+    elif isinstance(obj, Blob):
+        view = memoryview(obj.data).cast("B")
+        meta = {"size": view.nbytes, "media_type": obj.media_type}
+        extents = (view,)
+        kind, keep, logical = fmt.KIND_BLOB, obj.data, view.nbytes
+        align = fmt.ALIGN_INLINE_LOG2 if view.nbytes < fmt.INLINE_BLOB_MAX else fmt.ALIGN_PAGE_LOG2
+    else:
+        raise InvalidObject(f"expected a KVCache, Vectors or Blob, got {type(obj).__name__}",
+                            hint="wrap arrays as tierstore.KVCache(kv) / tierstore.Vectors(emb) / tierstore.Blob(b)")
+    if user_meta:
+        meta["meta"] = user_meta
+    return Block(kind, meta, extents, align, logical, keep)
+
+
+def aligned_empty(nbytes: int, align: int = fmt.PAGE) -> np.ndarray:
+    """An uninitialised uint8 buffer whose address is a multiple of ``align`` (for O_DIRECT/GDS)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes]
+
+
+class ExtentReader(Protocol):
+    def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each destination with extent ``index``'s bytes, checksums verified."""
+
+    def read_bytes(self, index: int) -> bytes:
+        """One extent as bytes, checksum verified."""
+
+
+def _dtype_name(meta: dict[str, Any]) -> str:
+    return fmt.DTYPES[meta["dtype"]][0]
+
+
+def _select_layers(layers: Any, start: int, count: int) -> list[int]:
+    """Absolute layer ids -> positions in the stored chunk; a contiguous ascending run."""
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        sel = [int(layers)]
+    elif isinstance(layers, slice):
+        sel = list(range(start + count))[layers]
+    else:
+        try:
+            sel = [int(x) for x in layers]
+        except (TypeError, ValueError):
+            raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, got {layers!r}") from None
+    if not sel:
+        raise InvalidObject("layers selects no layer")
+    bad = [x for x in sel if not start <= x < start + count]
+    if bad:
+        raise InvalidObject(f"layers {bad} outside the stored layers [{start}, {start + count})")
+    if any(b != a + 1 for a, b in zip(sel, sel[1:])):
+        raise InvalidObject(f"layers must be a contiguous ascending run, got {sel}",
+                            hint="call get() once per run of layers")
+    return [x - start for x in sel]
+
+
+def _select_rows(rows: Any, n: int) -> np.ndarray:
+    if isinstance(rows, slice):
+        return np.arange(n, dtype=np.int64)[rows]
+    if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
+        rows = [rows]
+    try:
+        arr = np.asarray(rows)
+    except (TypeError, ValueError):
+        raise InvalidObject(f"rows must be a slice or a sequence of ints, got {rows!r}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidObject(f"rows must be a slice or a 1-d sequence of ints, got {rows!r}")
+    arr = arr.astype(np.int64)
+    arr = np.where(arr < 0, arr + n, arr)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise InvalidObject(f"rows out of range for {n} vectors")
+    return arr
+
+
+def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
+                device: str | None = None) -> Any:
+    """Read the object described by ``hdr`` (or the selected layers / rows of it)."""
+    meta = hdr.meta
+    if hdr.kind == fmt.KIND_KV:
+        if rows is not None:
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+        count = meta["shape"][0]
+        idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
+        lb = hdr.extent_lengths[0]
+        out = aligned_empty(lb * len(idx))
+        reader.read_into([(i, memoryview(out[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
+        shape = (len(idx), *meta["shape"][1:])
+        data = arrays.wrap(out, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
+        return KVCache(data, layer_start=meta["layer_start"] + idx[0])
+    if hdr.kind == fmt.KIND_VECTORS:
+        if layers is not None:
+            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+        return _read_vectors(hdr, reader, rows, device)
+    if hdr.kind == fmt.KIND_BLOB:
+        if layers is not None or rows is not None:
+            raise InvalidObject("layers= and rows= do not apply to a Blob")
+        if device is not None:
+            raise InvalidObject("device= does not apply to a Blob")
+        return Blob(reader.read_bytes(0), media_type=meta["media_type"])
+    raise InvalidObject(f"unknown object kind {hdr.kind}")
+
+
+def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device: str | None) -> Vectors:
+    meta = hdr.meta
+    n, dim = meta["shape"]
+    rpe, has_ids = meta["rows_per_extent"], meta["ids"]
+    name, fw = _dtype_name(meta), meta.get("fw", "numpy")
+    row_bytes = dim * fmt.DTYPES[meta["dtype"]][1]
+    n_ext = -(-n // rpe)
+    if rows is None:
+        data = aligned_empty(n * row_bytes)
+        ids = np.empty(n, dtype="<i8") if has_ids else None
+        wanted = [(e, memoryview(data[e * rpe * row_bytes : min(n, (e + 1) * rpe) * row_bytes])) for e in range(n_ext)]
+        if ids is not None:
+            idv = ids.view(np.uint8)
+            wanted += [(n_ext + e, memoryview(idv[e * rpe * 8 : min(n, (e + 1) * rpe) * 8])) for e in range(n_ext)]
+        reader.read_into(wanted)
+        out = arrays.wrap(data, name, (n, dim), fw, device)
+        return Vectors(out, ids=None if ids is None else _ids_like(ids, fw, device), metric=meta["metric"])
+    sel = _select_rows(rows, n)
+    exts = np.unique(sel // rpe)
+    pos = {int(e): i for i, e in enumerate(exts)}
+    # every needed extent is read whole (checksums cover whole extents); rows gathered after
+    buf = np.empty((len(exts), rpe * row_bytes), dtype=np.uint8)
+    idbuf = np.empty((len(exts), rpe), dtype="<i8") if has_ids else None
+    wanted = []
+    for e, i in pos.items():
+        rows_in = min(n, (e + 1) * rpe) - e * rpe
+        wanted.append((e, memoryview(buf[i, : rows_in * row_bytes])))
+        if idbuf is not None:
+            wanted.append((n_ext + e, memoryview(idbuf[i].view(np.uint8)[: rows_in * 8])))
+    wanted.sort(key=lambda w: w[0])
+    reader.read_into(wanted)
+    flat_rows = np.array([pos[int(e)] for e in sel // rpe], dtype=np.int64) * rpe + sel % rpe
+    gathered = np.ascontiguousarray(buf.reshape(len(exts) * rpe, row_bytes)[flat_rows]).reshape(-1)
+    out = arrays.wrap(gathered, name, (len(sel), dim), fw, device)
+    ids_out = None
+    if idbuf is not None:
+        ids_out = _ids_like(np.ascontiguousarray(idbuf.reshape(-1)[flat_rows]), fw, device)
+    return Vectors(out, ids=ids_out, metric=meta["metric"]) if len(sel) else _empty_vectors(out, ids_out, meta)
+
+
+def _empty_vectors(out: Any, ids: Any, meta: dict[str, Any]) -> Vectors:
+    # A selection of zero rows is a valid answer but not a storable object: build it directly.
+    v = Vectors.__new__(Vectors)
+    v.data, v.ids, v.metric = out, ids, meta["metric"]
+    return v
+
+
+def _ids_like(ids: np.ndarray, fw: str, device: str | None) -> Any:
+    return arrays.wrap(ids.view(np.uint8), "int64", (ids.shape[0],), fw, device)

@@ -1,0 +1,113 @@
+"""Compaction: reclaim the space of overwritten and deleted objects (SPEC.md §7.5).
+
+Steps, each crash-safe:
+
+1. Flush, so the index reflects the whole log, and roll the log over to a fresh segment:
+   every victim is then sealed.
+2. Victims: sealed segments whose dead fraction is at least ``min_dead_ratio``.
+3. For each record of each victim, under the store's write lock: a PUT that is still the
+   key's live version is copied to the log head (header restamped with a new LSN, payload
+   copied byte for byte with its checksums); a DELETE is carried forward only if an older,
+   surviving segment may still hold a PUT of that key.  Everything else is dropped.
+4. Sync the log and apply the copies to the index in one durable transaction.  A crash
+   before this point leaves duplicates with newer LSNs: replay makes them the live copies.
+5. Mark the victims dead in the index (durable), then unlink them.  A crash in between
+   leaves dead segments that the next open unlinks.
+
+This module never rewrites a record in place and never deletes a segment the index uses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import format as fmt
+from . import record as rec
+from . import segment as seglib
+from .fileio import write_all
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    io = store._io
+    index = store._index
+    assert index is not None
+    store._commit(force=True, sync=True)
+    with store._write_lock:
+        with log.append_lock:
+            if log.tail > fmt.SEGMENT_HEADER_SIZE:
+                log._rollover()
+        active = log.active
+    stats = index.segment_stats()
+    victims = []
+    for seg in seglib.list_segments(io, store._seg_dir):
+        if seg >= active:
+            continue
+        size = os.path.getsize(store._files.path(seg)) - fmt.SEGMENT_HEADER_SIZE
+        live = stats.get(seg, (0, 0))[0]
+        dead = max(0, size - live)
+        if size == 0 or dead > 0 and dead / size >= min_dead_ratio:
+            victims.append(seg)
+    all_segs = seglib.list_segments(io, store._seg_dir)
+    copied = carried = dropped = 0
+    bytes_before = sum(os.path.getsize(store._files.path(s)) for s in victims)
+    moved: list[tuple[bytes, bytes]] = []
+    for seg in victims:
+        older_survivor = any(s < seg and s not in victims for s in all_segs)
+        path = store._files.path(seg)
+        with store._segment_fd(seg) as fd:
+            scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
+            for off, hdr in scanner.records():
+                with store._write_lock:
+                    cur = store._lookup(hdr.namespace, hdr.key)
+                    if hdr.type == fmt.REC_PUT:
+                        if cur is None or (cur.segment, cur.offset) != (seg, off):
+                            dropped += 1
+                            continue
+                        _copy_record(log, store, fd, off, hdr)
+                        moved.append((hdr.namespace, hdr.key))
+                        copied += 1
+                    elif hdr.type == fmt.REC_DELETE:
+                        if cur is not None or not older_survivor:
+                            dropped += 1
+                            continue
+                        log.append(rec.EncodedRecord(hdr.raw, (), (), hdr.record_len, hdr.align_log2, 0),
+                                   store._on_written)
+                        carried += 1
+            if scanner.stop is not None and scanner.stop.reason != "end":
+                # never drop a segment we could not read to its end
+                from .errors import CorruptionError
+                raise CorruptionError(f"cannot compact a damaged segment ({scanner.stop.detail})", path=path,
+                                      segment=seg, offset=scanner.stop.offset)
+    store._commit(force=True, sync=True)
+    for ns, key in moved:  # the index must no longer point into a victim
+        loc = store._lookup(ns, key)
+        if loc is not None and loc.segment in victims:
+            raise AssertionError(f"compaction left {key!r} in victim segment {loc.segment}")
+    if victims:
+        applied = index.applied()
+        index.relocate([], victims, applied, {})
+        for seg in victims:
+            io.unlink(store._files.path(seg))
+            store._files.retire(seg)
+        io.fsync_dir(store._seg_dir)
+        index.forget_segments(victims)
+    return {"victims": victims, "copied": copied, "carried_deletes": carried, "dropped": dropped,
+            "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
+
+
+def _copy_record(log: seglib.Log, store: "Store", src_fd: int, off: int, hdr: rec.RecordHeader) -> None:
+    """Append a byte-for-byte copy of a PUT record (new LSN) through the log."""
+    io = store._io
+    body_len = hdr.record_len - hdr.header_len
+    body = io.pread(src_fd, body_len, off + hdr.header_len) if body_len else b""
+    if len(body) != body_len:
+        from .errors import CorruptionError
+        raise CorruptionError("record extends past the end of its segment", segment=hdr.lsn, offset=off)
+    record = rec.EncodedRecord(hdr.raw, (memoryview(body),), (hdr.header_len,), hdr.record_len, hdr.align_log2, 0)
+    log.append(record, store._on_written)

@@ -1,0 +1,130 @@
+"""The exception tree, and nothing else.
+
+Every error tierstore raises on purpose is a ``TierstoreError``.  Errors carry attributes
+(``path``, ``offset``, ``key``, ``namespace``, ``segment``) instead of facts buried in the
+message, and a ``hint`` that says how to fix the problem.  Failure is never reported by
+returning ``None`` or ``False``.
+
+    TierstoreError
+    ├── NotFound            (also KeyError)       no such key in the namespace
+    ├── StoreNotFound       (also FileNotFoundError) no store at the path and create=False
+    ├── CorruptionError                           bad magic / checksum / length / bounds
+    ├── FormatVersionError                        written by a newer, incompatible format
+    ├── ReadOnlyError                             write on a read-only handle or file
+    ├── InvalidObject       (also ValueError)     bad shape, dtype, key, option or argument
+    ├── StoreFull                                 no space (ENOSPC) or a tier is full
+    ├── StoreLocked                               another writer holds the store
+    ├── StoreClosed                               the handle was closed
+    └── StoreIOError        (also OSError)        an I/O call failed; see ``poisoned``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TierstoreError(Exception):
+    """Root of every error tierstore raises on purpose."""
+
+    hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None, **attrs: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if hint is not None:
+            self.hint = hint
+        self.path = attrs.pop("path", None)
+        self.offset = attrs.pop("offset", None)
+        self.key = attrs.pop("key", None)
+        self.namespace = attrs.pop("namespace", None)
+        self.segment = attrs.pop("segment", None)
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"path={self.path}")
+        if self.segment is not None:
+            where.append(f"segment={self.segment}")
+        if self.offset is not None:
+            where.append(f"offset={self.offset}")
+        if self.namespace is not None:
+            where.append(f"namespace={self.namespace!r}")
+        if self.key is not None:
+            where.append(f"key={self.key!r}")
+        text = self.message
+        if where:
+            text += " [" + ", ".join(where) + "]"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return text
+
+
+class NotFound(TierstoreError, KeyError):
+    """The key does not exist in the namespace (also a ``KeyError``)."""
+
+
+class StoreNotFound(TierstoreError, FileNotFoundError):
+    """No store exists at the path and ``create=False`` was given."""
+
+    hint = "pass create=True to make a new store"
+
+
+class CorruptionError(TierstoreError):
+    """Stored bytes failed validation: bad magic, checksum, length or bounds.
+
+    Raised instead of ever returning wrong bytes.  ``path``/``segment``/``offset`` say where,
+    ``key``/``namespace`` which object when known, ``reason`` the check that failed.
+    """
+
+    hint = "run `tierstore fsck PATH --deep` to see the damage and `tierstore recover PATH` to repair"
+
+    def __init__(self, message: str, **attrs: Any) -> None:
+        attrs.setdefault("reason", message)
+        super().__init__(message, **attrs)
+
+
+class FormatVersionError(TierstoreError):
+    """The file needs a newer tierstore (major version or incompatible feature bits)."""
+
+    hint = "upgrade tierstore to read this store"
+
+
+class ReadOnlyError(TierstoreError):
+    """A write was attempted on a read-only handle, or on files written by a newer minor version."""
+
+    hint = "open the store with readonly=False (and a tierstore that writes this format version)"
+
+
+class InvalidObject(TierstoreError, ValueError):
+    """Bad input: wrong shape or dtype, empty array, bad key/namespace, unknown option."""
+
+
+class StoreFull(TierstoreError):
+    """No space left: the disk returned ENOSPC, or a capacity limit was reached."""
+
+    hint = "free disk space, delete objects and run compact(), or raise the capacity limit"
+
+
+class StoreLocked(TierstoreError):
+    """Another handle (in this or another process) holds the store's writer lock."""
+
+    hint = "close the other writer, open with readonly=True, or raise lock_timeout="
+
+
+class StoreClosed(TierstoreError):
+    """The store handle was closed."""
+
+    hint = "open the store again with tierstore.open(path)"
+
+
+class StoreIOError(TierstoreError, OSError):
+    """An I/O call failed.  ``errno`` is the OS error number.
+
+    When ``poisoned`` is true the handle refuses further writes: a failed fsync may have
+    dropped dirty pages, so retrying could acknowledge data that is not on disk (see
+    docs/guide.md, "I/O errors").  Reopen the store: recovery restarts from durable state.
+    """
+
+    hint = "reopen the store; recovery restarts from the durable log"

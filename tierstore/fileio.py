@@ -1,0 +1,153 @@
+"""The one I/O layer: every file system call the engine makes goes through a ``FileIO``.
+
+``PosixIO`` is the production implementation (thin wrappers over ``os``).  Tests substitute
+a recording or fault-injecting implementation with the same methods to simulate power loss
+and I/O errors (LMDB does its own I/O inside C and is not routed here).
+
+This module owns short-write/short-read loops and the iovec batching limit; it never
+interprets file contents.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from typing import Sequence
+
+from .errors import StoreFull, StoreIOError
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_MAX_RW = 0x7FFFF000  # Linux transfers at most this many bytes per read/write call
+
+
+class PosixIO:
+    """Production file I/O: direct calls into the OS."""
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags | os.O_CLOEXEC, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pwritev(self, fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> int:
+        return os.pwritev(fd, bufs, offset)
+
+    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+    def pread(self, fd: int, n: int, offset: int) -> bytes:
+        return os.pread(fd, n, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def fadvise(self, fd: int, offset: int, length: int, advice: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, advice)
+
+    def copy_file_range(self, src: int, dst: int, count: int, src_off: int, dst_off: int) -> int:
+        return os.copy_file_range(src, dst, count, src_off, dst_off)
+
+    def flock(self, fd: int, op: int) -> None:
+        fcntl.flock(fd, op)
+
+
+DEFAULT_IO = PosixIO()
+
+
+def io_error(e: OSError, what: str, **attrs: object) -> Exception:
+    """Map an OSError to the tierstore error for it (ENOSPC/EDQUOT -> StoreFull)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFull(f"{what}: {e.strerror}", errno=e.errno, **attrs)
+    return StoreIOError(f"{what}: {e.strerror or e}", errno=e.errno, poisoned=False, **attrs)
+
+
+def _iov_batches(bufs: Sequence[memoryview | bytes]) -> list[list[memoryview]]:
+    """Split buffers into batches of at most IOV_MAX entries and _MAX_RW bytes."""
+    batches: list[list[memoryview]] = [[]]
+    total = 0
+    for b in bufs:
+        m = memoryview(b)
+        while m.nbytes:
+            room = _MAX_RW - total
+            if len(batches[-1]) >= IOV_MAX or room == 0:
+                batches.append([])
+                total, room = 0, _MAX_RW
+            piece = m[:room]
+            batches[-1].append(piece)
+            total += piece.nbytes
+            m = m[piece.nbytes :]
+    return [b for b in batches if b]
+
+
+def write_all(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> int:
+    """Write every buffer at ``offset`` (gathered, retrying short writes); returns bytes written."""
+    written = 0
+    for batch in _iov_batches(bufs):
+        while batch:
+            n = io.pwritev(fd, batch, offset + written)
+            if n <= 0:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
+            written += n
+            while batch and n >= batch[0].nbytes:
+                n -= batch[0].nbytes
+                batch.pop(0)
+            if n:
+                batch[0] = batch[0][n:]
+    return written
+
+
+def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+    """Fill every buffer from ``offset`` (scattered, retrying short reads); returns bytes read.
+
+    Stops early only at end of file; the caller compares the result with what it asked for.
+    """
+    got = 0
+    for batch in _iov_batches(bufs):
+        want = sum(b.nbytes for b in batch)
+        done = 0
+        while batch:
+            n = io.preadv(fd, batch, offset + got)
+            if n == 0:
+                return got
+            got += n
+            done += n
+            while batch and n >= batch[0].nbytes:
+                n -= batch[0].nbytes
+                batch.pop(0)
+            if n:
+                batch[0] = batch[0][n:]
+        assert done == want
+    return got

@@ -1,0 +1,116 @@
+"""Every on-disk constant of tierstore format v1, and nothing else.
+
+This module owns the numbers that are written to disk: magics, version numbers, struct
+layouts, record types, object kinds, dtype ids, codec ids and limits.  Each group cites the
+SPEC.md section that defines it; SPEC.md and this module change in the same commit.
+
+Ids written to disk are permanent: never change a value, never reuse a retired one (list
+retired ids in the RETIRED_* tuples instead).  This module performs no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# --- SPEC.md §2 Conventions --------------------------------------------------------------
+PAGE = 4096  # the alignment unit of the format (O_DIRECT / GDS / power-safe overwrite)
+RECORD_ALIGN = 8  # every record starts at a multiple of 8
+
+# --- SPEC.md §3 Segment header -----------------------------------------------------------
+SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+SEGMENT_HEADER_SIZE = PAGE
+# magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
+# base_lsn, created_ns, creator, header_crc
+SEGMENT_HEADER = struct.Struct("<8sHHIQQQ16sQQQ32sI")
+SEGMENT_HEADER_CRC_OFFSET = SEGMENT_HEADER.size - 4  # crc32c covers bytes [0, this)
+# Feature bits (ext4 semantics).  Unknown incompat bit: refuse to read.  Unknown ro_compat
+# bit: read only.  Unknown compat bit: ignore.  v1 defines none.
+INCOMPAT_KNOWN = 0
+RO_COMPAT_KNOWN = 0
+COMPAT_KNOWN = 0
+SEGMENT_SUFFIX = ".tseg"
+SEGMENT_NAME_DIGITS = 16  # segments/<16 lower-case hex digits>.tseg
+
+# --- SPEC.md §4 Records ------------------------------------------------------------------
+RECORD_MAGIC = b"\xd4TRC"
+# magic, header_crc, type, flags, header_len, lsn, record_len, kind, align_log2, codec,
+# ns_len, reserved, key_len, meta_len, n_extents
+RECORD_HEADER = struct.Struct("<4sIHHIQQBBHBBHII")
+RECORD_HEADER_SIZE = RECORD_HEADER.size  # 48
+EXTENT_ENTRY = struct.Struct("<QII")  # stored_len, crc32c, reserved (must be 0)
+MIN_RECORD_GAP = RECORD_HEADER_SIZE  # no record starts within 48 bytes before a page end
+
+# Record types (u16).  Written to disk; never change.
+REC_PUT = 1
+REC_DELETE = 2
+REC_PAD = 3
+REC_TYPE_IGNORABLE = 0x8000  # an unknown type with this bit set may be skipped
+RETIRED_RECORD_TYPES: tuple[int, ...] = ()
+
+# Record flags (u16).
+FLAG_KEY_STR = 0x0001  # the key was given as a str (UTF-8); listing returns a str
+FLAGS_KNOWN = FLAG_KEY_STR
+
+# Object kinds (u8).  Written to disk; never change.
+KIND_NONE = 0  # DELETE and PAD records
+KIND_KV = 1
+KIND_VECTORS = 2
+KIND_BLOB = 3
+KIND_NAMES = {KIND_KV: "kv", KIND_VECTORS: "vectors", KIND_BLOB: "blob"}
+RETIRED_KINDS: tuple[int, ...] = ()
+
+# Payload alignment (log2) a v1 writer uses; a reader accepts any value in the range.
+ALIGN_INLINE_LOG2 = 3  # small payloads packed after the header
+ALIGN_PAGE_LOG2 = 12  # tensor payloads: 4 KiB aligned extents
+ALIGN_LOG2_MIN = 3
+ALIGN_LOG2_MAX = 21
+INLINE_BLOB_MAX = 4096  # blobs smaller than this are stored with inline alignment
+
+# --- SPEC.md §5 Metadata -----------------------------------------------------------------
+META_MAX_DEPTH = 16  # nesting of the whole metadata map, user metadata included
+USER_META_MAX_DEPTH = 8
+USER_META_MAX_BYTES = 64 * 1024
+
+# dtype ids (unsigned, msgpack int).  Written to disk; never change.
+# id: (name, itemsize in bytes, numpy storage dtype string)
+DTYPES: dict[int, tuple[str, int, str]] = {
+    1: ("float16", 2, "<f2"),
+    2: ("bfloat16", 2, "<u2"),
+    3: ("float32", 4, "<f4"),
+    4: ("float64", 8, "<f8"),
+    5: ("float8_e4m3fn", 1, "u1"),
+    6: ("float8_e5m2", 1, "u1"),
+    7: ("int8", 1, "i1"),
+    8: ("uint8", 1, "u1"),
+    9: ("int16", 2, "<i2"),
+    10: ("int32", 4, "<i4"),
+    11: ("int64", 8, "<i8"),
+}
+DTYPE_IDS = {name: i for i, (name, _, _) in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
+VECTOR_DTYPES = FLOAT_DTYPES | {"int8", "uint8"}
+RETIRED_DTYPES: tuple[int, ...] = ()
+
+METRICS = ("cosine", "l2", "ip")
+
+# --- SPEC.md §6 Codecs -------------------------------------------------------------------
+CODEC_RAW = 0
+CODEC_NAMES = {CODEC_RAW: "raw"}
+RETIRED_CODECS: tuple[int, ...] = ()
+
+# --- SPEC.md §8 Limits -------------------------------------------------------------------
+NAMESPACE_MAX_BYTES = 100
+KEY_MAX_BYTES = 400  # 1 + 100 + 400 = 501 <= LMDB's 511-byte key limit
+META_MAX_BYTES = 1 << 20  # the msgpack metadata block of one record
+HEADER_MAX_BYTES = 2 << 20  # a whole record header (fixed part + key + meta + extents)
+MAX_EXTENTS = 1 << 16
+MAX_RANK = 8
+
+# --- SPEC.md §9 Index --------------------------------------------------------------------
+LMDB_LIB_VERSION = 0  # py-lmdb engine: LMDB 0.9.x, data format v1
+INDEX_DIR = "index"
+SEGMENTS_DIR = "segments"
+QUARANTINE_DIR = "quarantine"
+LOCK_FILE = "LOCK"

@@ -1,0 +1,331 @@
+"""The LMDB index (SPEC.md §9): (namespace, key) -> where the record lives, plus its header.
+
+The index is derived state.  It is applied after the log, in batches, and records the log
+position it has applied (``Applied``), so recovery replays only the tail; segments alone are
+enough to rebuild it (``recovery.rebuild_index``).  This module owns the LMDB environment,
+its schema and its growth (the map doubles on MapFullError); it never reads segments.
+
+One environment per path per process: LMDB forbids opening the same environment twice in a
+process, so handles share it through ``Index.open`` (reference counted).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import lmdb
+
+from . import format as fmt
+from . import record as rec
+from .errors import CorruptionError, FormatVersionError, TierstoreError
+
+_LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
+_APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
+_SEGSTAT = struct.Struct("<QB")  # live bytes, state
+_FORMAT = struct.Struct("<HH")
+
+SEG_LIVE = 0
+SEG_DEAD = 1  # superseded by compaction; its file may be deleted
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The log position the index reflects: every record up to ``lsn`` is applied."""
+
+    segment: int
+    offset: int  # start of the record with LSN ``lsn`` (0 when nothing is applied)
+    lsn: int
+    end: int  # byte after that record: replay resumes here
+
+
+@dataclass(frozen=True)
+class Location:
+    """A live object: the segment and offset of its PUT record, and that record's header."""
+
+    segment: int
+    offset: int
+    header: rec.RecordHeader
+
+
+@dataclass(frozen=True)
+class Op:
+    """One log record to apply: a PUT (``location`` set) or a DELETE (``location`` None)."""
+
+    namespace: bytes
+    key: bytes
+    lsn: int
+    segment: int
+    offset: int
+    record_len: int
+    location: Location | None
+
+
+def index_key(namespace: bytes, key: bytes) -> bytes:
+    return bytes((len(namespace),)) + namespace + key
+
+
+def encode_location(loc: Location) -> bytes:
+    return _LOC.pack(loc.segment, loc.offset) + loc.header.raw
+
+
+def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | None = None) -> Location:
+    """Decode an index value; the embedded header is checksum-verified like one read from disk."""
+    where = {"namespace": namespace.decode("utf-8", "replace") if namespace else None, "key": key}
+    if len(value) < _LOC.size:
+        raise CorruptionError("index entry truncated", **where)
+    seg, off = _LOC.unpack_from(value)
+    hdr = rec.decode_header(memoryview(value)[_LOC.size :], segment=seg, offset=off, **where)
+    if hdr.type != fmt.REC_PUT or (namespace is not None and (hdr.namespace, hdr.key) != (namespace, key)):
+        raise CorruptionError("index entry does not describe this key", segment=seg, offset=off, **where)
+    return Location(seg, off, hdr)
+
+
+_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount, lock]
+_ENVS_LOCK = threading.Lock()
+
+
+class Index:
+    """Handle on the shared LMDB environment of one store."""
+
+    def __init__(self, path: str, env: lmdb.Environment, lock: threading.Lock, writable: bool) -> None:
+        self.path = path
+        self.env = env
+        self.writable = writable
+        self._write_lock = lock
+        self.objects = env.open_db(b"objects", create=False) if not writable else env.open_db(b"objects")
+        self.meta = env.open_db(b"meta") if writable else env.open_db(b"meta", create=False)
+        self.segments = env.open_db(b"segments") if writable else env.open_db(b"segments", create=False)
+        self.closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @classmethod
+    def exists(cls, path: str) -> bool:
+        return os.path.exists(os.path.join(path, "data.mdb"))
+
+    @classmethod
+    def open(cls, path: str, *, writable: bool, map_size: int = 64 << 20) -> "Index":
+        """Open (or create, when writable) the environment at ``path``, shared in-process."""
+        real = os.path.realpath(path)
+        with _ENVS_LOCK:
+            ent = _ENVS.get(real)
+            if ent is None:
+                if writable:
+                    os.makedirs(real, exist_ok=True)
+                try:
+                    env = lmdb.open(real, map_size=map_size, subdir=True, readonly=not writable, metasync=False,
+                                    sync=True, max_dbs=8, max_readers=1024, lock=True, create=writable,
+                                    lib_version=fmt.LMDB_LIB_VERSION if writable else None)
+                except lmdb.InvalidError as e:
+                    raise CorruptionError(f"index is not a valid LMDB environment: {e}", path=real) from None
+                except lmdb.VersionMismatchError as e:
+                    raise FormatVersionError(f"index written by another LMDB version: {e}", path=real) from None
+                except lmdb.Error as e:
+                    raise CorruptionError(f"cannot open index: {e}", path=real) from None
+                ent = _ENVS[real] = [env, 0, threading.Lock(), writable]
+            elif writable and not ent[3]:
+                raise TierstoreError("the index is open read-only in this process; close read-only handles first",
+                                     path=real)
+            ent[1] += 1
+        try:
+            idx = cls(real, ent[0], ent[2], writable)
+        except lmdb.Error as e:
+            cls._release(real)
+            raise CorruptionError(f"index is missing its tables: {e}", path=real) from None
+        if writable:
+            idx.env.reader_check()
+        return idx
+
+    @staticmethod
+    def _release(real: str) -> None:
+        with _ENVS_LOCK:
+            ent = _ENVS[real]
+            ent[1] -= 1
+            if ent[1] == 0:
+                ent[0].close()
+                del _ENVS[real]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._release(self.path)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _read_txn(self) -> lmdb.Transaction:
+        try:
+            return self.env.begin(buffers=False)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # another process grew the map: adopt its size
+            return self.env.begin(buffers=False)
+
+    def read(self) -> "ReadView":
+        return ReadView(self, self._read_txn())
+
+    def get_meta(self, name: bytes) -> bytes | None:
+        with self._read_txn() as txn:
+            return txn.get(name, db=self.meta)
+
+    def applied(self) -> Applied:
+        with self.read() as view:
+            return view.applied()
+
+    def store_uuid(self) -> bytes | None:
+        return self.get_meta(b"store_uuid")
+
+    def format_version(self) -> tuple[int, int] | None:
+        v = self.get_meta(b"format")
+        return _FORMAT.unpack(v) if v is not None else None
+
+    def segment_stats(self) -> dict[int, tuple[int, int]]:
+        """segment id -> (live bytes, state)."""
+        with self._read_txn() as txn:
+            return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in txn.cursor(db=self.segments)}
+
+    def count(self) -> int:
+        with self._read_txn() as txn:
+            return txn.stat(self.objects)["entries"]
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _write(self, fn: Any) -> Any:
+        """Run ``fn(txn)`` in one write transaction, growing the map and replaying on MapFullError."""
+        with self._write_lock:
+            while True:
+                txn = self.env.begin(write=True)
+                try:
+                    result = fn(txn)
+                    txn.commit()
+                    return result
+                except lmdb.MapFullError:
+                    txn.abort()
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except BaseException:
+                    txn.abort()
+                    raise
+
+    def initialise(self, store_uuid: bytes) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            txn.put(b"store_uuid", store_uuid, db=self.meta)
+            txn.put(b"format", _FORMAT.pack(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR), db=self.meta)
+            txn.put(b"lmdb_lib_version", str(fmt.LMDB_LIB_VERSION).encode(), db=self.meta)
+            txn.put(b"applied", _APPLIED.pack(0, 0, 0, 0), db=self.meta)
+        self._write(fn)
+        self.env.sync(True)
+
+    def apply(self, ops: Sequence[Op], applied: Applied, *, durable: bool = False) -> None:
+        """Apply log records in LSN order and record the new applied position, atomically.
+
+        Live-byte accounting per segment (for compaction) is updated in the same transaction;
+        a DELETE record counts as live in its own segment until compaction rewrites it.
+        """
+        def fn(txn: lmdb.Transaction) -> None:
+            deltas: dict[int, int] = {}
+            for op in ops:
+                ik = index_key(op.namespace, op.key)
+                old = txn.get(ik, db=self.objects)
+                if old is not None:
+                    oseg, ooff = _LOC.unpack_from(old)
+                    deltas[oseg] = deltas.get(oseg, 0) - _record_len_of(old)
+                if op.location is not None:
+                    txn.put(ik, encode_location(op.location), db=self.objects)
+                elif old is not None:
+                    txn.delete(ik, db=self.objects)
+                deltas[op.segment] = deltas.get(op.segment, 0) + op.record_len
+            self._add_live(txn, deltas)
+            txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
+        self._write(fn)
+        if durable:
+            self.env.sync(True)
+
+    def _add_live(self, txn: lmdb.Transaction, deltas: dict[int, int]) -> None:
+        for seg, d in deltas.items():
+            k = struct.pack(">Q", seg)
+            v = txn.get(k, db=self.segments)
+            live, state = _SEGSTAT.unpack(v) if v is not None else (0, SEG_LIVE)
+            txn.put(k, _SEGSTAT.pack(max(0, live + d), state), db=self.segments)
+
+    def relocate(self, moves: Sequence[tuple[bytes, bytes, Location, int]], dead: Sequence[int],
+                 applied: Applied, live: dict[int, int]) -> None:
+        """Compaction's commit: point moved keys at their copies, mark victims dead, durably."""
+        def fn(txn: lmdb.Transaction) -> None:
+            for ns, key, loc, _ in moves:
+                txn.put(index_key(ns, key), encode_location(loc), db=self.objects)
+            for seg, nbytes in live.items():
+                txn.put(struct.pack(">Q", seg), _SEGSTAT.pack(nbytes, SEG_LIVE), db=self.segments)
+            for seg in dead:
+                txn.put(struct.pack(">Q", seg), _SEGSTAT.pack(0, SEG_DEAD), db=self.segments)
+            txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
+        self._write(fn)
+        self.env.sync(True)
+
+    def forget_segments(self, segs: Sequence[int]) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            for seg in segs:
+                txn.delete(struct.pack(">Q", seg), db=self.segments)
+        self._write(fn)
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+
+def _record_len_of(value: bytes) -> int:
+    # record_len sits at offset 24 of the fixed header, after the 16-byte location prefix
+    return struct.unpack_from("<Q", value, _LOC.size + 24)[0]
+
+
+class ReadView:
+    """A consistent snapshot of the index (one LMDB read transaction).  Use as a context manager."""
+
+    def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
+        self.index = index
+        self.txn = txn
+
+    def __enter__(self) -> "ReadView":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.txn.abort()
+
+    def applied(self) -> Applied:
+        v = self.txn.get(b"applied", db=self.index.meta)
+        if v is None or len(v) != _APPLIED.size:
+            raise CorruptionError("index has no valid applied position", path=self.index.path)
+        return Applied(*_APPLIED.unpack(v))
+
+    def get(self, namespace: bytes, key: bytes) -> Location | None:
+        v = self.txn.get(index_key(namespace, key), db=self.index.objects)
+        return None if v is None else decode_location(v, namespace, key)
+
+    def keys(self, namespace: bytes) -> Iterator[tuple[bytes, int]]:
+        """(key, flags) of every object in ``namespace``, in key order."""
+        prefix = index_key(namespace, b"")
+        cur = self.txn.cursor(db=self.index.objects)
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            if not k.startswith(prefix):
+                return
+            flags = struct.unpack_from("<H", v, _LOC.size + 10)[0]
+            yield k[len(prefix) :], flags
+
+    def namespaces(self) -> list[bytes]:
+        out = []
+        cur = self.txn.cursor(db=self.index.objects)
+        ok = cur.first()
+        while ok:
+            k = cur.key()
+            ns = k[1 : 1 + k[0]]
+            out.append(ns)
+            # jump past this namespace: next key with a greater (len, ns) prefix
+            ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
+        return out
+
+    def items(self) -> Iterator[tuple[bytes, bytes, Location]]:
+        for k, v in self.txn.cursor(db=self.index.objects):
+            ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
+            yield ns, key, decode_location(v, ns, key)

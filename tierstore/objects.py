@@ -1,0 +1,159 @@
+"""The typed objects a store holds (KVCache, Vectors, Blob) and ObjectInfo.
+
+This module owns argument validation of objects: shapes, dtypes, ids and media types are
+checked when an object is constructed, so a bad object never reaches the log.  Objects keep
+a reference to the caller's array (no copy); the store reads it during ``put``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import arrays
+from . import format as fmt
+from .errors import InvalidObject
+
+
+def _check_dims(shape: tuple[int, ...], what: str) -> None:
+    if any(d == 0 for d in shape):
+        raise InvalidObject(f"{what} is empty (shape {tuple(shape)}): there is nothing to store")
+
+
+class KVCache:
+    """A chunk of attention key/value cache.
+
+    ``data`` is shaped ``[layers, 2, kv_heads, tokens, head_dim]`` (index 0 of dim 1 is K,
+    1 is V), a numpy array or torch tensor of a floating dtype (float16, bfloat16, float32,
+    float64, float8_e4m3fn, float8_e5m2).  ``layer_start`` is the model layer of ``data[0]``.
+    """
+
+    kind = "kv"
+    __slots__ = ("data", "layer_start")
+
+    def __init__(self, data: Any, *, layer_start: int = 0) -> None:
+        name = arrays.dtype_name(data)
+        if name not in fmt.FLOAT_DTYPES:
+            raise InvalidObject(f"KVCache needs a floating dtype, got {name}")
+        shape = tuple(int(d) for d in data.shape)
+        if len(shape) != 5 or shape[1] != 2:
+            raise InvalidObject(
+                f"KVCache data must be shaped [layers, 2, kv_heads, tokens, head_dim], got {list(shape)}"
+            )
+        _check_dims(shape, "KVCache data")
+        if isinstance(layer_start, bool) or not isinstance(layer_start, (int, np.integer)) or layer_start < 0:
+            raise InvalidObject(f"layer_start must be a non-negative int, got {layer_start!r}")
+        self.data = data
+        self.layer_start = int(layer_start)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.data.shape[0])
+
+    def __repr__(self) -> str:
+        return f"KVCache(shape={list(self.data.shape)}, dtype={arrays.dtype_name(self.data)}, layer_start={self.layer_start})"
+
+
+class Vectors:
+    """A shard of embedding vectors: ``data`` ``[n, dim]`` with optional int64 ``ids`` ``[n]``.
+
+    ``metric`` is one of "cosine", "l2", "ip" (recorded for readers; not enforced on data).
+    """
+
+    kind = "vectors"
+    __slots__ = ("data", "ids", "metric")
+
+    def __init__(self, data: Any, *, ids: Any = None, metric: str = "cosine") -> None:
+        name = arrays.dtype_name(data)
+        if name not in fmt.VECTOR_DTYPES:
+            raise InvalidObject(f"Vectors need a floating or int8/uint8 dtype, got {name}")
+        shape = tuple(int(d) for d in data.shape)
+        if len(shape) != 2:
+            raise InvalidObject(f"Vectors data must be shaped [n, dim], got {list(shape)}")
+        _check_dims(shape, "Vectors data")
+        if metric not in fmt.METRICS:
+            raise InvalidObject(f"metric must be one of {', '.join(fmt.METRICS)}, got {metric!r}")
+        if ids is not None:
+            ids = _as_ids(ids, shape[0])
+        self.data = data
+        self.ids = ids
+        self.metric = metric
+
+    def __len__(self) -> int:
+        return int(self.data.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"Vectors(shape={list(self.data.shape)}, dtype={arrays.dtype_name(self.data)}, "
+            f"ids={'yes' if self.ids is not None else 'no'}, metric={self.metric!r})"
+        )
+
+
+def _as_ids(ids: Any, n: int) -> Any:
+    """Validate ids: integers, shape [n]; returned as int64 (numpy or torch as given)."""
+    if arrays.is_torch_tensor(ids):
+        torch = arrays.torch_module()
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
+            raise InvalidObject(f"ids must be integers, got {ids.dtype}")
+        if tuple(ids.shape) != (n,):
+            raise InvalidObject(f"ids must be shaped [{n}], got {list(ids.shape)}")
+        return ids.to(torch.int64)
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidObject(f"ids must be integers, got {arr.dtype}")
+    if arr.shape != (n,):
+        raise InvalidObject(f"ids must be shaped [{n}], got {list(arr.shape)}")
+    if arr.dtype == np.uint64 and n and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidObject("ids do not fit in int64")
+    return arr.astype("<i8", copy=False)
+
+
+class Blob:
+    """Opaque bytes with a media type (e.g. "image/png")."""
+
+    kind = "blob"
+    __slots__ = ("data", "media_type")
+
+    def __init__(self, data: bytes | bytearray | memoryview, *, media_type: str = "application/octet-stream") -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidObject(f"Blob data must be bytes, bytearray or memoryview, got {type(data).__name__}")
+        if isinstance(data, memoryview) and not data.c_contiguous:
+            raise InvalidObject("Blob memoryview must be C-contiguous")
+        if not isinstance(media_type, str) or not media_type or len(media_type.encode()) > 255 or "\x00" in media_type:
+            raise InvalidObject(f"media_type must be a non-empty str of at most 255 bytes, got {media_type!r}")
+        self.data = data
+        self.media_type = media_type
+
+    def __len__(self) -> int:
+        return memoryview(self.data).nbytes
+
+    def __repr__(self) -> str:
+        return f"Blob({len(self)} bytes, media_type={self.media_type!r})"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store knows about one stored object (``Store.info``)."""
+
+    namespace: str
+    key: str | bytes
+    kind: str  # "kv" | "vectors" | "blob"
+    shape: tuple[int, ...]  # () for blobs
+    dtype: str | None  # None for blobs
+    logical_bytes: int  # bytes of the decoded object (array bytes; ids included for vectors)
+    stored_bytes: int  # bytes the object occupies in its segment (header, padding, extents)
+    codec: str
+    lossless: bool
+    checksum: str  # "crc32c:<hex>" over the record header, which holds every extent's crc32c
+    extent_checksums: tuple[int, ...]
+    tiers: tuple[str, ...]
+    lsn: int
+    segment: int
+    offset: int
+    layer_start: int | None = None
+    metric: str | None = None
+    media_type: str | None = None
+    has_ids: bool | None = None
+    meta: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,459 @@
+"""Record framing and the metadata schema (SPEC.md §4, §5): bytes <-> RecordHeader.
+
+A record is the unit of the log and of every tier:
+
+    record      := fixed:48 namespace key meta pad8 extent_table padA extent (padA extent)*
+    fixed       := magic:4 header_crc:u32 type:u16 flags:u16 header_len:u32 lsn:u64
+                   record_len:u64 kind:u8 align_log2:u8 codec:u16 ns_len:u8 reserved:u8
+                   key_len:u16 meta_len:u32 n_extents:u32
+    extent_table:= (stored_len:u64 crc32c:u32 reserved:u32){n_extents}
+
+This module owns encoding, and validation on decode: magic, then bounds (before anything is
+allocated), then the header checksum, then the metadata schema and extent lengths, all with
+exact integer arithmetic.  It does no I/O and knows nothing about files or the index.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import crc32c as _crc32c
+import msgpack
+
+from . import format as fmt
+from .errors import CorruptionError, InvalidObject
+
+_ZERO_PAGE = bytes(fmt.PAGE)
+_U32 = struct.Struct("<I")
+INT64_MAX = (1 << 63) - 1
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC-32C (Castagnoli), unmasked; ``data`` is any C-contiguous buffer."""
+    return _crc32c.crc32c(data, value)
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def zeros(n: int) -> memoryview:
+    """A read-only view of ``n`` zero bytes (n <= one page) for padding iovecs."""
+    return memoryview(_ZERO_PAGE)[:n] if n <= fmt.PAGE else memoryview(bytes(n))
+
+
+def extent_offsets(header_len: int, align_log2: int, lengths: Sequence[int]) -> list[int]:
+    """Offsets of the extents relative to the record start (SPEC.md §4.3)."""
+    a = 1 << align_log2
+    offsets = []
+    pos = header_len
+    for n in lengths:
+        pos = align_up(pos, a)
+        offsets.append(pos)
+        pos += n
+    return offsets
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A validated record header.  ``raw`` is the exact header bytes (crc-protected)."""
+
+    type: int
+    flags: int
+    lsn: int
+    record_len: int
+    kind: int
+    align_log2: int
+    codec: int
+    namespace: bytes
+    key: bytes
+    meta: dict[str, Any]
+    extent_lengths: tuple[int, ...]
+    extent_crcs: tuple[int, ...]
+    header_crc: int
+    raw: bytes
+
+    @property
+    def header_len(self) -> int:
+        return len(self.raw)
+
+    @property
+    def key_is_str(self) -> bool:
+        return bool(self.flags & fmt.FLAG_KEY_STR)
+
+    def offsets(self) -> list[int]:
+        return extent_offsets(len(self.raw), self.align_log2, self.extent_lengths)
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """A record ready for ``pwritev``: header bytes plus extent buffers and their offsets."""
+
+    header: bytes
+    extents: tuple[memoryview, ...]
+    offsets: tuple[int, ...]
+    record_len: int
+    align_log2: int
+    lsn: int
+
+    def iovecs(self) -> list[memoryview | bytes]:
+        """Buffers covering [0, record_len): header, zero padding, extents."""
+        out: list[memoryview | bytes] = [self.header]
+        pos = len(self.header)
+        for off, ext in zip(self.offsets, self.extents):
+            if off > pos:
+                out.append(zeros(off - pos))
+            if ext.nbytes:
+                out.append(ext)
+            pos = off + ext.nbytes
+        return out
+
+
+def _pack_header(
+    rtype: int,
+    lsn: int,
+    record_len: int,
+    kind: int,
+    align_log2: int,
+    codec: int,
+    flags: int,
+    namespace: bytes,
+    key: bytes,
+    meta_bytes: bytes,
+    table: bytes,
+    n_extents: int,
+) -> bytes:
+    body_end = fmt.RECORD_HEADER_SIZE + len(namespace) + len(key) + len(meta_bytes)
+    table_off = align_up(body_end, 8)
+    header_len = table_off + len(table)
+    fixed = fmt.RECORD_HEADER.pack(
+        fmt.RECORD_MAGIC, 0, rtype, flags, header_len, lsn, record_len, kind, align_log2,
+        codec, len(namespace), 0, len(key), len(meta_bytes), n_extents,
+    )
+    header = bytearray(header_len)
+    header[: fmt.RECORD_HEADER_SIZE] = fixed
+    header[fmt.RECORD_HEADER_SIZE:body_end] = namespace + key + meta_bytes
+    header[table_off:] = table
+    _U32.pack_into(header, 4, crc32c(memoryview(header)[8:]))
+    return bytes(header)
+
+
+def header_length(namespace: bytes, key: bytes, meta_bytes: bytes, n_extents: int) -> int:
+    body_end = fmt.RECORD_HEADER_SIZE + len(namespace) + len(key) + len(meta_bytes)
+    return align_up(body_end, 8) + fmt.EXTENT_ENTRY.size * n_extents
+
+
+def _byte_view(buf: Any) -> memoryview:
+    m = memoryview(buf)
+    return m if m.format == "B" and m.ndim == 1 else m.cast("B")
+
+
+def encode_put(
+    lsn: int,
+    namespace: bytes,
+    key: bytes,
+    flags: int,
+    kind: int,
+    meta: dict[str, Any],
+    extents: Sequence[memoryview],
+    align_log2: int,
+    codec: int = fmt.CODEC_RAW,
+) -> EncodedRecord:
+    """Frame a PUT record.  Computes the CRC-32C of every extent (zero-copy)."""
+    meta_bytes = pack_meta(meta)
+    exts = tuple(_byte_view(e) for e in extents)
+    lengths = [e.nbytes for e in exts]
+    header_len = header_length(namespace, key, meta_bytes, len(exts))
+    offsets = extent_offsets(header_len, align_log2, lengths)
+    record_len = offsets[-1] + lengths[-1] if exts else header_len
+    table = b"".join(fmt.EXTENT_ENTRY.pack(n, crc32c(e), 0) for n, e in zip(lengths, exts))
+    header = _pack_header(
+        fmt.REC_PUT, lsn, record_len, kind, align_log2, codec, flags, namespace, key, meta_bytes, table, len(exts)
+    )
+    return EncodedRecord(header, exts, tuple(offsets), record_len, align_log2, lsn)
+
+
+def encode_delete(lsn: int, namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
+    header = _pack_header(fmt.REC_DELETE, lsn, 0, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          flags, namespace, key, b"", b"", 0)
+    return EncodedRecord(_with_record_len(header, len(header)), (), (), len(header), fmt.ALIGN_INLINE_LOG2, lsn)
+
+
+def encode_pad(length: int) -> bytes:
+    """A PAD record covering ``length`` bytes (>= 48): header plus zeros."""
+    if length < fmt.RECORD_HEADER_SIZE:
+        raise ValueError("pad shorter than a record header")
+    header = _pack_header(fmt.REC_PAD, 0, length, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          0, b"", b"", b"", b"", 0)
+    return header + bytes(length - len(header))
+
+
+def _with_record_len(header: bytes, record_len: int) -> bytes:
+    buf = bytearray(header)
+    struct.pack_into("<Q", buf, 24, record_len)
+    _U32.pack_into(buf, 4, crc32c(memoryview(buf)[8:]))
+    return bytes(buf)
+
+
+def with_lsn(header: bytes, lsn: int) -> bytes:
+    """The same header with a new LSN and a recomputed header checksum (used by compaction)."""
+    buf = bytearray(header)
+    struct.pack_into("<Q", buf, 16, lsn)
+    _U32.pack_into(buf, 4, crc32c(memoryview(buf)[8:]))
+    return bytes(buf)
+
+
+# --- decoding -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The 48-byte fixed part, magic and length-checked but not yet checksum-verified."""
+
+    header_crc: int
+    type: int
+    flags: int
+    header_len: int
+    lsn: int
+    record_len: int
+    kind: int
+    align_log2: int
+    codec: int
+    ns_len: int
+    reserved: int
+    key_len: int
+    meta_len: int
+    n_extents: int
+
+
+def parse_fixed(b: Any, **where: Any) -> Fixed:
+    """Check magic and the length fields of a fixed header (SPEC.md §4.4 steps 1-3)."""
+    if len(b) < fmt.RECORD_HEADER_SIZE:
+        raise CorruptionError("record header truncated", **where)
+    (magic, crc, rtype, flags, header_len, lsn, record_len, kind, align_log2, codec, ns_len, reserved,
+     key_len, meta_len, n_extents) = fmt.RECORD_HEADER.unpack_from(b, 0)
+    if magic != fmt.RECORD_MAGIC:
+        raise CorruptionError("bad record magic", **where)
+    if not fmt.RECORD_HEADER_SIZE <= header_len <= fmt.HEADER_MAX_BYTES or header_len % 8:
+        raise CorruptionError(f"bad header_len {header_len}", **where)
+    if n_extents > fmt.MAX_EXTENTS or meta_len > fmt.META_MAX_BYTES:
+        raise CorruptionError("extent count or metadata length over the limit", **where)
+    expect = align_up(fmt.RECORD_HEADER_SIZE + ns_len + key_len + meta_len, 8) + fmt.EXTENT_ENTRY.size * n_extents
+    if expect != header_len:
+        raise CorruptionError(f"header_len {header_len} does not match its parts ({expect})", **where)
+    if record_len < header_len or record_len > INT64_MAX:
+        raise CorruptionError(f"bad record_len {record_len}", **where)
+    return Fixed(crc, rtype, flags, header_len, lsn, record_len, kind, align_log2, codec, ns_len, reserved,
+                 key_len, meta_len, n_extents)
+
+
+def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **where: Any) -> RecordHeader:
+    """Validate and decode a record header from ``b`` (which holds at least header_len bytes).
+
+    Order of checks: magic and lengths (parse_fixed), checksum, then contents.  Raises
+    CorruptionError naming the failed check; never allocates more than header_len bytes.
+    """
+    f = fixed or parse_fixed(b, **where)
+    if len(b) < f.header_len:
+        raise CorruptionError("record header truncated", **where)
+    raw = bytes(b[: f.header_len])
+    if verify and crc32c(memoryview(raw)[8:]) != f.header_crc:
+        raise CorruptionError("record header checksum mismatch", **where)
+    if f.reserved != 0:
+        raise CorruptionError("reserved header byte is not zero", **where)
+    if f.type & fmt.REC_TYPE_IGNORABLE == 0 and f.type not in (fmt.REC_PUT, fmt.REC_DELETE, fmt.REC_PAD):
+        raise CorruptionError(f"unknown record type {f.type}", **where)
+    if f.flags & ~fmt.FLAGS_KNOWN:
+        raise CorruptionError(f"unknown record flags {f.flags:#x}", **where)
+    if not fmt.ALIGN_LOG2_MIN <= f.align_log2 <= fmt.ALIGN_LOG2_MAX:
+        raise CorruptionError(f"bad align_log2 {f.align_log2}", **where)
+    p = fmt.RECORD_HEADER_SIZE
+    namespace = raw[p : p + f.ns_len]
+    p += f.ns_len
+    key = raw[p : p + f.key_len]
+    p += f.key_len
+    meta_bytes = raw[p : p + f.meta_len]
+    p = align_up(p + f.meta_len, 8)
+    lengths, crcs = [], []
+    for i in range(f.n_extents):
+        n, c, r = fmt.EXTENT_ENTRY.unpack_from(raw, p + i * fmt.EXTENT_ENTRY.size)
+        if r != 0:
+            raise CorruptionError("reserved extent field is not zero", **where)
+        lengths.append(n)
+        crcs.append(c)
+    meta = unpack_meta(meta_bytes, **where) if f.meta_len else {}
+    hdr = RecordHeader(f.type, f.flags, f.lsn, f.record_len, f.kind, f.align_log2, f.codec, namespace, key,
+                       meta, tuple(lengths), tuple(crcs), f.header_crc, raw)
+    _check_layout(hdr, **where)
+    return hdr
+
+
+def _check_layout(h: RecordHeader, **where: Any) -> None:
+    """Type-specific rules: key/namespace presence, extent placement, metadata schema."""
+    if h.type == fmt.REC_PAD:
+        if h.kind or h.namespace or h.key or h.meta or h.extent_lengths or h.lsn:
+            raise CorruptionError("PAD record with content", **where)
+        return
+    if h.type & fmt.REC_TYPE_IGNORABLE:
+        return  # unknown but ignorable: framing is all a v1 reader checks
+    if not 1 <= len(h.namespace) <= fmt.NAMESPACE_MAX_BYTES or not 1 <= len(h.key) <= fmt.KEY_MAX_BYTES:
+        raise CorruptionError("namespace or key length out of range", **where)
+    if h.lsn == 0:
+        raise CorruptionError("record LSN is zero", **where)
+    if h.type == fmt.REC_DELETE:
+        if h.kind != fmt.KIND_NONE or h.extent_lengths or h.meta or h.record_len != h.header_len:
+            raise CorruptionError("DELETE record with content", **where)
+        return
+    if h.codec not in fmt.CODEC_NAMES:
+        raise CorruptionError(f"unknown codec id {h.codec}", **where)
+    expected = expected_extent_lengths(h.kind, h.meta, **where)
+    if tuple(expected) != h.extent_lengths:
+        raise CorruptionError("extent lengths do not match the object's metadata", **where)
+    offsets = h.offsets()
+    end = offsets[-1] + h.extent_lengths[-1] if offsets else h.header_len
+    if end != h.record_len:
+        raise CorruptionError(f"record_len {h.record_len} does not match its extents ({end})", **where)
+
+
+# --- metadata (SPEC.md §5) -----------------------------------------------------------------
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    raise ValueError("msgpack ext types are not allowed")
+
+
+def pack_meta(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def unpack_meta(data: bytes, **where: Any) -> dict[str, Any]:
+    try:
+        meta = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # ExtraData, FormatError, StackError, OutOfData
+        raise CorruptionError(f"bad metadata: {type(e).__name__}: {e}", **where) from None
+    if not isinstance(meta, dict):
+        raise CorruptionError("metadata is not a map", **where)
+    if _depth(meta) > fmt.META_MAX_DEPTH:
+        raise CorruptionError("metadata nested too deeply", **where)
+    return meta
+
+
+def _depth(x: Any, limit: int = fmt.META_MAX_DEPTH + 1) -> int:
+    stack = [(x, 1)]
+    deepest = 0
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(v, dict):
+            stack.extend((w, d + 1) for w in v.values())
+        elif isinstance(v, list):
+            stack.extend((w, d + 1) for w in v)
+    return deepest
+
+
+def check_user_meta(meta: Any) -> dict[str, Any]:
+    """Validate the ``meta=`` argument of put: a msgpack-able map of bounded depth and size."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise InvalidObject(f"meta must be a dict, got {type(meta).__name__}")
+
+    def walk(v: Any, depth: int) -> None:
+        if depth > fmt.USER_META_MAX_DEPTH:
+            raise InvalidObject(f"meta is nested deeper than {fmt.USER_META_MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            for k, w in v.items():
+                if not isinstance(k, str):
+                    raise InvalidObject(f"meta keys must be str, got {type(k).__name__}")
+                walk(w, depth + 1)
+        elif isinstance(v, (list, tuple)):
+            for w in v:
+                walk(w, depth + 1)
+        elif isinstance(v, bool) or v is None or isinstance(v, (str, bytes, float)):
+            pass
+        elif isinstance(v, int):
+            if not -(1 << 63) <= v < (1 << 64):
+                raise InvalidObject("meta integers must fit in 64 bits")
+        else:
+            raise InvalidObject(f"meta values must be str, bytes, int, float, bool, None, list or dict; got {type(v).__name__}")
+
+    walk(meta, 1)
+    if len(pack_meta(meta)) > fmt.USER_META_MAX_BYTES:
+        raise InvalidObject(f"meta is larger than {fmt.USER_META_MAX_BYTES} bytes packed")
+    return meta
+
+
+def _req(meta: dict[str, Any], name: str, typ: type | tuple[type, ...], **where: Any) -> Any:
+    v = meta.get(name)
+    if v is None or not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
+        raise CorruptionError(f"metadata field {name!r} missing or of the wrong type", **where)
+    return v
+
+
+def _shape(meta: dict[str, Any], rank: int, **where: Any) -> list[int]:
+    shape = _req(meta, "shape", list, **where)
+    if len(shape) != rank or not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= INT64_MAX for d in shape):
+        raise CorruptionError(f"metadata shape {shape!r} is not {rank} positive ints", **where)
+    return shape
+
+
+def _itemsize(meta: dict[str, Any], allowed: frozenset[str], **where: Any) -> int:
+    dtype_id = _req(meta, "dtype", int, **where)
+    entry = fmt.DTYPES.get(dtype_id)
+    if entry is None or entry[0] not in allowed:
+        raise CorruptionError(f"dtype id {dtype_id} not allowed here", **where)
+    return entry[1]
+
+
+def _checked_product(values: Sequence[int], **where: Any) -> int:
+    p = 1
+    for v in values:
+        p *= v
+        if p > INT64_MAX:
+            raise CorruptionError("object size overflows 63 bits", **where)
+    return p
+
+
+def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> list[int]:
+    """Raw extent lengths implied by the metadata of a PUT (SPEC.md §5.3)."""
+    if kind == fmt.KIND_KV:
+        shape = _shape(meta, 5, **where)
+        if shape[1] != 2:
+            raise CorruptionError("KV shape[1] must be 2", **where)
+        isz = _itemsize(meta, fmt.FLOAT_DTYPES, **where)
+        ls = _req(meta, "layer_start", int, **where)
+        if ls < 0:
+            raise CorruptionError("negative layer_start", **where)
+        layer = _checked_product(shape[1:] + [isz], **where)
+        _checked_product([layer, shape[0]], **where)
+        return [layer] * shape[0]
+    if kind == fmt.KIND_VECTORS:
+        n, dim = _shape(meta, 2, **where)
+        isz = _itemsize(meta, fmt.VECTOR_DTYPES, **where)
+        if _req(meta, "metric", str, **where) not in fmt.METRICS:
+            raise CorruptionError("unknown metric", **where)
+        rpe = _req(meta, "rows_per_extent", int, **where)
+        has_ids = _req(meta, "ids", bool, **where)
+        if rpe < 1:
+            raise CorruptionError("rows_per_extent must be positive", **where)
+        row = _checked_product([dim, isz], **where)
+        _checked_product([row, n], **where)
+        n_ext = -(-n // rpe)
+        if n_ext * (2 if has_ids else 1) > fmt.MAX_EXTENTS:
+            raise CorruptionError("too many extents", **where)
+        rows = [min(rpe, n - i * rpe) for i in range(n_ext)]
+        out = [r * row for r in rows]
+        if has_ids:
+            out += [r * 8 for r in rows]
+        return out
+    if kind == fmt.KIND_BLOB:
+        size = _req(meta, "size", int, **where)
+        _req(meta, "media_type", str, **where)
+        if not 0 <= size <= INT64_MAX:
+            raise CorruptionError("bad blob size", **where)
+        return [size]
+    raise CorruptionError(f"unknown object kind {kind}", **where)

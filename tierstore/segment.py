@@ -1,0 +1,570 @@
+"""Segment files: the append-only log that is the store's write-ahead log and data home.
+
+This module owns segment headers (SPEC.md §3), appending records with LSNs and padding
+(§4.2, §7), syncing with group commit (§7), rollover to a new segment, scanning a segment
+with the torn-tail rules (§7.3), reading extents with checksum verification, and the cache
+of read file descriptors.  It never touches the index and never decides what is live.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from . import format as fmt
+from . import record as rec
+from .errors import CorruptionError, FormatVersionError, ReadOnlyError, StoreIOError
+from .fileio import PosixIO, io_error, read_all, write_all
+
+CREATOR = b"tierstore-py"
+
+
+def segment_name(seg_id: int) -> str:
+    return f"{seg_id:0{fmt.SEGMENT_NAME_DIGITS}x}{fmt.SEGMENT_SUFFIX}"
+
+
+def parse_segment_name(name: str) -> int | None:
+    """The segment id of a file name, or None when the name is not a segment's."""
+    stem, dot, suffix = name.partition(".")
+    if "." + suffix != fmt.SEGMENT_SUFFIX or len(stem) != fmt.SEGMENT_NAME_DIGITS:
+        return None
+    try:
+        return int(stem, 16) if stem == stem.lower() else None
+    except ValueError:
+        return None
+
+
+def list_segments(io: PosixIO, seg_dir: str) -> list[int]:
+    """Ids of the segment files in ``seg_dir``, ascending (other files are ignored)."""
+    ids = [parse_segment_name(n) for n in io.listdir(seg_dir)]
+    return sorted(i for i in ids if i is not None)
+
+
+# --- segment header (SPEC.md §3) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    major: int
+    minor: int
+    incompat: int
+    ro_compat: int
+    compat: int
+    store_uuid: bytes
+    segment_id: int
+    base_lsn: int
+    created_ns: int
+
+    def encode(self) -> bytes:
+        fields = fmt.SEGMENT_HEADER.pack(
+            fmt.SEGMENT_MAGIC, self.major, self.minor, fmt.SEGMENT_HEADER_SIZE, self.incompat,
+            self.ro_compat, self.compat, self.store_uuid, self.segment_id, self.base_lsn,
+            self.created_ns, CREATOR, 0,
+        )
+        body = fields[: fmt.SEGMENT_HEADER_CRC_OFFSET]
+        crc = rec.crc32c(body)
+        return body + crc.to_bytes(4, "little") + bytes(fmt.SEGMENT_HEADER_SIZE - fmt.SEGMENT_HEADER.size)
+
+    @property
+    def writable(self) -> bool:
+        """Whether a v1 writer may append to this segment (SPEC.md §3.2)."""
+        return self.minor <= fmt.FORMAT_MINOR and not (self.ro_compat & ~fmt.RO_COMPAT_KNOWN)
+
+
+def new_segment_header(store_uuid: bytes, seg_id: int, base_lsn: int) -> SegmentHeader:
+    return SegmentHeader(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, 0, 0, 0, store_uuid, seg_id, base_lsn, time.time_ns())
+
+
+def decode_segment_header(b: bytes, *, path: str | None = None, seg_id: int | None = None) -> SegmentHeader:
+    """Check a segment header: magic, version, checksum, feature bits, then contents."""
+    where = {"path": path, "segment": seg_id, "offset": 0}
+    if len(b) < fmt.SEGMENT_HEADER.size:
+        raise CorruptionError("segment header truncated", **where)
+    (magic, major, minor, hsize, incompat, ro_compat, compat, store_uuid, sid, base_lsn, created,
+     _creator, crc) = fmt.SEGMENT_HEADER.unpack_from(b, 0)
+    if magic != fmt.SEGMENT_MAGIC:
+        raise CorruptionError("not a tierstore segment (bad magic)", **where)
+    if major != fmt.FORMAT_MAJOR:
+        raise FormatVersionError(f"segment format {major}.{minor} is not readable by this tierstore "
+                                 f"(reads {fmt.FORMAT_MAJOR}.x)", **where)
+    if rec.crc32c(b[: fmt.SEGMENT_HEADER_CRC_OFFSET]) != crc:
+        raise CorruptionError("segment header checksum mismatch", **where)
+    if incompat & ~fmt.INCOMPAT_KNOWN:
+        raise FormatVersionError(f"segment uses unknown incompatible features {incompat:#x}", **where)
+    if hsize != fmt.SEGMENT_HEADER_SIZE:
+        raise CorruptionError(f"segment header_size {hsize} is not {fmt.SEGMENT_HEADER_SIZE}", **where)
+    if seg_id is not None and sid != seg_id:
+        raise CorruptionError(f"segment header names id {sid}, file name says {seg_id}", **where)
+    if base_lsn == 0:
+        raise CorruptionError("segment base_lsn is zero", **where)
+    return SegmentHeader(major, minor, incompat, ro_compat, compat, store_uuid, sid, base_lsn, created)
+
+
+def read_segment_header(io: PosixIO, fd: int, *, path: str, seg_id: int) -> SegmentHeader:
+    return decode_segment_header(io.pread(fd, fmt.SEGMENT_HEADER_SIZE, 0), path=path, seg_id=seg_id)
+
+
+def new_store_uuid() -> bytes:
+    return uuidlib.uuid4().bytes
+
+
+# --- scanning (SPEC.md §7.3) --------------------------------------------------------------
+
+
+@dataclass
+class ScanStop:
+    """Why a scan ended.  ``reason``: "end" (clean end of log), "torn" (an incomplete record
+    at the tail), or "invalid" (a record failed validation).  ``valid_after`` is true when a
+    valid record header exists past ``offset`` (so the damage is not a plain torn tail)."""
+
+    offset: int
+    reason: str
+    detail: str = ""
+    valid_after: bool = False
+
+
+class _Window:
+    """Buffered positional reads over a file for header scanning."""
+
+    def __init__(self, io: PosixIO, fd: int, size: int, chunk: int = 64 << 10) -> None:
+        self.io, self.fd, self.size, self.chunk = io, fd, size, chunk
+        self.start = 0
+        self.buf = b""
+
+    def get(self, off: int, n: int) -> bytes:
+        n = max(0, min(n, self.size - off))
+        if off < self.start or off + n > self.start + len(self.buf):
+            self.start = off
+            self.buf = self.io.pread(self.fd, max(n, self.chunk), off)
+        return self.buf[off - self.start : off - self.start + n]
+
+
+class SegmentScanner:
+    """Iterate the valid records of one segment from ``start``.
+
+    After iteration ``stop`` says where and why the valid prefix ended.  ``expect_lsn`` (if
+    given) enforces dense LSNs; ``verify_payload`` checks every extent checksum (recovery of
+    the log tail does; header-only scans are for sealed, synced segments).
+    """
+
+    def __init__(self, io: PosixIO, fd: int, seg_id: int, *, path: str, start: int = fmt.SEGMENT_HEADER_SIZE,
+                 expect_lsn: int | None = None, verify_payload: bool = True, size: int | None = None) -> None:
+        self.io, self.fd, self.seg_id, self.path = io, fd, seg_id, path
+        self.start = start
+        self.expect_lsn = expect_lsn
+        self.verify_payload = verify_payload
+        self.size = io.size(fd) if size is None else size
+        self.stop: ScanStop | None = None
+        self.last_lsn: int | None = None
+
+    def _where(self, off: int) -> dict[str, Any]:
+        return {"path": self.path, "segment": self.seg_id, "offset": off}
+
+    def records(self) -> Iterator[tuple[int, rec.RecordHeader]]:
+        win = _Window(self.io, self.fd, self.size)
+        p = self.start
+        while True:
+            stop = self._next(win, p)
+            if isinstance(stop, ScanStop):
+                if stop.reason != "end":
+                    stop.valid_after = self._valid_after(win, stop.offset)
+                self.stop = stop
+                return
+            off, hdr = stop
+            if hdr.type != fmt.REC_PAD:
+                self.last_lsn = hdr.lsn
+                self.expect_lsn = hdr.lsn + 1
+                yield off, hdr
+            p = rec.align_up(off + hdr.record_len, fmt.RECORD_ALIGN)
+
+    def _next(self, win: _Window, p: int) -> ScanStop | tuple[int, rec.RecordHeader]:
+        if p >= self.size:
+            return ScanStop(p, "end")
+        page_end = rec.align_up(p + 1, fmt.PAGE)
+        if p % fmt.PAGE and page_end - p < fmt.MIN_RECORD_GAP:
+            gap = win.get(p, page_end - p)
+            if gap.strip(b"\0"):
+                return ScanStop(p, "invalid", "non-zero bytes in a page-end gap")
+            p = page_end
+            if p >= self.size:
+                return ScanStop(p, "end")
+        head = win.get(p, fmt.RECORD_HEADER_SIZE)
+        if head[:4] == b"\0\0\0\0":
+            return ScanStop(p, "end") if self._zero_to_eof(win, p) else ScanStop(p, "torn", "zeros then data")
+        if len(head) < fmt.RECORD_HEADER_SIZE:
+            return ScanStop(p, "torn", "record header cut by end of file")
+        try:
+            fixed = rec.parse_fixed(head, **self._where(p))
+        except CorruptionError as e:
+            return ScanStop(p, "invalid", e.message)
+        if p + fixed.header_len > self.size:
+            return ScanStop(p, "torn", "record header cut by end of file")
+        try:
+            hdr = rec.decode_header(win.get(p, fixed.header_len), fixed, **self._where(p))
+        except CorruptionError as e:
+            return ScanStop(p, "invalid", e.message)
+        if p % (1 << hdr.align_log2):
+            return ScanStop(p, "invalid", "record start not aligned to its payload alignment")
+        if p + hdr.record_len > self.size:
+            return ScanStop(p, "torn", "record payload cut by end of file")
+        if hdr.type != fmt.REC_PAD:
+            if self.expect_lsn is not None and hdr.lsn != self.expect_lsn:
+                return ScanStop(p, "invalid", f"LSN {hdr.lsn} where {self.expect_lsn} was expected")
+            if self.verify_payload and hdr.extent_lengths:
+                bad = verify_extents(self.io, self.fd, p, hdr)
+                if bad is not None:
+                    return ScanStop(p, "invalid", f"extent {bad} checksum mismatch")
+        return p, hdr
+
+    def _zero_to_eof(self, win: _Window, p: int) -> bool:
+        step = 1 << 20
+        for off in range(p, self.size, step):
+            if win.get(off, step).strip(b"\0"):
+                return False
+        return True
+
+    def _valid_after(self, win: _Window, p: int) -> bool:
+        """Is there a record header with a valid checksum anywhere past ``p``?"""
+        off = rec.align_up(p + 1, fmt.RECORD_ALIGN)
+        step = 1 << 20
+        while off < self.size:
+            chunk = win.get(off, step + fmt.RECORD_HEADER_SIZE)
+            i = chunk.find(fmt.RECORD_MAGIC)
+            while i != -1:
+                q = off + i
+                if q % fmt.RECORD_ALIGN == 0 and self._header_ok(win, q):
+                    return True
+                i = chunk.find(fmt.RECORD_MAGIC, i + 1)
+            off += step
+        return False
+
+    def _header_ok(self, win: _Window, q: int) -> bool:
+        try:
+            fixed = rec.parse_fixed(win.get(q, fmt.RECORD_HEADER_SIZE))
+            if q + fixed.header_len > self.size:
+                return False
+            rec.decode_header(win.get(q, fixed.header_len), fixed)
+            return True
+        except CorruptionError:
+            return False
+
+
+def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> int | None:
+    """Index of the first extent whose bytes fail their checksum (or are cut short), else None."""
+    for i, (off, n) in enumerate(zip(hdr.offsets(), hdr.extent_lengths)):
+        pos, crc = 0, 0
+        while pos < n:
+            chunk = io.pread(fd, min(n - pos, 8 << 20), offset + off + pos)
+            if not chunk:
+                return i
+            crc = rec.crc32c(chunk, crc)
+            pos += len(chunk)
+        if crc != hdr.extent_crcs[i]:
+            return i
+    return None
+
+
+def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
+                 wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any]) -> None:
+    """Read extents ``wanted`` = [(index, destination)] of the record at ``offset`` and verify
+    each one's checksum.  Adjacent extents are read with one scattered ``preadv``."""
+    offsets = hdr.offsets()
+    scratch = memoryview(bytearray(fmt.PAGE))
+    i = 0
+    while i < len(wanted):
+        j = i
+        while j + 1 < len(wanted) and wanted[j + 1][0] == wanted[j][0] + 1:
+            j += 1
+        start = offsets[wanted[i][0]]
+        iov: list[memoryview] = []
+        pos = start
+        for idx, dest in wanted[i : j + 1]:
+            gap = offsets[idx] - pos
+            while gap > 0:
+                iov.append(scratch[: min(gap, fmt.PAGE)])
+                gap -= min(gap, fmt.PAGE)
+            if dest.nbytes:
+                iov.append(dest)
+            pos = offsets[idx] + hdr.extent_lengths[idx]
+        want = pos - start
+        got = read_all(io, fd, iov, offset + start) if want else 0
+        if got != want:
+            raise CorruptionError("record extends past the end of its segment", **where)
+        i = j + 1
+    for idx, dest in wanted:
+        if rec.crc32c(dest) != hdr.extent_crcs[idx]:
+            raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+
+
+def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, idx: int,
+                      where: dict[str, Any]) -> bytes:
+    """One extent as a new bytes object (one read, no extra copy), checksum verified."""
+    n = hdr.extent_lengths[idx]
+    data = io.pread(fd, n, offset + hdr.offsets()[idx]) if n else b""
+    if len(data) != n:
+        raise CorruptionError("record extends past the end of its segment", **where)
+    if rec.crc32c(data) != hdr.extent_crcs[idx]:
+        raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+    return data
+
+
+# --- read file descriptors -----------------------------------------------------------------
+
+
+class SegmentFiles:
+    """Read-only file descriptors of segments, shared by threads, reference counted.
+
+    A segment retired by compaction is closed when its last reader releases it, so a read in
+    flight never sees its descriptor closed (or reused) under it.
+    """
+
+    def __init__(self, io: PosixIO, seg_dir: str) -> None:
+        self.io, self.seg_dir = io, seg_dir
+        self._lock = threading.Lock()
+        self._fds: dict[int, list[int]] = {}  # id -> [fd, refs]
+        self._retired: set[int] = set()
+
+    def path(self, seg_id: int) -> str:
+        return os.path.join(self.seg_dir, segment_name(seg_id))
+
+    def acquire(self, seg_id: int) -> int:
+        """The fd of a segment (opened on first use); FileNotFoundError if it is gone."""
+        with self._lock:
+            ent = self._fds.get(seg_id)
+            if ent is None:
+                fd = self.io.open(self.path(seg_id), os.O_RDONLY)
+                self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
+                ent = self._fds[seg_id] = [fd, 0]
+            ent[1] += 1
+            return ent[0]
+
+    def release(self, seg_id: int) -> None:
+        with self._lock:
+            ent = self._fds[seg_id]
+            ent[1] -= 1
+            if ent[1] == 0 and seg_id in self._retired:
+                self._close(seg_id)
+
+    def retire(self, seg_id: int) -> None:
+        """Close the segment's fd once no read uses it (called after the file is unlinked)."""
+        with self._lock:
+            ent = self._fds.get(seg_id)
+            if ent is not None and ent[1] == 0:
+                self._close(seg_id)
+            elif ent is not None:
+                self._retired.add(seg_id)
+
+    def _close(self, seg_id: int) -> None:
+        fd, _ = self._fds.pop(seg_id)
+        self._retired.discard(seg_id)
+        self.io.close(fd)
+
+    def close_all(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                self.io.close(fd)
+            self._fds.clear()
+            self._retired.clear()
+
+
+# --- the log writer (SPEC.md §7) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Appended:
+    """Where an appended record landed."""
+
+    segment: int
+    offset: int
+    lsn: int
+    end: int
+
+
+class Log:
+    """The writer side of the segment log: LSNs, appends, padding, group-commit sync, rollover.
+
+    Thread-safe.  ``append`` runs ``on_written`` under the append lock, so callers can keep
+    in-memory state in LSN order.  A failed fdatasync poisons the log: every later write
+    raises (the kernel may have dropped the dirty pages; retrying would lie).
+    """
+
+    def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
+                 segment_bytes: int, sync_enabled: bool) -> None:
+        self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
+        self.segment_bytes = segment_bytes
+        self.sync_enabled = sync_enabled
+        self.append_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self.active = active
+        self.tail = tail
+        self.next_lsn = next_lsn
+        self.fd = io.open(self._path(active), os.O_RDWR)
+        self.durable = (active, tail)  # everything before this position is synced
+        self.durable_lsn = next_lsn - 1
+        self.unsynced_bytes = 0
+        self.oldest_unsynced: float | None = None
+        self.poisoned: BaseException | None = None
+        self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
+        self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
+        if tail % fmt.PAGE:
+            self.sync()  # start on a page boundary: never write into a page holding recovered records
+
+    def _path(self, seg_id: int) -> str:
+        return os.path.join(self.seg_dir, segment_name(seg_id))
+
+    def check(self) -> None:
+        if self.poisoned is not None:
+            raise StoreIOError(f"the store handle is poisoned by an earlier I/O failure: {self.poisoned}",
+                               poisoned=True, errno=getattr(self.poisoned, "errno", None))
+
+    @staticmethod
+    def create_segment(io: PosixIO, seg_dir: str, store_uuid: bytes, seg_id: int, base_lsn: int, sync: bool) -> None:
+        """Create a segment file holding only its header: write, fdatasync, fsync the directory."""
+        path = os.path.join(seg_dir, segment_name(seg_id))
+        fd = io.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(io, fd, [new_segment_header(store_uuid, seg_id, base_lsn).encode()], 0)
+            if sync:
+                io.fdatasync(fd)
+        finally:
+            io.close(fd)
+        if sync:
+            io.fsync_dir(seg_dir)
+
+    # -- appending ------------------------------------------------------------------------
+
+    def _pad_iov(self, start: int, target: int) -> list[bytes]:
+        """Bytes that take the log from ``start`` to ``target``: a PAD record, or zeros when the
+        gap is a page-end gap shorter than a record header (SPEC.md §4.2)."""
+        gap = target - start
+        if gap == 0:
+            return []
+        if gap < fmt.MIN_RECORD_GAP:
+            return [bytes(gap)]
+        return [rec.encode_pad(gap)]
+
+    def _start_for(self, align_log2: int) -> int:
+        p = self.tail
+        page_end = rec.align_up(p, fmt.PAGE)
+        if p % fmt.PAGE and page_end - p < fmt.MIN_RECORD_GAP:
+            p = page_end
+        return rec.align_up(p, 1 << align_log2)
+
+    def append(self, record: rec.EncodedRecord, on_written: Callable[[Appended, bytes], None] | None = None) -> Appended:
+        """Stamp the next LSN on ``record`` and write it.  Not durable until ``sync``."""
+        with self.append_lock:
+            self.check()
+            start = self._start_for(record.align_log2)
+            if start + record.record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+                self._rollover()
+                start = self._start_for(record.align_log2)
+            lsn = self.next_lsn
+            header = rec.with_lsn(record.header, lsn)
+            end = start + record.record_len
+            new_tail = rec.align_up(end, fmt.RECORD_ALIGN)  # the tail stays 8-aligned: no holes
+            iov = self._pad_iov(self.tail, start) + [header] + record.iovecs()[1:] + [rec.zeros(new_tail - end)]
+            try:
+                write_all(self.io, self.fd, iov, self.tail)
+            except OSError as e:
+                self._undo_partial_write()
+                raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+            where = Appended(self.active, start, lsn, end)
+            self.next_lsn += 1
+            self.unsynced_bytes += new_tail - self.tail
+            self.tail = new_tail
+            if self.oldest_unsynced is None:
+                self.oldest_unsynced = time.monotonic()
+            if on_written is not None:
+                on_written(where, header)
+            return where
+
+    def _undo_partial_write(self) -> None:
+        """Cut what a failed write may have left past the tail; poison the log if that fails."""
+        try:
+            self.io.ftruncate(self.fd, self.tail)
+        except OSError as e:
+            self.poisoned = e
+
+    def _rollover(self) -> None:
+        """Seal the active segment and start the next one (caller holds append_lock).
+
+        The sealed segment is synced first (unless durability is "none", where the next
+        ``sync`` does it), so a sealed segment never has a torn tail.
+        """
+        self._pad_to_page()
+        if self.sync_enabled:
+            self._fdatasync(self.fd)
+        else:
+            self._sealed_unsynced.append(self.fd)
+        new_id = self.active + 1
+        try:
+            self.create_segment(self.io, self.seg_dir, self.store_uuid, new_id, self.next_lsn, self.sync_enabled)
+            fd = self.io.open(self._path(new_id), os.O_RDWR)
+        except OSError as e:
+            raise io_error(e, "create segment", path=self._path(new_id), segment=new_id) from None
+        if self.fd not in self._sealed_unsynced:
+            self._to_close.append(self.fd)  # a concurrent sync() may still be using it
+        if self.sync_enabled:
+            self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
+            self.durable_lsn = self.next_lsn - 1
+            self.unsynced_bytes = 0
+            self.oldest_unsynced = None
+        self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
+
+    # -- syncing ----------------------------------------------------------------------------
+
+    def _pad_to_page(self) -> None:
+        """Append padding up to the next page boundary (caller holds append_lock)."""
+        if self.tail % fmt.PAGE:
+            target = rec.align_up(self.tail, fmt.PAGE)
+            try:
+                write_all(self.io, self.fd, self._pad_iov(self.tail, target), self.tail)
+            except OSError as e:
+                self._undo_partial_write()
+                raise io_error(e, "pad segment", segment=self.active) from None
+            self.tail = target
+
+    def _fdatasync(self, fd: int) -> None:
+        try:
+            self.io.fdatasync(fd)
+        except OSError as e:
+            self.poisoned = e
+            raise StoreIOError(f"fdatasync failed: {e.strerror or e}; the handle is now poisoned",
+                               errno=e.errno, poisoned=True, segment=self.active) from None
+
+    def sync(self, upto: Appended | None = None) -> None:
+        """Make every record appended so far (or at least up to ``upto``) durable.
+
+        Group commit: a thread that finds its record already covered by another thread's
+        fdatasync returns at once; otherwise it pads the tail to a page boundary (so no later
+        write touches a synced page) and issues one fdatasync for everything appended.
+        """
+        with self._sync_lock:
+            self.check()
+            if upto is not None and (upto.segment, upto.end) <= self.durable:
+                return
+            with self.append_lock:
+                self.check()
+                self._pad_to_page()
+                fd, pos, lsn = self.fd, (self.active, self.tail), self.next_lsn - 1
+                sealed, self._sealed_unsynced = self._sealed_unsynced, []
+                to_close, self._to_close = self._to_close, []
+                self.unsynced_bytes = 0
+                self.oldest_unsynced = None
+            for old in sealed:  # older segments first: the log stays a prefix on disk
+                self._fdatasync(old)
+            self._fdatasync(fd)  # outside append_lock: appends continue during the sync
+            for old in sealed + to_close:
+                self.io.close(old)
+            self.durable = max(self.durable, pos)
+            self.durable_lsn = max(self.durable_lsn, lsn)
+
+    def close(self) -> None:
+        with self._sync_lock, self.append_lock:
+            for fd in self._sealed_unsynced + self._to_close + ([self.fd] if self.fd >= 0 else []):
+                self.io.close(fd)
+            self._sealed_unsynced, self._to_close, self.fd = [], [], -1

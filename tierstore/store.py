@@ -1,0 +1,680 @@
+"""The Store handle: the public API, and the only module that knows all the others.
+
+Write path:  Store.put -> encode_block -> record.encode_put -> Log.append -> (Log.sync)
+             -> memtable -> committer -> Index.apply
+Read path:   Store.get -> _lookup (memtable, then Index) -> block.read_object
+             -> segment.read_extents (preadv into a preallocated buffer, checksums verified)
+
+The segment log is the write-ahead log: a put is durable once its record is synced; the
+index is applied after, in batches, by a committer thread, and records the log position it
+has applied.  Until then the memtable (records appended but not yet in the index) serves
+reads in this process.  A memtable entry is used only while its LSN is newer than the
+index's applied LSN, read in the same snapshot, so the two never disagree.
+
+Threads: a Store may be shared by threads.  Processes: one writer at a time (an exclusive
+``flock`` on LOCK, held for the life of a writable handle); any number of read-only handles.
+Never use a Store across ``fork()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from . import arrays
+from . import block as blk
+from . import format as fmt
+from . import record as rec
+from . import recovery
+from . import segment as seglib
+from .errors import (CorruptionError, InvalidObject, NotFound, ReadOnlyError, StoreClosed, StoreLocked,
+                     StoreNotFound, TierstoreError)
+from .fileio import DEFAULT_IO, PosixIO, io_error
+from .index import Applied, Index, Location, Op
+from .objects import Blob, KVCache, ObjectInfo, Vectors
+
+DURABILITY = ("sync", "group", "none")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes from an int or a string like "16GiB", "512MB", "4096"."""
+    if isinstance(value, bool):
+        raise InvalidObject(f"{name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
+        power = "BKMGT".index(unit[0]) if unit != "B" else 0
+        n = int(float(m.group(1)) * base**power)
+    else:
+        raise InvalidObject(f"{name} must be an int or a size string like '16GiB', got {value!r}")
+    if n <= 0:
+        raise InvalidObject(f"{name} must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class Options:
+    """Tuning knobs of ``tierstore.open`` (all optional).  Sizes take ints or "64MiB" strings."""
+
+    segment_bytes: int = 1 << 30  # roll over to a new segment past this size
+    group_commit_ms: float = 10.0  # durability="group": sync at most this long after a put
+    group_commit_bytes: int = 64 << 20  # durability="group": or once this much is unsynced
+    index_commit_ms: float = 50.0  # apply the index at most this long after a durable record
+    index_batch: int = 1024  # or once this many records are waiting
+    lock_timeout: float = 60.0  # seconds to wait for another writer to close
+    vector_extent_bytes: int = 64 << 10  # target extent size of a vector row range
+    index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidObject(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        vals: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            if k.endswith("_bytes") or k == "index_map_size":
+                vals[k] = parse_size(v, k)
+            elif k in ("index_batch",):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise InvalidObject(f"{k} must be a positive int, got {v!r}")
+                vals[k] = v
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise InvalidObject(f"{k} must be a non-negative number, got {v!r}")
+                vals[k] = float(v)
+        if vals.get("segment_bytes", cls.segment_bytes) < 2 * fmt.PAGE:
+            raise InvalidObject("segment_bytes must be at least 8 KiB")
+        return cls(**vals)
+
+
+@dataclass(frozen=True)
+class _Mem:
+    """A memtable entry: the newest record of a key not yet applied to the index."""
+
+    lsn: int
+    location: Location | None  # None: deleted
+
+
+def _encode_namespace(namespace: Any) -> bytes:
+    if not isinstance(namespace, str):
+        raise InvalidObject(f"namespace must be a str, got {type(namespace).__name__}")
+    b = namespace.encode("utf-8")
+    if not 1 <= len(b) <= fmt.NAMESPACE_MAX_BYTES:
+        raise InvalidObject(f"namespace must be 1 to {fmt.NAMESPACE_MAX_BYTES} bytes of UTF-8, got {len(b)}")
+    if any(c < 0x20 or c == 0x7F for c in b) or "/" in namespace or "\\" in namespace or namespace in (".", ".."):
+        raise InvalidObject(f"namespace {namespace!r} contains a control character, a path separator, or is . / ..")
+    return b
+
+
+def _encode_key(key: Any) -> tuple[bytes, int]:
+    if isinstance(key, str):
+        b, flags = key.encode("utf-8"), fmt.FLAG_KEY_STR
+        if "\x00" in key:
+            raise InvalidObject("str keys must not contain NUL")
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        b, flags = bytes(key), 0
+    else:
+        raise InvalidObject(f"key must be str or bytes, got {type(key).__name__}")
+    if not 1 <= len(b) <= fmt.KEY_MAX_BYTES:
+        raise InvalidObject(f"key must be 1 to {fmt.KEY_MAX_BYTES} bytes, got {len(b)}",
+                            hint="hash long identifiers (e.g. hashlib.sha256(x).digest())")
+    return b, flags
+
+
+def _decode_key(b: bytes, flags: int) -> str | bytes:
+    return b.decode("utf-8") if flags & fmt.FLAG_KEY_STR else b
+
+
+class _Reader:
+    """ExtentReader over one record in one segment (holds the segment fd while reading)."""
+
+    def __init__(self, store: "Store", loc: Location, where: dict[str, Any]) -> None:
+        self.store, self.loc, self.where = store, loc, where
+
+    def read_into(self, wanted: Any) -> None:
+        with self.store._segment_fd(self.loc.segment) as fd:
+            seglib.read_extents(self.store._io, fd, self.loc.offset, self.loc.header, wanted, self.where)
+
+    def read_bytes(self, index: int) -> bytes:
+        with self.store._segment_fd(self.loc.segment) as fd:
+            return seglib.read_extent_bytes(self.store._io, fd, self.loc.offset, self.loc.header, index, self.where)
+
+
+class _SegFd:
+    def __init__(self, files: seglib.SegmentFiles, seg: int) -> None:
+        self.files, self.seg = files, seg
+
+    def __enter__(self) -> int:
+        self.fd = self.files.acquire(self.seg)
+        return self.fd
+
+    def __exit__(self, *exc: Any) -> None:
+        self.files.release(self.seg)
+
+
+class Store:
+    """A handle on a tierstore directory.  Create with ``tierstore.open``.
+
+    Thread-safe.  Use as a context manager or call ``close()``: it makes every write durable
+    and visible to other processes, stops the committer thread and releases the writer lock.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
+                 durability: str = "sync", _io: PosixIO | None = None, **options: Any) -> None:
+        if durability not in DURABILITY:
+            raise InvalidObject(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        self.options = Options.from_kwargs(options)
+        self.path = os.path.abspath(os.fspath(path))
+        self.readonly = readonly
+        self.durability = durability
+        self._io = _io or DEFAULT_IO
+        self._closed = True
+        self._lock_fd = -1
+        self._index: Index | None = None
+        self._log: seglib.Log | None = None
+        self._mem: dict[tuple[bytes, bytes], _Mem] = {}
+        self._pending: list[Op] = []
+        self._pending_lock = threading.Lock()
+        self._oldest_pending: float | None = None
+        self._write_lock = threading.RLock()
+        self._commit_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._committer: threading.Thread | None = None
+        self._committer_error: BaseException | None = None
+        self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0,
+                          "index_commits": 0, "syncs": 0}
+        self.recovery: dict[str, Any] = {}
+        self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
+        self._files = seglib.SegmentFiles(self._io, self._seg_dir)
+        try:
+            self._open(create)
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def _open(self, create: bool) -> None:
+        io = self._io
+        if not os.path.exists(self.path):
+            if not create or self.readonly:
+                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+            os.makedirs(self.path, exist_ok=True)
+        elif not os.path.isdir(self.path):
+            raise InvalidObject(f"{self.path} exists and is not a directory", path=self.path)
+        if not self.readonly:
+            self._take_writer_lock()
+        index_dir = os.path.join(self.path, fmt.INDEX_DIR)
+        has_segments = os.path.isdir(self._seg_dir) and bool(seglib.list_segments(io, self._seg_dir))
+        has_index = Index.exists(index_dir)
+        if not has_segments and not has_index:
+            if self.readonly or not create:
+                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+            self._create_store()
+        elif not has_segments:
+            raise CorruptionError("the index exists but no segment files do", path=self._seg_dir,
+                                  hint="restore the segments/ directory; the index alone holds no data")
+        elif not has_index:
+            if self.readonly:
+                raise CorruptionError("the index is missing", path=index_dir,
+                                      hint="open the store writable (or run `tierstore recover PATH`) to rebuild it")
+            self._rebuild("index missing")
+        self._index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size)
+        scan = self._replay()
+        if self.readonly:
+            for op in scan.ops:
+                self._mem[(op.namespace, op.key)] = _Mem(op.lsn, op.location)
+            return
+        if scan.ops:
+            self._index.apply(scan.ops, scan.last, durable=True)
+        self._drop_dead_segments(keep=scan.active)
+        self._log = seglib.Log(io, self._seg_dir, self._store_uuid, active=scan.active, tail=scan.tail,
+                               next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
+                               sync_enabled=self.durability != "none")
+
+    def _take_writer_lock(self) -> None:
+        path = os.path.join(self.path, fmt.LOCK_FILE)
+        self._lock_fd = self._io.open(path, os.O_RDWR | os.O_CREAT)
+        deadline = time.monotonic() + self.options.lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                self._io.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise io_error(e, "lock store", path=path) from None
+            if time.monotonic() >= deadline:
+                raise StoreLocked(f"another writer holds the store (waited {self.options.lock_timeout:g}s)", path=self.path)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _create_store(self) -> None:
+        io = self._io
+        uuid = seglib.new_store_uuid()
+        if not os.path.isdir(self._seg_dir):
+            io.mkdir(self._seg_dir)
+        seglib.Log.create_segment(io, self._seg_dir, uuid, 1, 1, sync=True)
+        io.fsync_dir(self.path)
+        idx = Index.open(os.path.join(self.path, fmt.INDEX_DIR), writable=True, map_size=self.options.index_map_size)
+        try:
+            idx.initialise(uuid)
+        finally:
+            idx.close()
+        io.fsync_dir(self.path)
+
+    def _rebuild(self, why: str) -> None:
+        t0 = time.perf_counter()
+        scan = recovery.rebuild_index(self._io, self.path, repair=False)
+        self.recovery.update({"rebuilt_index": why, "rebuild_seconds": time.perf_counter() - t0,
+                              "rebuild_bytes_scanned": scan.bytes_scanned})
+
+    def _replay(self) -> recovery.LogScan:
+        """Bring the index up to the end of the log (see recovery.py)."""
+        assert self._index is not None
+        t0 = time.perf_counter()
+        uuid = self._index.store_uuid()
+        version = self._index.format_version()
+        if uuid is None or version is None:
+            raise CorruptionError("index has no store identity", path=self._index.path)
+        if version[0] != fmt.FORMAT_MAJOR:
+            from .errors import FormatVersionError
+            raise FormatVersionError(f"index written by format {version[0]}.{version[1]}", path=self._index.path)
+        self._store_uuid = uuid
+        applied = self._index.applied()
+        try:
+            if not recovery.check_applied(self._io, self.path, applied):
+                raise recovery._IndexAhead("the index's applied position is not in the log")
+            scan = recovery.scan_log(self._io, self.path, uuid, applied, writable=not self.readonly, repair=False)
+        except recovery._IndexAhead as e:
+            if self.readonly:
+                raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
+                                      hint="open the store writable (or run `tierstore recover PATH`) to rebuild the index")
+            self._index.close()
+            self._index = None
+            self._rebuild(e.message)
+            self._index = Index.open(os.path.join(self.path, fmt.INDEX_DIR), writable=True,
+                                     map_size=self.options.index_map_size)
+            applied = self._index.applied()
+            scan = recovery.scan_log(self._io, self.path, uuid, applied, writable=True, repair=False)
+        self.recovery.update({"replayed_records": len(scan.ops), "replay_seconds": time.perf_counter() - t0,
+                              "damage": [d.__dict__ for d in scan.damage],
+                              "removed_segments": scan.removed_segments})
+        return scan
+
+    def _drop_dead_segments(self, keep: int) -> None:
+        """Unlink segments a finished compaction marked dead (a crash may have left them)."""
+        assert self._index is not None
+        dead = [s for s, (_, state) in self._index.segment_stats().items() if state == 1 and s != keep]
+        for seg in dead:
+            path = self._files.path(seg)
+            if os.path.exists(path):
+                self._io.unlink(path)
+        if dead:
+            self._io.fsync_dir(self._seg_dir)
+            self._index.forget_segments(dead)
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Make every write durable and visible, then release the handle.  Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._log is not None and self._log.poisoned is None and self._committer_error is None:
+                self._commit(force=True, sync=True)
+        finally:
+            self._closed = True
+            self._teardown()
+
+    def _teardown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._committer is not None and self._committer is not threading.current_thread():
+            self._committer.join()
+        if self._log is not None:
+            self._log.close()
+        self._files.close_all()
+        if self._index is not None:
+            self._index.close()
+        if self._lock_fd >= 0:
+            self._io.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd = -1
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("read-only" if self.readonly else f"durability={self.durability}")
+        return f"<tierstore.Store {self.path!r} {state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed", path=self.path)
+
+    def _check_writable(self) -> seglib.Log:
+        self._check_open()
+        if self.readonly or self._log is None:
+            raise ReadOnlyError("the store was opened read-only", path=self.path)
+        if self._committer_error is not None:
+            raise self._committer_error
+        self._log.check()
+        return self._log
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
+            meta: dict[str, Any] | None = None) -> None:
+        """Store ``obj`` under ``key`` in ``namespace``, replacing any previous object.
+
+        With durability="sync" the object survives a crash or power loss once put returns;
+        with "group" once ``flush()`` returns or the group-commit bound passes; with "none"
+        it survives a process crash (it is in the OS page cache) but not power loss.  Other
+        processes see it once the index batch commits (``index_commit_ms``) or after ``flush()``.
+
+        ``meta`` is an optional dict of str -> (str, bytes, int, float, bool, None, list,
+        dict) stored with the object and returned by ``info``.  Raises InvalidObject on bad
+        input (nothing is written), ReadOnlyError, StoreFull, StoreIOError.
+        """
+        log = self._check_writable()
+        ns = _encode_namespace(namespace)
+        k, kflags = _encode_key(key)
+        user_meta = rec.check_user_meta(meta)
+        block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
+        record = rec.encode_put(0, ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2)
+        with self._write_lock:
+            where = log.append(record, self._on_written)
+        self._counters["puts"] += 1
+        self._counters["bytes_written"] += record.record_len
+        self._after_write(log, where)
+
+    def delete(self, key: str | bytes, *, namespace: str = "default") -> bool:
+        """Delete the object; True if it existed, False if there was nothing to delete.
+
+        Durability follows the store's mode, as for ``put``.
+        """
+        log = self._check_writable()
+        ns = _encode_namespace(namespace)
+        k, kflags = _encode_key(key)
+        with self._write_lock:
+            if self._lookup(ns, k) is None:
+                return False
+            where = log.append(rec.encode_delete(0, ns, k, kflags), self._on_written)
+        self._counters["deletes"] += 1
+        self._after_write(log, where)
+        return True
+
+    def _on_written(self, where: seglib.Appended, header: bytes) -> None:
+        """Runs under the log's append lock, in LSN order."""
+        hdr = rec.decode_header(header, verify=False)
+        loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
+        op = Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc)
+        with self._pending_lock:
+            self._mem[(op.namespace, op.key)] = _Mem(where.lsn, loc)
+            self._pending.append(op)
+            if self._oldest_pending is None:
+                self._oldest_pending = time.monotonic()
+
+    def _after_write(self, log: seglib.Log, where: seglib.Appended) -> None:
+        if self.durability == "sync":
+            log.sync(where)
+            self._counters["syncs"] += 1
+        elif self.durability == "group" and log.unsynced_bytes >= self.options.group_commit_bytes:
+            log.sync()
+            self._counters["syncs"] += 1
+        self._wake_committer()
+
+    def flush(self) -> None:
+        """Make every earlier write durable (whatever the durability mode) and visible to
+        other processes (the index is committed)."""
+        self._check_writable()
+        self._commit(force=True, sync=True)
+
+    # -- the committer ------------------------------------------------------------------------
+
+    def _wake_committer(self) -> None:
+        if self._committer is None:
+            with self._cv:
+                if self._committer is None and not self._stopping:
+                    self._committer = threading.Thread(target=self._committer_loop, name="tierstore-committer",
+                                                       daemon=True)
+                    self._committer.start()
+        with self._pending_lock:
+            n = len(self._pending)
+        if n >= self.options.index_batch:
+            with self._cv:
+                self._cv.notify()
+
+    def _committer_loop(self) -> None:
+        tick = min(self.options.group_commit_ms if self.durability == "group" else self.options.index_commit_ms,
+                   self.options.index_commit_ms) / 1000.0
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                self._cv.wait(timeout=max(tick, 0.001))
+                if self._stopping:
+                    return
+            try:
+                self._commit(force=False, sync=False)
+            except BaseException as e:  # surfaced to the next caller; the handle stops writing
+                self._committer_error = e
+                return
+
+    def _commit(self, *, force: bool, sync: bool) -> None:
+        """Sync the log if due (or ``sync``), then apply durable pending records to the index."""
+        log = self._log
+        if log is None or self._index is None:
+            return
+        with self._commit_lock:
+            now = time.monotonic()
+            due_sync = self.durability == "group" and log.oldest_unsynced is not None and (
+                now - log.oldest_unsynced >= self.options.group_commit_ms / 1000.0)
+            if sync or due_sync:
+                log.sync()
+                self._counters["syncs"] += 1
+            limit = log.next_lsn - 1 if self.durability == "none" and not sync else log.durable_lsn
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                old = self._oldest_pending or now
+                if not (force or len(self._pending) >= self.options.index_batch
+                        or now - old >= self.options.index_commit_ms / 1000.0):
+                    return
+                n = 0
+                while n < len(self._pending) and self._pending[n].lsn <= limit:
+                    n += 1
+                batch = self._pending[:n]
+            if not batch:
+                return
+            last = batch[-1]
+            self._index.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len),
+                              durable=sync)
+            self._counters["index_commits"] += 1
+            with self._pending_lock:
+                del self._pending[:n]
+                self._oldest_pending = time.monotonic() if self._pending else None
+                for op in batch:
+                    k = (op.namespace, op.key)
+                    m = self._mem.get(k)
+                    if m is not None and m.lsn <= last.lsn:
+                        del self._mem[k]
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _lookup(self, ns: bytes, k: bytes) -> Location | None:
+        """The newest location of a key, or None.  Memtable first, then an index snapshot."""
+        assert self._index is not None
+        m = self._mem.get((ns, k))
+        with self._index.read() as view:
+            if m is not None and m.lsn > view.applied().lsn:
+                return m.location
+            return view.get(ns, k)
+
+    def _locate(self, key: Any, namespace: Any) -> tuple[bytes, bytes, Location]:
+        self._check_open()
+        ns = _encode_namespace(namespace)
+        k, _ = _encode_key(key)
+        loc = self._lookup(ns, k)
+        if loc is None:
+            raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace)
+        return ns, k, loc
+
+    def _segment_fd(self, seg: int) -> _SegFd:
+        return _SegFd(self._files, seg)
+
+    def get(self, key: str | bytes, *, namespace: str = "default", layers: Any = None, rows: Any = None,
+            device: str | None = None) -> KVCache | Vectors | Blob:
+        """Read an object, or part of one, returning the kind that was stored.
+
+        ``layers`` (KVCache): absolute layer ids, an int / range / slice / contiguous
+        ascending sequence; only those layers' bytes are read.  ``rows`` (Vectors): ints,
+        a sequence or a slice; only the row ranges holding them are read.  ``device``:
+        "cpu" or "cuda:N" returns torch tensors there; by default arrays come back in the
+        framework they were stored from (numpy or torch).
+
+        Every byte returned was checked against its CRC-32C: a mismatch raises
+        CorruptionError naming the segment and offset, never wrong data.  NotFound if the
+        key does not exist.
+        """
+        arrays.validate_device(device)
+        for attempt in range(3):
+            ns, k, loc = self._locate(key, namespace)
+            where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace,
+                     "path": self._files.path(loc.segment)}
+            try:
+                obj = blk.read_object(loc.header, _Reader(self, loc, where), layers=layers, rows=rows, device=device)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise CorruptionError("segment file missing", **where) from None
+                continue  # compaction moved the object between lookup and read: look it up again
+            self._counters["gets"] += 1
+            return obj
+        raise AssertionError("unreachable")
+
+    def contains(self, key: str | bytes, *, namespace: str = "default") -> bool:
+        """Whether ``key`` exists in ``namespace``."""
+        self._check_open()
+        ns = _encode_namespace(namespace)
+        k, _ = _encode_key(key)
+        return self._lookup(ns, k) is not None
+
+    def __contains__(self, key: str | bytes) -> bool:
+        return self.contains(key)
+
+    def keys(self, *, namespace: str = "default") -> list[str | bytes]:
+        """Every key in ``namespace`` (str keys come back as str, bytes keys as bytes), sorted by
+        their UTF-8 / raw bytes."""
+        self._check_open()
+        ns = _encode_namespace(namespace)
+        assert self._index is not None
+        with self._pending_lock:
+            mem = {k: m for (n, k), m in self._mem.items() if n == ns}
+        with self._index.read() as view:
+            applied = view.applied().lsn
+            out: dict[bytes, int] = {k: flags for k, flags in view.keys(ns)}
+        for k, m in mem.items():
+            if m.lsn > applied:
+                if m.location is None:
+                    out.pop(k, None)
+                else:
+                    out[k] = m.location.header.flags
+        return [_decode_key(k, out[k]) for k in sorted(out)]
+
+    def namespaces(self) -> list[str]:
+        """Namespaces holding at least one object."""
+        self._check_open()
+        assert self._index is not None
+        with self._index.read() as view:
+            names = set(view.namespaces())
+        with self._pending_lock:
+            pending = list(self._mem.items())
+        for (ns, k), m in pending:
+            if m.location is not None:
+                names.add(ns)
+        return sorted(n.decode("utf-8") for n in names if self.keys(namespace=n.decode("utf-8")))
+
+    def info(self, key: str | bytes, *, namespace: str = "default") -> ObjectInfo:
+        """Describe a stored object without reading its payload."""
+        _, _, loc = self._locate(key, namespace)
+        h = loc.header
+        meta = h.meta
+        kind = fmt.KIND_NAMES[h.kind]
+        dtype = fmt.DTYPES[meta["dtype"]][0] if "dtype" in meta else None
+        shape = tuple(meta["shape"]) if "shape" in meta else ()
+        return ObjectInfo(
+            namespace=namespace, key=_decode_key(h.key, h.flags), kind=kind, shape=shape, dtype=dtype,
+            logical_bytes=sum(h.extent_lengths), stored_bytes=h.record_len, codec=fmt.CODEC_NAMES[h.codec],
+            lossless=True, checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs, tiers=("ssd",),
+            lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
+            metric=meta.get("metric"), media_type=meta.get("media_type"),
+            has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes: objects, segments, bytes live/dead, log position, tiers."""
+        self._check_open()
+        assert self._index is not None
+        if self._log is not None and self._log.poisoned is None:
+            self._commit(force=True, sync=False)  # apply what is durable, so the figures are current
+        segs = self._index.segment_stats()
+        seg_ids = seglib.list_segments(self._io, self._seg_dir)
+        sizes = {s: os.path.getsize(self._files.path(s)) for s in seg_ids}
+        live = sum(segs.get(s, (0, 0))[0] for s in seg_ids)
+        total = sum(sizes.values())
+        with self._pending_lock:
+            pending = len(self._pending)
+        applied = self._index.applied()
+        log = self._log
+        out: dict[str, Any] = {
+            "path": self.path,
+            "readonly": self.readonly,
+            "durability": self.durability,
+            "objects_indexed": self._index.count(),
+            "pending_index_records": pending,
+            "segments": len(seg_ids),
+            "segment_bytes": total,
+            "live_bytes": live,
+            "dead_bytes": max(0, total - live - fmt.SEGMENT_HEADER_SIZE * len(seg_ids)),
+            "applied_lsn": applied.lsn,
+            "next_lsn": log.next_lsn if log else None,
+            "durable_lsn": log.durable_lsn if log else None,
+            "counters": dict(self._counters),
+            "recovery": dict(self.recovery),
+            "tiers": {"ssd": {"bytes_used": total, "capacity_bytes": None, "io_path": "posix"}},
+        }
+        return out
+
+    # -- maintenance --------------------------------------------------------------------------
+
+    def compact(self, *, min_dead_ratio: float = 0.0) -> dict[str, Any]:
+        """Rewrite the live records of sealed segments holding dead bytes, then delete them.
+
+        Crash-safe at every step: copies are appended to the log and synced, the index is
+        repointed in one durable transaction, and only then are old segments unlinked.
+        Writers are paused only while each record is copied.  Returns what was done.
+        """
+        from .compaction import compact
+        log = self._check_writable()
+        return compact(self, log, min_dead_ratio=min_dead_ratio)
