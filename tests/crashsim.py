@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tierstore.fileio import PosixIO
 

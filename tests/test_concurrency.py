@@ -70,7 +70,7 @@ def test_readers_during_compaction(store_path):
 
         th = threading.Thread(target=reader)
         th.start()
-        for round_ in range(3):
+        for _ in range(3):
             for i in range(0, 30, 2):
                 s.put(f"k{i}", Blob(bytes([i]) * 3000))  # make garbage
             s.compact()

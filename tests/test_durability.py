@@ -9,7 +9,6 @@ rebuilt from the segments alone agrees with the recovered one.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -58,7 +57,7 @@ def apply_model(model: dict, op: tuple) -> None:
 
 def read_state(path: str) -> dict:
     with tierstore.open(path) as s:
-        state = {k: s.get(k).data for k in s.keys()}
+        state = {k: s.get(k).data for k in s.keys()}  # noqa: SIM118 (Store.keys is not a dict's)
         report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
         assert report.ok, report.as_dict()
     return state
@@ -161,7 +160,6 @@ def run_and_kill(path: str, seed: int, delay: float) -> list[str]:
 
 def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
     path = str(tmp_path / "store")
-    expected: dict[str, set[bytes]] = {}  # key -> values it may hold (acked last value, or in-flight)
     must: dict[str, bytes | None] = {}
     rnd = random.Random(7)
     kills = int(os.environ.get("TIERSTORE_KILLS", "12"))
@@ -191,29 +189,30 @@ def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
             assert set(s.keys()) <= set(must) | set(inflight)
             report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
             assert report.ok, report.as_dict()
-        del expected
-        expected = {}
     assert len(must) >= 10
 
 
 def test_group_mode_flush_is_durable_across_kill(tmp_path):
     path = str(tmp_path / "store")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {src!r})\n"
         "import tierstore, os\n"
-        "s = tierstore.open(%r, durability='group', group_commit_ms=1e6)\n"
+        f"s = tierstore.open({path!r}, durability='group', group_commit_ms=1e6)\n"
         "for i in range(50): s.put(f'k{i}', tierstore.Blob(b'x' * i))\n"
         "s.flush(); print('flushed', flush=True)\n"
         "for i in range(50, 60): s.put(f'k{i}', tierstore.Blob(b'y'))\n"
         "os.kill(os.getpid(), 9)\n"
-    ) % (os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__))), path)
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert "flushed" in proc.stdout
     with tierstore.open(path) as s:
         for i in range(50):
             assert s.get(f"k{i}").data == b"x" * i
-        # unflushed puts survive a process kill too (they were in the page cache)
-        assert all(s.contains(f"k{i}") for i in range(50, 60))
+        # unflushed puts may be lost (they may still have been in the write buffer), but
+        # what survives is a prefix: never a later put without an earlier one
+        present = [s.contains(f"k{i}") for i in range(50, 60)]
+        assert present == sorted(present, reverse=True)
 
 
 def test_fsync_failure_poisons_handle(store_path, monkeypatch):

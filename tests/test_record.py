@@ -19,11 +19,16 @@ def kv_record(lsn=7, layers=3, ns=b"ns", key=b"key"):
     arr = np.arange(layers * 2 * 2 * 4 * 8, dtype=np.float16).reshape(layers, 2, 2, 4, 8)
     meta = {"dtype": fmt.DTYPE_IDS["float16"], "shape": list(arr.shape), "layer_start": 0}
     exts = [memoryview(arr[i]).cast("B") for i in range(layers)]
-    return rec.encode_put(lsn, ns, key, 0, fmt.KIND_KV, meta, exts, fmt.ALIGN_PAGE_LOG2), arr
+    r = rec.encode_put(ns, key, 0, fmt.KIND_KV, meta, exts, fmt.ALIGN_PAGE_LOG2)
+    return r._replace(header=r.header.stamped(lsn)), arr
 
 
 def flat(r: rec.EncodedRecord) -> bytes:
     return b"".join(bytes(b) for b in r.iovecs())
+
+
+def hdr_bytes(r: rec.EncodedRecord) -> bytes:
+    return r.header.raw
 
 
 def test_crc32c_check_value():
@@ -37,22 +42,23 @@ def test_roundtrip_kv():
     h = rec.decode_header(data)
     assert (h.type, h.lsn, h.kind, h.namespace, h.key) == (fmt.REC_PUT, 7, fmt.KIND_KV, b"ns", b"key")
     assert h.extent_lengths == (arr[0].nbytes,) * 3
-    for i, off in enumerate(h.offsets()):
+    for i, off in enumerate(h.offsets):
         assert off % fmt.PAGE == 0
         assert data[off : off + arr[i].nbytes] == arr[i].tobytes()
         assert rec.crc32c(arr[i].tobytes()) == h.extent_crcs[i]
 
 
-def test_with_lsn_keeps_record_valid():
-    r, _ = kv_record(lsn=0)
-    h = rec.decode_header(rec.with_lsn(r.header, 99))
-    assert h.lsn == 99
+def test_stamped_keeps_record_valid():
+    r, _ = kv_record(lsn=1)
+    stamped = r.header.stamped(99)
+    h = rec.decode_header(stamped.raw)
+    assert h.lsn == 99 and h == stamped
 
 
 def test_delete_and_pad():
-    d = rec.encode_delete(5, b"n", b"k", fmt.FLAG_KEY_STR)
-    h = rec.decode_header(d.header)
-    assert h.type == fmt.REC_DELETE and h.key_is_str and h.record_len == len(d.header)
+    d = rec.encode_delete(b"n", b"k", fmt.FLAG_KEY_STR).header.stamped(5)
+    h = rec.decode_header(d.raw)
+    assert h.type == fmt.REC_DELETE and h.key_is_str and h.record_len == len(d.raw) and h == d
     pad = rec.encode_pad(200)
     assert len(pad) == 200
     h = rec.decode_header(pad)
@@ -74,7 +80,7 @@ def mutate(header: bytes, offset: int, fmt_: str, value: int, fix_crc: bool = Tr
 
 def test_valid_header_twin_decodes():
     r, _ = kv_record()
-    assert rec.decode_header(r.header).lsn == 7
+    assert rec.decode_header(r.header.raw).lsn == 7
 
 
 @pytest.mark.parametrize(
@@ -103,7 +109,7 @@ def test_valid_header_twin_decodes():
 def test_hostile_fixed_fields(name, offset, fmt_, value, fix_crc):
     r, _ = kv_record()
     with pytest.raises(CorruptionError):
-        rec.decode_header(mutate(r.header, offset, fmt_, value, fix_crc))
+        rec.decode_header(mutate(r.header.raw, offset, fmt_, value, fix_crc))
 
 
 def _rebuild(meta: dict, extents: list[bytes], kind=fmt.KIND_KV) -> bytes:
@@ -167,14 +173,13 @@ def test_hostile_msgpack():
 
 def test_truncated_header():
     r, _ = kv_record()
-    for cut in (0, 10, 47, 48, len(r.header) - 1):
+    for cut in (0, 10, 47, 48, len(r.header.raw) - 1):
         with pytest.raises(CorruptionError):
-            rec.decode_header(r.header[:cut])
+            rec.decode_header(r.header.raw[:cut])
 
 
 def test_ignorable_unknown_type_decodes():
-    h = rec._pack_header(fmt.REC_TYPE_IGNORABLE | 42, 3, 48 + 8, 0, 3, 0, 0, b"", b"", b"", b"", 0)
-    h = rec._with_record_len(h, len(h))
+    h = rec._pack_header(fmt.REC_TYPE_IGNORABLE | 42, 3, 48, 0, 3, 0, 0, b"", b"", b"", b"", 0)
     assert rec.decode_header(h).type == fmt.REC_TYPE_IGNORABLE | 42
 
 
@@ -198,11 +203,12 @@ def test_blob_roundtrip_property(ns, key, lsn, sizes, align):
     size = sizes[0]
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     meta = {"size": size, "media_type": "x/y"}
-    r = rec.encode_put(lsn, ns, key, 0, fmt.KIND_BLOB, meta, [memoryview(data)], align)
+    r = rec.encode_put(ns, key, 0, fmt.KIND_BLOB, meta, [memoryview(data)], align)
+    r = r._replace(header=r.header.stamped(lsn))
     raw = flat(r)
     h = rec.decode_header(raw)
     assert (h.namespace, h.key, h.lsn) == (ns, key, lsn)
-    off = h.offsets()[0]
+    off = h.offsets[0]
     assert off % (1 << align) == 0 and raw[off : off + size] == data and len(raw) == h.record_len
 
 
@@ -211,7 +217,7 @@ def test_blob_roundtrip_property(ns, key, lsn, sizes, align):
 def test_random_bytes_never_crash_decoder(junk, where):
     """Any byte string decodes to a header or raises CorruptionError -- nothing else."""
     r, _ = kv_record()
-    for candidate in (junk, r.header[:where] + junk, fmt.RECORD_MAGIC + junk):
+    for candidate in (junk, r.header.raw[:where] + junk, fmt.RECORD_MAGIC + junk):
         try:
             rec.decode_header(candidate)
         except CorruptionError:

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache
+from tierstore import Blob, KVCache, recovery
 from tierstore import format as fmt
-from tierstore import recovery
 from tierstore import segment as seglib
 from tierstore.fileio import DEFAULT_IO
 
@@ -221,9 +220,8 @@ def test_foreign_segment_is_rejected(tmp_path):
         with tierstore.open(p) as s:
             s.put("x", Blob(p.encode()))
     shutil.copy(segment_files(b)[0], os.path.join(a, "segments", seglib.segment_name(2)))
-    with pytest.raises(tierstore.CorruptionError):
-        with tierstore.open(a) as s:
-            pass
+    with pytest.raises(tierstore.CorruptionError), tierstore.open(a) as s:
+        pass
 
 
 def test_newer_major_version_refused(store_path):

@@ -15,8 +15,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import (CorruptionError, FormatVersionError, InvalidObject, NotFound, ReadOnlyError, StoreClosed,
-                     StoreFull, StoreIOError, StoreLocked, StoreNotFound, TierstoreError)
+from .errors import (
+    CorruptionError,
+    FormatVersionError,
+    InvalidObject,
+    NotFound,
+    ReadOnlyError,
+    StoreClosed,
+    StoreFull,
+    StoreIOError,
+    StoreLocked,
+    StoreNotFound,
+    TierstoreError,
+)
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 from .store import Store
 

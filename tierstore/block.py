@@ -10,8 +10,8 @@ This module does no I/O: reading is delegated to an ``ExtentReader``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -22,8 +22,7 @@ from .errors import InvalidObject
 from .objects import Blob, KVCache, Vectors
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):
     kind: int
     meta: dict[str, Any]
     extents: tuple[memoryview, ...]
@@ -36,9 +35,16 @@ def _mv(a: np.ndarray) -> memoryview:
     return memoryview(a).cast("B") if a.ndim else memoryview(a.reshape(1)).cast("B")
 
 
-def encode_block(obj: Any, user_meta: dict[str, Any], *, vector_extent_bytes: int) -> Block:
+def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_bytes: int) -> Block:
     """Describe ``obj`` as metadata and extent views (no copy of C-contiguous CPU data)."""
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any]
+    if type(obj) is Blob:  # the common small-object case first
+        view = memoryview(obj.data).cast("B")
+        meta = {"size": view.nbytes, "media_type": obj.media_type}
+        if user_meta:
+            meta["meta"] = user_meta
+        align = fmt.ALIGN_INLINE_LOG2 if view.nbytes < fmt.INLINE_BLOB_MAX else fmt.ALIGN_PAGE_LOG2
+        return Block(fmt.KIND_BLOB, meta, (view,), align, view.nbytes, obj.data)
     if isinstance(obj, KVCache):
         arr = arrays.as_bytes_view(obj.data)
         name = arrays.dtype_name(obj.data)
@@ -106,7 +112,8 @@ def _select_layers(layers: Any, start: int, count: int) -> list[int]:
         try:
             sel = [int(x) for x in layers]
         except (TypeError, ValueError):
-            raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, got {layers!r}") from None
+            raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, "
+                                f"got {layers!r}") from None
     if not sel:
         raise InvalidObject("layers selects no layer")
     bad = [x for x in sel if not start <= x < start + count]

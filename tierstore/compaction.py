@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import format as fmt
 from . import record as rec
 from . import segment as seglib
-from .fileio import write_all
+from .errors import CorruptionError
 
 if TYPE_CHECKING:
     from .store import Store
@@ -76,12 +76,10 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
                         if cur is not None or not older_survivor:
                             dropped += 1
                             continue
-                        log.append(rec.EncodedRecord(hdr.raw, (), (), hdr.record_len, hdr.align_log2, 0),
-                                   store._on_written)
+                        log.append(rec.EncodedRecord(hdr), store._on_written)
                         carried += 1
             if scanner.stop is not None and scanner.stop.reason != "end":
                 # never drop a segment we could not read to its end
-                from .errors import CorruptionError
                 raise CorruptionError(f"cannot compact a damaged segment ({scanner.stop.detail})", path=path,
                                       segment=seg, offset=scanner.stop.offset)
     store._commit(force=True, sync=True)
@@ -90,8 +88,7 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
         if loc is not None and loc.segment in victims:
             raise AssertionError(f"compaction left {key!r} in victim segment {loc.segment}")
     if victims:
-        applied = index.applied()
-        index.relocate([], victims, applied, {})
+        index.mark_dead(victims)
         for seg in victims:
             io.unlink(store._files.path(seg))
             store._files.retire(seg)
@@ -107,7 +104,5 @@ def _copy_record(log: seglib.Log, store: "Store", src_fd: int, off: int, hdr: re
     body_len = hdr.record_len - hdr.header_len
     body = io.pread(src_fd, body_len, off + hdr.header_len) if body_len else b""
     if len(body) != body_len:
-        from .errors import CorruptionError
-        raise CorruptionError("record extends past the end of its segment", segment=hdr.lsn, offset=off)
-    record = rec.EncodedRecord(hdr.raw, (memoryview(body),), (hdr.header_len,), hdr.record_len, hdr.align_log2, 0)
-    log.append(record, store._on_written)
+        raise CorruptionError("record extends past the end of its segment", offset=off, key=hdr.key)
+    log.append(rec.EncodedRecord(hdr, body=memoryview(body)), store._on_written)

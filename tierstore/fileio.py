@@ -13,9 +13,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import StoreFull, StoreIOError
+
+PARALLEL_MIN = 8 << 20  # transfers at least this large are split across the I/O threads
+PARALLEL_CHUNK = 4 << 20
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _MAX_RW = 0x7FFFF000  # Linux transfers at most this many bytes per read/write call
@@ -70,15 +74,9 @@ class PosixIO:
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
     def fadvise(self, fd: int, offset: int, length: int, advice: int) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, length, advice)
-
-    def copy_file_range(self, src: int, dst: int, count: int, src_off: int, dst_off: int) -> int:
-        return os.copy_file_range(src, dst, count, src_off, dst_off)
 
     def flock(self, fd: int, op: int) -> None:
         fcntl.flock(fd, op)
@@ -129,6 +127,38 @@ def write_all(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes], offset: 
     return written
 
 
+def split_iov(bufs: Sequence[memoryview | bytes], offset: int, chunk: int) -> list[tuple[int, list[memoryview]]]:
+    """Cut a gathered transfer at ``offset`` into pieces of about ``chunk`` bytes: [(offset, iov)]."""
+    pieces: list[tuple[int, list[memoryview]]] = [(offset, [])]
+    room = chunk
+    pos = offset
+    for b in bufs:
+        m = memoryview(b)
+        while m.nbytes:
+            if room == 0:
+                pieces.append((pos, []))
+                room = chunk
+            part = m[:room]
+            pieces[-1][1].append(part)
+            room -= part.nbytes
+            pos += part.nbytes
+            m = m[part.nbytes :]
+    return [p for p in pieces if p[1]]
+
+
+def write_all_parallel(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes], offset: int, executor: Any) -> int:
+    """``write_all``, split across ``executor``'s threads when the transfer is large.
+
+    Positional writes to disjoint ranges are independent, and copying into the page cache
+    is CPU-bound: two threads copy close to twice as fast.
+    """
+    total = sum(memoryview(b).nbytes for b in bufs)
+    if executor is None or total < PARALLEL_MIN:
+        return write_all(io, fd, bufs, offset)
+    futures = [executor.submit(write_all, io, fd, iov, off) for off, iov in split_iov(bufs, offset, PARALLEL_CHUNK)]
+    return sum(f.result() for f in futures)
+
+
 def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
     """Fill every buffer from ``offset`` (scattered, retrying short reads); returns bytes read.
 
@@ -136,18 +166,14 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
     """
     got = 0
     for batch in _iov_batches(bufs):
-        want = sum(b.nbytes for b in batch)
-        done = 0
         while batch:
             n = io.preadv(fd, batch, offset + got)
             if n == 0:
                 return got
             got += n
-            done += n
             while batch and n >= batch[0].nbytes:
                 n -= batch[0].nbytes
                 batch.pop(0)
             if n:
                 batch[0] = batch[0][n:]
-        assert done == want
     return got

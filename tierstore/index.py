@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -32,8 +32,7 @@ SEG_LIVE = 0
 SEG_DEAD = 1  # superseded by compaction; its file may be deleted
 
 
-@dataclass(frozen=True)
-class Applied:
+class Applied(NamedTuple):
     """The log position the index reflects: every record up to ``lsn`` is applied."""
 
     segment: int
@@ -42,8 +41,7 @@ class Applied:
     end: int  # byte after that record: replay resumes here
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """A live object: the segment and offset of its PUT record, and that record's header."""
 
     segment: int
@@ -51,8 +49,7 @@ class Location:
     header: rec.RecordHeader
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
     """One log record to apply: a PUT (``location`` set) or a DELETE (``location`` None)."""
 
     namespace: bytes
@@ -72,16 +69,34 @@ def encode_location(loc: Location) -> bytes:
     return _LOC.pack(loc.segment, loc.offset) + loc.header.raw
 
 
+_HEADER_CACHE: dict[bytes, "Location"] = {}
+_HEADER_CACHE_MAX = 8192
+
+
 def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | None = None) -> Location:
-    """Decode an index value; the embedded header is checksum-verified like one read from disk."""
-    where = {"namespace": namespace.decode("utf-8", "replace") if namespace else None, "key": key}
-    if len(value) < _LOC.size:
-        raise CorruptionError("index entry truncated", **where)
-    seg, off = _LOC.unpack_from(value)
-    hdr = rec.decode_header(memoryview(value)[_LOC.size :], segment=seg, offset=off, **where)
-    if hdr.type != fmt.REC_PUT or (namespace is not None and (hdr.namespace, hdr.key) != (namespace, key)):
-        raise CorruptionError("index entry does not describe this key", segment=seg, offset=off, **where)
-    return Location(seg, off, hdr)
+    """Decode an index value; the embedded header is checksum-verified like one read from disk.
+
+    Records are immutable and a (segment, offset) is never reused for another indexed
+    record, so decoded headers are cached by location and header checksum.
+    """
+    cache_key = value[:24]
+    loc = _HEADER_CACHE.get(cache_key)
+    if loc is None:
+        where = {"namespace": namespace.decode("utf-8", "replace") if namespace else None, "key": key}
+        if len(value) < _LOC.size:
+            raise CorruptionError("index entry truncated", **where)
+        seg, off = _LOC.unpack_from(value)
+        hdr = rec.decode_header(memoryview(value)[_LOC.size :], segment=seg, offset=off, **where)
+        if hdr.type != fmt.REC_PUT:
+            raise CorruptionError("index entry is not a PUT record", segment=seg, offset=off, **where)
+        loc = Location(seg, off, hdr)
+        if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
+            _HEADER_CACHE.clear()
+        _HEADER_CACHE[cache_key] = loc
+    if namespace is not None and (loc.header.namespace != namespace or loc.header.key != key):
+        raise CorruptionError("index entry does not describe this key", segment=loc.segment, offset=loc.offset,
+                              namespace=namespace.decode("utf-8", "replace"), key=key)
+    return loc
 
 
 _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount, lock]
@@ -249,17 +264,11 @@ class Index:
             live, state = _SEGSTAT.unpack(v) if v is not None else (0, SEG_LIVE)
             txn.put(k, _SEGSTAT.pack(max(0, live + d), state), db=self.segments)
 
-    def relocate(self, moves: Sequence[tuple[bytes, bytes, Location, int]], dead: Sequence[int],
-                 applied: Applied, live: dict[int, int]) -> None:
-        """Compaction's commit: point moved keys at their copies, mark victims dead, durably."""
+    def mark_dead(self, segs: Sequence[int]) -> None:
+        """Compaction's commit point: these segments hold nothing live; durable on return."""
         def fn(txn: lmdb.Transaction) -> None:
-            for ns, key, loc, _ in moves:
-                txn.put(index_key(ns, key), encode_location(loc), db=self.objects)
-            for seg, nbytes in live.items():
-                txn.put(struct.pack(">Q", seg), _SEGSTAT.pack(nbytes, SEG_LIVE), db=self.segments)
-            for seg in dead:
+            for seg in segs:
                 txn.put(struct.pack(">Q", seg), _SEGSTAT.pack(0, SEG_DEAD), db=self.segments)
-            txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
         self._write(fn)
         self.env.sync(True)
 

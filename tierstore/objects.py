@@ -53,7 +53,8 @@ class KVCache:
         return int(self.data.shape[0])
 
     def __repr__(self) -> str:
-        return f"KVCache(shape={list(self.data.shape)}, dtype={arrays.dtype_name(self.data)}, layer_start={self.layer_start})"
+        return (f"KVCache(shape={list(self.data.shape)}, dtype={arrays.dtype_name(self.data)}, "
+                f"layer_start={self.layer_start})")
 
 
 class Vectors:

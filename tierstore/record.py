@@ -16,8 +16,8 @@ exact integer arithmetic.  It does no I/O and knows nothing about files or the i
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 import msgpack
@@ -27,12 +27,14 @@ from .errors import CorruptionError, InvalidObject
 
 _ZERO_PAGE = bytes(fmt.PAGE)
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 INT64_MAX = (1 << 63) - 1
+_crc = _crc32c.crc32c
 
 
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC-32C (Castagnoli), unmasked; ``data`` is any C-contiguous buffer."""
-    return _crc32c.crc32c(data, value)
+    return _crc(data, value)
 
 
 def align_up(n: int, a: int) -> int:
@@ -44,21 +46,21 @@ def zeros(n: int) -> memoryview:
     return memoryview(_ZERO_PAGE)[:n] if n <= fmt.PAGE else memoryview(bytes(n))
 
 
-def extent_offsets(header_len: int, align_log2: int, lengths: Sequence[int]) -> list[int]:
+def extent_offsets(header_len: int, align_log2: int, lengths: Sequence[int]) -> tuple[int, ...]:
     """Offsets of the extents relative to the record start (SPEC.md §4.3)."""
     a = 1 << align_log2
     offsets = []
     pos = header_len
     for n in lengths:
-        pos = align_up(pos, a)
+        pos = (pos + a - 1) // a * a
         offsets.append(pos)
         pos += n
-    return offsets
+    return tuple(offsets)
 
 
-@dataclass(frozen=True)
-class RecordHeader:
-    """A validated record header.  ``raw`` is the exact header bytes (crc-protected)."""
+class RecordHeader(NamedTuple):
+    """A record header.  ``raw`` is its exact bytes (crc-protected); ``offsets`` are the
+    extents' offsets relative to the record start, derived from the lengths."""
 
     type: int
     flags: int
@@ -74,6 +76,7 @@ class RecordHeader:
     extent_crcs: tuple[int, ...]
     header_crc: int
     raw: bytes
+    offsets: tuple[int, ...]
 
     @property
     def header_len(self) -> int:
@@ -83,26 +86,45 @@ class RecordHeader:
     def key_is_str(self) -> bool:
         return bool(self.flags & fmt.FLAG_KEY_STR)
 
-    def offsets(self) -> list[int]:
-        return extent_offsets(len(self.raw), self.align_log2, self.extent_lengths)
+    def stamped(self, lsn: int) -> "RecordHeader":
+        """The same header with LSN ``lsn`` and its checksum computed: used when appending."""
+        buf = bytearray(self.raw)
+        _U64.pack_into(buf, 16, lsn)
+        crc = _crc(memoryview(buf)[8:])
+        _U32.pack_into(buf, 4, crc)
+        return RecordHeader(self.type, self.flags, lsn, self.record_len, self.kind, self.align_log2, self.codec,
+                            self.namespace, self.key, self.meta, self.extent_lengths, self.extent_crcs, crc,
+                            bytes(buf), self.offsets)
 
 
-@dataclass(frozen=True)
-class EncodedRecord:
-    """A record ready for ``pwritev``: header bytes plus extent buffers and their offsets."""
+class EncodedRecord(NamedTuple):
+    """A record ready for ``pwritev``: its header plus the buffers of its extents.
 
-    header: bytes
-    extents: tuple[memoryview, ...]
-    offsets: tuple[int, ...]
-    record_len: int
-    align_log2: int
-    lsn: int
+    ``body`` replaces ``extents`` when a record is copied byte for byte (compaction): it
+    holds every byte after the header.
+    """
 
-    def iovecs(self) -> list[memoryview | bytes]:
+    header: RecordHeader
+    extents: tuple[memoryview, ...] = ()
+    body: memoryview | None = None
+
+    @property
+    def record_len(self) -> int:
+        return self.header.record_len
+
+    @property
+    def align_log2(self) -> int:
+        return self.header.align_log2
+
+    def iovecs(self, header: RecordHeader | None = None) -> list[memoryview | bytes]:
         """Buffers covering [0, record_len): header, zero padding, extents."""
-        out: list[memoryview | bytes] = [self.header]
-        pos = len(self.header)
-        for off, ext in zip(self.offsets, self.extents):
+        h = header or self.header
+        out: list[memoryview | bytes] = [h.raw]
+        if self.body is not None:
+            out.append(self.body)
+            return out
+        pos = len(h.raw)
+        for off, ext in zip(h.offsets, self.extents):
             if off > pos:
                 out.append(zeros(off - pos))
             if ext.nbytes:
@@ -111,47 +133,39 @@ class EncodedRecord:
         return out
 
 
-def _pack_header(
-    rtype: int,
-    lsn: int,
-    record_len: int,
-    kind: int,
-    align_log2: int,
-    codec: int,
-    flags: int,
-    namespace: bytes,
-    key: bytes,
-    meta_bytes: bytes,
-    table: bytes,
-    n_extents: int,
-) -> bytes:
-    body_end = fmt.RECORD_HEADER_SIZE + len(namespace) + len(key) + len(meta_bytes)
-    table_off = align_up(body_end, 8)
-    header_len = table_off + len(table)
-    fixed = fmt.RECORD_HEADER.pack(
-        fmt.RECORD_MAGIC, 0, rtype, flags, header_len, lsn, record_len, kind, align_log2,
-        codec, len(namespace), 0, len(key), len(meta_bytes), n_extents,
-    )
-    header = bytearray(header_len)
-    header[: fmt.RECORD_HEADER_SIZE] = fixed
-    header[fmt.RECORD_HEADER_SIZE:body_end] = namespace + key + meta_bytes
-    header[table_off:] = table
-    _U32.pack_into(header, 4, crc32c(memoryview(header)[8:]))
-    return bytes(header)
-
-
 def header_length(namespace: bytes, key: bytes, meta_bytes: bytes, n_extents: int) -> int:
     body_end = fmt.RECORD_HEADER_SIZE + len(namespace) + len(key) + len(meta_bytes)
-    return align_up(body_end, 8) + fmt.EXTENT_ENTRY.size * n_extents
+    return (body_end + 7) // 8 * 8 + fmt.EXTENT_ENTRY.size * n_extents
 
 
-def _byte_view(buf: Any) -> memoryview:
+def _pack_header(rtype: int, lsn: int, record_len: int, kind: int, align_log2: int, codec: int, flags: int,
+                 namespace: bytes, key: bytes, meta_bytes: bytes, table: bytes, n_extents: int,
+                 checksum: bool = True) -> bytes:
+    """The header bytes; without ``checksum`` the crc field is left 0 (``stamped`` fills it)."""
+    body = namespace + key + meta_bytes
+    pad = -(fmt.RECORD_HEADER_SIZE + len(body)) % 8
+    header_len = fmt.RECORD_HEADER_SIZE + len(body) + pad + len(table)
+    raw = b"".join((
+        fmt.RECORD_HEADER.pack(fmt.RECORD_MAGIC, 0, rtype, flags, header_len, lsn, record_len, kind, align_log2,
+                               codec, len(namespace), 0, len(key), len(meta_bytes), n_extents),
+        body, _ZERO_PAGE[:pad], table,
+    ))
+    if not checksum:
+        return raw
+    return raw[:4] + _U32.pack(_crc(memoryview(raw)[8:])) + raw[8:]
+
+
+def byte_view(buf: Any) -> memoryview:
+    """A 1-d unsigned-byte memoryview of any C-contiguous buffer (no copy)."""
     m = memoryview(buf)
     return m if m.format == "B" and m.ndim == 1 else m.cast("B")
 
 
+_HEADER_PACK = fmt.RECORD_HEADER.pack
+_ENTRY_PACK = fmt.EXTENT_ENTRY.pack
+
+
 def encode_put(
-    lsn: int,
     namespace: bytes,
     key: bytes,
     flags: int,
@@ -161,24 +175,38 @@ def encode_put(
     align_log2: int,
     codec: int = fmt.CODEC_RAW,
 ) -> EncodedRecord:
-    """Frame a PUT record.  Computes the CRC-32C of every extent (zero-copy)."""
+    """Frame a PUT record (LSN 0: ``RecordHeader.stamped`` sets it).
+
+    ``extents`` are byte-format memoryviews (``block.encode_block`` makes them); their
+    CRC-32C is computed here, without copying them.
+    """
     meta_bytes = pack_meta(meta)
-    exts = tuple(_byte_view(e) for e in extents)
-    lengths = [e.nbytes for e in exts]
-    header_len = header_length(namespace, key, meta_bytes, len(exts))
+    lengths = tuple([e.nbytes for e in extents])
+    crcs = tuple([_crc(e) for e in extents])
+    n = len(lengths)
+    body = namespace + key + meta_bytes
+    pad = -(fmt.RECORD_HEADER_SIZE + len(body)) % 8
+    header_len = fmt.RECORD_HEADER_SIZE + len(body) + pad + fmt.EXTENT_ENTRY.size * n
     offsets = extent_offsets(header_len, align_log2, lengths)
-    record_len = offsets[-1] + lengths[-1] if exts else header_len
-    table = b"".join(fmt.EXTENT_ENTRY.pack(n, crc32c(e), 0) for n, e in zip(lengths, exts))
-    header = _pack_header(
-        fmt.REC_PUT, lsn, record_len, kind, align_log2, codec, flags, namespace, key, meta_bytes, table, len(exts)
-    )
-    return EncodedRecord(header, exts, tuple(offsets), record_len, align_log2, lsn)
+    record_len = offsets[-1] + lengths[-1] if n else header_len
+    raw = b"".join([
+        _HEADER_PACK(fmt.RECORD_MAGIC, 0, fmt.REC_PUT, flags, header_len, 0, record_len, kind, align_log2, codec,
+                     len(namespace), 0, len(key), len(meta_bytes), n),
+        body, _ZERO_PAGE[:pad], *[_ENTRY_PACK(ln, c, 0) for ln, c in zip(lengths, crcs)],
+    ])
+    header = RecordHeader(fmt.REC_PUT, flags, 0, record_len, kind, align_log2, codec, namespace, key, meta,
+                          lengths, crcs, 0, raw, offsets)
+    return EncodedRecord(header, tuple(extents))
 
 
-def encode_delete(lsn: int, namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
-    header = _pack_header(fmt.REC_DELETE, lsn, 0, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
-                          flags, namespace, key, b"", b"", 0)
-    return EncodedRecord(_with_record_len(header, len(header)), (), (), len(header), fmt.ALIGN_INLINE_LOG2, lsn)
+def encode_delete(namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
+    """Frame a DELETE record (LSN 0: ``RecordHeader.stamped`` sets it)."""
+    n = header_length(namespace, key, b"", 0)
+    raw = _pack_header(fmt.REC_DELETE, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, flags,
+                       namespace, key, b"", b"", 0, checksum=False)
+    header = RecordHeader(fmt.REC_DELETE, flags, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          namespace, key, {}, (), (), 0, raw, ())
+    return EncodedRecord(header)
 
 
 def encode_pad(length: int) -> bytes:
@@ -190,26 +218,10 @@ def encode_pad(length: int) -> bytes:
     return header + bytes(length - len(header))
 
 
-def _with_record_len(header: bytes, record_len: int) -> bytes:
-    buf = bytearray(header)
-    struct.pack_into("<Q", buf, 24, record_len)
-    _U32.pack_into(buf, 4, crc32c(memoryview(buf)[8:]))
-    return bytes(buf)
-
-
-def with_lsn(header: bytes, lsn: int) -> bytes:
-    """The same header with a new LSN and a recomputed header checksum (used by compaction)."""
-    buf = bytearray(header)
-    struct.pack_into("<Q", buf, 16, lsn)
-    _U32.pack_into(buf, 4, crc32c(memoryview(buf)[8:]))
-    return bytes(buf)
-
-
 # --- decoding -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Fixed:
+class Fixed(NamedTuple):
     """The 48-byte fixed part, magic and length-checked but not yet checksum-verified."""
 
     header_crc: int
@@ -284,8 +296,10 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
         lengths.append(n)
         crcs.append(c)
     meta = unpack_meta(meta_bytes, **where) if f.meta_len else {}
+    lengths_t = tuple(lengths)
     hdr = RecordHeader(f.type, f.flags, f.lsn, f.record_len, f.kind, f.align_log2, f.codec, namespace, key,
-                       meta, tuple(lengths), tuple(crcs), f.header_crc, raw)
+                       meta, lengths_t, tuple(crcs), f.header_crc, raw,
+                       extent_offsets(f.header_len, f.align_log2, lengths_t))
     _check_layout(hdr, **where)
     return hdr
 
@@ -311,7 +325,7 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
     expected = expected_extent_lengths(h.kind, h.meta, **where)
     if tuple(expected) != h.extent_lengths:
         raise CorruptionError("extent lengths do not match the object's metadata", **where)
-    offsets = h.offsets()
+    offsets = h.offsets
     end = offsets[-1] + h.extent_lengths[-1] if offsets else h.header_len
     if end != h.record_len:
         raise CorruptionError(f"record_len {h.record_len} does not match its extents ({end})", **where)
@@ -379,7 +393,8 @@ def check_user_meta(meta: Any) -> dict[str, Any]:
             if not -(1 << 63) <= v < (1 << 64):
                 raise InvalidObject("meta integers must fit in 64 bits")
         else:
-            raise InvalidObject(f"meta values must be str, bytes, int, float, bool, None, list or dict; got {type(v).__name__}")
+            raise InvalidObject("meta values must be str, bytes, int, float, bool, None, list or dict; "
+                                f"got {type(v).__name__}")
 
     walk(meta, 1)
     if len(pack_meta(meta)) > fmt.USER_META_MAX_BYTES:
@@ -396,7 +411,7 @@ def _req(meta: dict[str, Any], name: str, typ: type | tuple[type, ...], **where:
 
 def _shape(meta: dict[str, Any], rank: int, **where: Any) -> list[int]:
     shape = _req(meta, "shape", list, **where)
-    if len(shape) != rank or not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= INT64_MAX for d in shape):
+    if len(shape) != rank or not all(type(d) is int and 1 <= d <= INT64_MAX for d in shape):
         raise CorruptionError(f"metadata shape {shape!r} is not {rank} positive ints", **where)
     return shape
 

@@ -12,13 +12,14 @@ import os
 import threading
 import time
 import uuid as uuidlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from . import format as fmt
 from . import record as rec
-from .errors import CorruptionError, FormatVersionError, ReadOnlyError, StoreIOError
-from .fileio import PosixIO, io_error, read_all, write_all
+from .errors import CorruptionError, FormatVersionError, StoreIOError
+from .fileio import PARALLEL_CHUNK, PARALLEL_MIN, PosixIO, io_error, read_all, write_all, write_all_parallel
 
 CREATOR = b"tierstore-py"
 
@@ -222,13 +223,14 @@ class SegmentScanner:
 
     def _zero_to_eof(self, win: _Window, p: int) -> bool:
         step = 1 << 20
-        for off in range(p, self.size, step):
-            if win.get(off, step).strip(b"\0"):
-                return False
-        return True
+        return all(not win.get(off, step).strip(b"\0") for off in range(p, self.size, step))
 
     def _valid_after(self, win: _Window, p: int) -> bool:
-        """Is there a record header with a valid checksum anywhere past ``p``?"""
+        return self.next_valid(p, win) is not None
+
+    def next_valid(self, p: int, win: _Window | None = None) -> int | None:
+        """The offset of the first record with a valid header after ``p`` (resync), or None."""
+        win = win or _Window(self.io, self.fd, self.size)
         off = rec.align_up(p + 1, fmt.RECORD_ALIGN)
         step = 1 << 20
         while off < self.size:
@@ -237,10 +239,10 @@ class SegmentScanner:
             while i != -1:
                 q = off + i
                 if q % fmt.RECORD_ALIGN == 0 and self._header_ok(win, q):
-                    return True
+                    return q
                 i = chunk.find(fmt.RECORD_MAGIC, i + 1)
             off += step
-        return False
+        return None
 
     def _header_ok(self, win: _Window, q: int) -> bool:
         try:
@@ -255,7 +257,7 @@ class SegmentScanner:
 
 def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> int | None:
     """Index of the first extent whose bytes fail their checksum (or are cut short), else None."""
-    for i, (off, n) in enumerate(zip(hdr.offsets(), hdr.extent_lengths)):
+    for i, (off, n) in enumerate(zip(hdr.offsets, hdr.extent_lengths)):
         pos, crc = 0, 0
         while pos < n:
             chunk = io.pread(fd, min(n - pos, 8 << 20), offset + off + pos)
@@ -269,42 +271,64 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
 
 
 def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
-                 wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any]) -> None:
-    """Read extents ``wanted`` = [(index, destination)] of the record at ``offset`` and verify
-    each one's checksum.  Adjacent extents are read with one scattered ``preadv``."""
-    offsets = hdr.offsets()
-    scratch = memoryview(bytearray(fmt.PAGE))
-    i = 0
-    while i < len(wanted):
-        j = i
-        while j + 1 < len(wanted) and wanted[j + 1][0] == wanted[j][0] + 1:
-            j += 1
-        start = offsets[wanted[i][0]]
+                 wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any], executor: Any = None) -> None:
+    """Read extents ``wanted`` = [(index, destination)] (ascending indices) of the record at
+    ``offset`` and verify each one's checksum.
+
+    Adjacent extents are read with one scattered ``preadv`` (alignment padding goes to a
+    scratch page).  Large reads are cut into ~4 MiB pieces at extent boundaries and run on
+    ``executor``'s threads: copying out of the page cache and CRC-32C both release the GIL.
+    """
+    offsets = hdr.offsets
+    lengths = hdr.extent_lengths
+    total = sum(lengths[i] for i, _ in wanted)
+    parallel = executor is not None and total >= PARALLEL_MIN
+    limit = PARALLEL_CHUNK if parallel else None
+    tasks: list[list[tuple[int, memoryview]]] = []
+    size = 0
+    for idx, dest in wanted:
+        if not tasks or idx != tasks[-1][-1][0] + 1 or (limit is not None and size + lengths[idx] > limit):
+            tasks.append([])
+            size = 0
+        tasks[-1].append((idx, dest))
+        size += lengths[idx]
+
+    def run(task: list[tuple[int, memoryview]]) -> None:
+        scratch = memoryview(bytearray(fmt.PAGE))
+        start = offsets[task[0][0]]
         iov: list[memoryview] = []
         pos = start
-        for idx, dest in wanted[i : j + 1]:
+        for idx, dest in task:
             gap = offsets[idx] - pos
             while gap > 0:
                 iov.append(scratch[: min(gap, fmt.PAGE)])
                 gap -= min(gap, fmt.PAGE)
             if dest.nbytes:
                 iov.append(dest)
-            pos = offsets[idx] + hdr.extent_lengths[idx]
+            pos = offsets[idx] + lengths[idx]
         want = pos - start
-        got = read_all(io, fd, iov, offset + start) if want else 0
-        if got != want:
+        if want and read_all(io, fd, iov, offset + start) != want:
             raise CorruptionError("record extends past the end of its segment", **where)
-        i = j + 1
-    for idx, dest in wanted:
-        if rec.crc32c(dest) != hdr.extent_crcs[idx]:
-            raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+        for idx, dest in task:
+            if rec.crc32c(dest) != hdr.extent_crcs[idx]:
+                raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+
+    if parallel and len(tasks) > 1:
+        futures = [executor.submit(run, t) for t in tasks]
+        errors = [f.exception() for f in futures]  # wait for every piece before returning
+        for e in errors:
+            if e is not None:
+                raise e
+    else:
+        for t in tasks:
+            run(t)
 
 
 def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, idx: int,
                       where: dict[str, Any]) -> bytes:
     """One extent as a new bytes object (one read, no extra copy), checksum verified."""
     n = hdr.extent_lengths[idx]
-    data = io.pread(fd, n, offset + hdr.offsets()[idx]) if n else b""
+    data = io.pread(fd, n, offset + hdr.offsets[idx]) if n else b""
     if len(data) != n:
         raise CorruptionError("record extends past the end of its segment", **where)
     if rec.crc32c(data) != hdr.extent_crcs[idx]:
@@ -374,8 +398,7 @@ class SegmentFiles:
 # --- the log writer (SPEC.md §7) ----------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Appended:
+class Appended(NamedTuple):
     """Where an appended record landed."""
 
     segment: int
@@ -388,26 +411,37 @@ class Log:
     """The writer side of the segment log: LSNs, appends, padding, group-commit sync, rollover.
 
     Thread-safe.  ``append`` runs ``on_written`` under the append lock, so callers can keep
-    in-memory state in LSN order.  A failed fdatasync poisons the log: every later write
-    raises (the kernel may have dropped the dirty pages; retrying would lie).
+    in-memory state in LSN order.  Small records are gathered in a write buffer and reach
+    the OS together (``flush_buffer``; every ``sync`` flushes first); large ones are written
+    straight from the caller's buffers.  A failed write of buffered records or a failed
+    fdatasync poisons the log: every later write raises (the kernel may have dropped the
+    dirty pages; retrying would lie).
     """
 
+    SMALL_RECORD = 64 << 10  # records up to this size are buffered
+    BUFFER_BYTES = 1 << 20  # the buffer is written out when it grows past this
+
     def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
-                 segment_bytes: int, sync_enabled: bool) -> None:
+                 segment_bytes: int, sync_enabled: bool, executor: Any = None) -> None:
         self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
+        self.executor = executor
         self.segment_bytes = segment_bytes
         self.sync_enabled = sync_enabled
         self.append_lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self.active = active
-        self.tail = tail
+        self.tail = tail  # end of the log, buffered bytes included
         self.next_lsn = next_lsn
         self.fd = io.open(self._path(active), os.O_RDWR)
-        self.durable = (active, tail)  # everything before this position is synced
+        self._buf = bytearray()  # bytes [tail - len(_buf), tail) of the active segment, not yet written
+        self.written = (active, tail)  # the OS holds every byte before this position
+        self.written_lsn = next_lsn - 1
+        self.durable = (active, tail)  # every byte before this position is synced
         self.durable_lsn = next_lsn - 1
         self.unsynced_bytes = 0
         self.oldest_unsynced: float | None = None
         self.poisoned: BaseException | None = None
+        self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
         self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
         if tail % fmt.PAGE:
@@ -454,33 +488,90 @@ class Log:
             p = page_end
         return rec.align_up(p, 1 << align_log2)
 
-    def append(self, record: rec.EncodedRecord, on_written: Callable[[Appended, bytes], None] | None = None) -> Appended:
-        """Stamp the next LSN on ``record`` and write it.  Not durable until ``sync``."""
+    def append(self, record: rec.EncodedRecord,
+               on_written: Callable[[Appended, rec.RecordHeader], None] | None = None) -> Appended:
+        """Stamp the next LSN on ``record`` and write it (or buffer it, if small).
+
+        Not durable until ``sync``.  ``on_written(where, header)`` runs under the append lock.
+        """
         with self.append_lock:
-            self.check()
-            start = self._start_for(record.align_log2)
-            if start + record.record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+            if self.poisoned is not None:
+                self.check()
+            record_len = record.header.record_len
+            start = self._start_for(record.header.align_log2)
+            if start + record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
                 self._rollover()
-                start = self._start_for(record.align_log2)
+                start = self._start_for(record.header.align_log2)
             lsn = self.next_lsn
-            header = rec.with_lsn(record.header, lsn)
-            end = start + record.record_len
-            new_tail = rec.align_up(end, fmt.RECORD_ALIGN)  # the tail stays 8-aligned: no holes
-            iov = self._pad_iov(self.tail, start) + [header] + record.iovecs()[1:] + [rec.zeros(new_tail - end)]
-            try:
-                write_all(self.io, self.fd, iov, self.tail)
-            except OSError as e:
-                self._undo_partial_write()
-                raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+            header = record.header.stamped(lsn)
+            end = start + record_len
+            new_tail = (end + 7) & ~7  # the tail stays 8-aligned: no holes
+            if new_tail - self.tail <= self.SMALL_RECORD:
+                buf = self._buf
+                if start > self.tail:
+                    buf += self._pad_iov(self.tail, start)[0]
+                for b in record.iovecs(header):
+                    buf += b
+                if new_tail > end:
+                    buf += rec.zeros(new_tail - end)
+                self._advance(new_tail, lsn, buffered=True)
+                if len(buf) >= self.BUFFER_BYTES:
+                    self._flush_buffer()
+            else:
+                self._flush_buffer()
+                iov = self._pad_iov(self.tail, start) + record.iovecs(header) + [rec.zeros(new_tail - end)]
+                try:
+                    write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
+                except OSError as e:
+                    self._undo_partial_write()
+                    raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+                self._advance(new_tail, lsn, buffered=False)
             where = Appended(self.active, start, lsn, end)
-            self.next_lsn += 1
-            self.unsynced_bytes += new_tail - self.tail
-            self.tail = new_tail
-            if self.oldest_unsynced is None:
-                self.oldest_unsynced = time.monotonic()
             if on_written is not None:
                 on_written(where, header)
             return where
+
+    def _advance(self, new_tail: int, lsn: int, *, buffered: bool) -> None:
+        self.next_lsn = lsn + 1
+        self.unsynced_bytes += new_tail - self.tail
+        self.tail = new_tail
+        if not buffered:
+            self.written = (self.active, new_tail)
+            self.written_lsn = lsn
+        if self.oldest_unsynced is None:
+            self.oldest_unsynced = time.monotonic()
+
+    def _flush_buffer(self) -> None:
+        """Write the buffered records (caller holds append_lock).
+
+        On failure the buffered records are taken back: the file is cut where the buffer
+        began, their LSNs are reused, and ``on_discard(first_lsn)`` tells the owner to forget
+        them.  None of them was durable, so no acknowledged write is lost.  If the cut itself
+        fails the log is poisoned.
+        """
+        if not self._buf:
+            return
+        start = self.tail - len(self._buf)
+        try:
+            write_all(self.io, self.fd, [self._buf], start)
+        except OSError as e:
+            first = self.written_lsn + 1
+            self._buf = bytearray()
+            self.tail = start
+            self.next_lsn = first
+            self.unsynced_bytes = 0
+            self._undo_partial_write()
+            if self.on_discard is not None:
+                self.on_discard(first)
+            raise io_error(e, "write to segment", path=self._path(self.active), segment=self.active) from None
+        self._buf = bytearray()
+        self.written = (self.active, self.tail)
+        self.written_lsn = self.next_lsn - 1
+
+    def flush_buffer(self) -> None:
+        """Hand every appended record to the OS (no fsync)."""
+        with self.append_lock:
+            self._flush_buffer()
 
     def _undo_partial_write(self) -> None:
         """Cut what a failed write may have left past the tail; poison the log if that fails."""
@@ -496,6 +587,7 @@ class Log:
         ``sync`` does it), so a sealed segment never has a torn tail.
         """
         self._pad_to_page()
+        self._flush_buffer()
         if self.sync_enabled:
             self._fdatasync(self.fd)
         else:
@@ -514,6 +606,7 @@ class Log:
             self.unsynced_bytes = 0
             self.oldest_unsynced = None
         self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
+        self.written = (new_id, self.tail)
 
     # -- syncing ----------------------------------------------------------------------------
 
@@ -521,11 +614,8 @@ class Log:
         """Append padding up to the next page boundary (caller holds append_lock)."""
         if self.tail % fmt.PAGE:
             target = rec.align_up(self.tail, fmt.PAGE)
-            try:
-                write_all(self.io, self.fd, self._pad_iov(self.tail, target), self.tail)
-            except OSError as e:
-                self._undo_partial_write()
-                raise io_error(e, "pad segment", segment=self.active) from None
+            for b in self._pad_iov(self.tail, target):
+                self._buf += b
             self.tail = target
 
     def _fdatasync(self, fd: int) -> None:
@@ -541,7 +631,8 @@ class Log:
 
         Group commit: a thread that finds its record already covered by another thread's
         fdatasync returns at once; otherwise it pads the tail to a page boundary (so no later
-        write touches a synced page) and issues one fdatasync for everything appended.
+        write touches a synced page), writes the buffer, and issues one fdatasync for
+        everything appended.
         """
         with self._sync_lock:
             self.check()
@@ -550,6 +641,7 @@ class Log:
             with self.append_lock:
                 self.check()
                 self._pad_to_page()
+                self._flush_buffer()
                 fd, pos, lsn = self.fd, (self.active, self.tail), self.next_lsn - 1
                 sealed, self._sealed_unsynced = self._sealed_unsynced, []
                 to_close, self._to_close = self._to_close, []

@@ -24,17 +24,25 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
-from . import arrays
+from . import arrays, recovery
 from . import block as blk
 from . import format as fmt
 from . import record as rec
-from . import recovery
 from . import segment as seglib
-from .errors import (CorruptionError, InvalidObject, NotFound, ReadOnlyError, StoreClosed, StoreLocked,
-                     StoreNotFound, TierstoreError)
+from .errors import (
+    CorruptionError,
+    FormatVersionError,
+    InvalidObject,
+    NotFound,
+    ReadOnlyError,
+    StoreClosed,
+    StoreLocked,
+    StoreNotFound,
+)
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
 from .objects import Blob, KVCache, ObjectInfo, Vectors
@@ -98,15 +106,20 @@ class Options:
         return cls(**vals)
 
 
-@dataclass(frozen=True)
-class _Mem:
-    """A memtable entry: the newest record of a key not yet applied to the index."""
-
-    lsn: int
-    location: Location | None  # None: deleted
+_NAMESPACES: dict[str, bytes] = {}
 
 
 def _encode_namespace(namespace: Any) -> bytes:
+    b = _NAMESPACES.get(namespace) if type(namespace) is str else None
+    if b is not None:
+        return b
+    b = _check_namespace(namespace)
+    if len(_NAMESPACES) < 4096:
+        _NAMESPACES[namespace] = b
+    return b
+
+
+def _check_namespace(namespace: Any) -> bytes:
     if not isinstance(namespace, str):
         raise InvalidObject(f"namespace must be a str, got {type(namespace).__name__}")
     b = namespace.encode("utf-8")
@@ -136,17 +149,49 @@ def _decode_key(b: bytes, flags: int) -> str | bytes:
     return b.decode("utf-8") if flags & fmt.FLAG_KEY_STR else b
 
 
+def acquire_writer_lock(io: PosixIO, root: str, timeout: float) -> int:
+    """Take the exclusive writer lock (``flock`` on LOCK), waiting up to ``timeout`` seconds.
+
+    Returns the fd holding it; closing the fd releases the lock (so does process death).
+    """
+    path = os.path.join(root, fmt.LOCK_FILE)
+    fd = io.open(path, os.O_RDWR | os.O_CREAT)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            io.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                io.close(fd)
+                raise io_error(e, "lock store", path=path) from None
+        if time.monotonic() >= deadline:
+            io.close(fd)
+            raise StoreLocked(f"another writer holds the store (waited {timeout:g}s)", path=root)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 class _Reader:
     """ExtentReader over one record in one segment (holds the segment fd while reading)."""
 
     def __init__(self, store: "Store", loc: Location, where: dict[str, Any]) -> None:
         self.store, self.loc, self.where = store, loc, where
 
+    def _ensure_written(self) -> None:
+        log = self.store._log
+        if log is not None and (self.loc.segment, self.loc.offset + self.loc.header.record_len) > log.written:
+            log.flush_buffer()  # the record is still in the write buffer
+
     def read_into(self, wanted: Any) -> None:
+        self._ensure_written()
         with self.store._segment_fd(self.loc.segment) as fd:
-            seglib.read_extents(self.store._io, fd, self.loc.offset, self.loc.header, wanted, self.where)
+            seglib.read_extents(self.store._io, fd, self.loc.offset, self.loc.header, wanted, self.where,
+                                self.store._pool)
 
     def read_bytes(self, index: int) -> bytes:
+        self._ensure_written()
         with self.store._segment_fd(self.loc.segment) as fd:
             return seglib.read_extent_bytes(self.store._io, fd, self.loc.offset, self.loc.header, index, self.where)
 
@@ -183,7 +228,7 @@ class Store:
         self._lock_fd = -1
         self._index: Index | None = None
         self._log: seglib.Log | None = None
-        self._mem: dict[tuple[bytes, bytes], _Mem] = {}
+        self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
         self._oldest_pending: float | None = None
@@ -196,6 +241,8 @@ class Store:
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0,
                           "index_commits": 0, "syncs": 0}
         self.recovery: dict[str, Any] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                        thread_name_prefix="tierstore-io")
         self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
         self._files = seglib.SegmentFiles(self._io, self._seg_dir)
         try:
@@ -220,6 +267,10 @@ class Store:
         index_dir = os.path.join(self.path, fmt.INDEX_DIR)
         has_segments = os.path.isdir(self._seg_dir) and bool(seglib.list_segments(io, self._seg_dir))
         has_index = Index.exists(index_dir)
+        if has_segments and recovery.abandoned_creation(io, self.path) and not self.readonly:
+            seg = seglib.list_segments(io, self._seg_dir)[0]
+            recovery.quarantine_file(io, self.path, self._files.path(seg))  # a crash during creation
+            has_segments = False
         if not has_segments and not has_index:
             if self.readonly or not create:
                 raise StoreNotFound(f"no store at {self.path}", path=self.path)
@@ -236,31 +287,23 @@ class Store:
         scan = self._replay()
         if self.readonly:
             for op in scan.ops:
-                self._mem[(op.namespace, op.key)] = _Mem(op.lsn, op.location)
+                self._mem[(op.namespace, op.key)] = op
             return
         if scan.ops:
             self._index.apply(scan.ops, scan.last, durable=True)
         self._drop_dead_segments(keep=scan.active)
         self._log = seglib.Log(io, self._seg_dir, self._store_uuid, active=scan.active, tail=scan.tail,
                                next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
-                               sync_enabled=self.durability != "none")
+                               sync_enabled=self.durability != "none", executor=self._pool)
+        self._log.on_discard = self._on_discard
 
     def _take_writer_lock(self) -> None:
-        path = os.path.join(self.path, fmt.LOCK_FILE)
-        self._lock_fd = self._io.open(path, os.O_RDWR | os.O_CREAT)
-        deadline = time.monotonic() + self.options.lock_timeout
-        delay = 0.001
-        while True:
-            try:
-                self._io.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise io_error(e, "lock store", path=path) from None
-            if time.monotonic() >= deadline:
-                raise StoreLocked(f"another writer holds the store (waited {self.options.lock_timeout:g}s)", path=self.path)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        self._lock_fd = acquire_writer_lock(self._io, self.path, self.options.lock_timeout)
+
+    @staticmethod
+    def _lock_only(path: str, *, timeout: float) -> int:
+        """Hold the writer lock of ``path`` without opening the store (for offline tools)."""
+        return acquire_writer_lock(DEFAULT_IO, path, timeout)
 
     def _create_store(self) -> None:
         io = self._io
@@ -291,18 +334,18 @@ class Store:
         if uuid is None or version is None:
             raise CorruptionError("index has no store identity", path=self._index.path)
         if version[0] != fmt.FORMAT_MAJOR:
-            from .errors import FormatVersionError
             raise FormatVersionError(f"index written by format {version[0]}.{version[1]}", path=self._index.path)
         self._store_uuid = uuid
         applied = self._index.applied()
         try:
             if not recovery.check_applied(self._io, self.path, applied):
-                raise recovery._IndexAhead("the index's applied position is not in the log")
+                raise recovery.IndexAhead("the index's applied position is not in the log")
             scan = recovery.scan_log(self._io, self.path, uuid, applied, writable=not self.readonly, repair=False)
-        except recovery._IndexAhead as e:
+        except recovery.IndexAhead as e:
             if self.readonly:
                 raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
-                                      hint="open the store writable (or run `tierstore recover PATH`) to rebuild the index")
+                                      hint="open the store writable (or run `tierstore recover PATH`) "
+                                           "to rebuild the index") from None
             self._index.close()
             self._index = None
             self._rebuild(e.message)
@@ -349,6 +392,7 @@ class Store:
         if self._log is not None:
             self._log.close()
         self._files.close_all()
+        self._pool.shutdown(wait=True)
         if self._index is not None:
             self._index.close()
         if self._lock_fd >= 0:
@@ -400,13 +444,14 @@ class Store:
         log = self._check_writable()
         ns = _encode_namespace(namespace)
         k, kflags = _encode_key(key)
-        user_meta = rec.check_user_meta(meta)
+        user_meta = rec.check_user_meta(meta) if meta is not None else None
         block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
-        record = rec.encode_put(0, ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2)
+        record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2)
         with self._write_lock:
             where = log.append(record, self._on_written)
-        self._counters["puts"] += 1
-        self._counters["bytes_written"] += record.record_len
+        counters = self._counters
+        counters["puts"] += 1
+        counters["bytes_written"] += record.header.record_len
         self._after_write(log, where)
 
     def delete(self, key: str | bytes, *, namespace: str = "default") -> bool:
@@ -420,21 +465,32 @@ class Store:
         with self._write_lock:
             if self._lookup(ns, k) is None:
                 return False
-            where = log.append(rec.encode_delete(0, ns, k, kflags), self._on_written)
+            where = log.append(rec.encode_delete(ns, k, kflags), self._on_written)
         self._counters["deletes"] += 1
         self._after_write(log, where)
         return True
 
-    def _on_written(self, where: seglib.Appended, header: bytes) -> None:
+    def _on_written(self, where: seglib.Appended, hdr: rec.RecordHeader) -> None:
         """Runs under the log's append lock, in LSN order."""
-        hdr = rec.decode_header(header, verify=False)
         loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
         op = Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc)
         with self._pending_lock:
-            self._mem[(op.namespace, op.key)] = _Mem(where.lsn, loc)
+            self._mem[(op.namespace, op.key)] = op
             self._pending.append(op)
             if self._oldest_pending is None:
                 self._oldest_pending = time.monotonic()
+
+    def _on_discard(self, first_lsn: int) -> None:
+        """The log took back records from ``first_lsn`` on (a failed write): forget them."""
+        with self._pending_lock:
+            dropped = {(op.namespace, op.key) for op in self._pending if op.lsn >= first_lsn}
+            self._pending = [op for op in self._pending if op.lsn < first_lsn]
+            for k in dropped:
+                older = [op for op in self._pending if (op.namespace, op.key) == k]
+                if older:
+                    self._mem[k] = older[-1]
+                else:
+                    self._mem.pop(k, None)
 
     def _after_write(self, log: seglib.Log, where: seglib.Appended) -> None:
         if self.durability == "sync":
@@ -460,9 +516,7 @@ class Store:
                     self._committer = threading.Thread(target=self._committer_loop, name="tierstore-committer",
                                                        daemon=True)
                     self._committer.start()
-        with self._pending_lock:
-            n = len(self._pending)
-        if n >= self.options.index_batch:
+        if len(self._pending) >= self.options.index_batch:
             with self._cv:
                 self._cv.notify()
 
@@ -494,7 +548,9 @@ class Store:
             if sync or due_sync:
                 log.sync()
                 self._counters["syncs"] += 1
-            limit = log.next_lsn - 1 if self.durability == "none" and not sync else log.durable_lsn
+            elif self.durability == "none":
+                log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
+            limit = log.written_lsn if self.durability == "none" else log.durable_lsn
             with self._pending_lock:
                 if not self._pending:
                     return
@@ -529,7 +585,7 @@ class Store:
         m = self._mem.get((ns, k))
         with self._index.read() as view:
             if m is not None and m.lsn > view.applied().lsn:
-                return m.location
+                return m.location  # None for a delete
             return view.get(ns, k)
 
     def _locate(self, key: Any, namespace: Any) -> tuple[bytes, bytes, Location]:
@@ -610,7 +666,7 @@ class Store:
             names = set(view.namespaces())
         with self._pending_lock:
             pending = list(self._mem.items())
-        for (ns, k), m in pending:
+        for (ns, _), m in pending:
             if m.location is not None:
                 names.add(ns)
         return sorted(n.decode("utf-8") for n in names if self.keys(namespace=n.decode("utf-8")))

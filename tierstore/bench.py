@@ -1,0 +1,561 @@
+"""``tierstore bench``: tierstore next to raw-file baselines and peers, measured in one run.
+
+Chunk section: a Llama-3-8B-shaped KV chunk (256 tokens x 32 layers x 2 x 8 heads x 128
+dims, fp16 = 32 MiB).  Blob section: 4 KiB blobs.  Every system does the same operations on
+the same bytes on the same disk, interleaved, and results are reported as medians and as
+ratios to the file-per-object baseline (one file per object, ``pwrite`` + ``fdatasync`` to
+put, ``preadv`` into a fresh buffer to get).  "Cold" reads first evict the file's pages with
+``posix_fadvise(DONTNEED)``; /proc/self/io ``read_bytes`` counts what a cold read fetched.
+
+Peers (safetensors, torch.save, h5py) are optional (``pip install 'tierstore[bench]'``); a
+missing one is reported as skipped.  Durable puts of peers are followed by an fsync so
+that every system pays for durability.  No assertion here: this module measures.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import open as open_store
+from .objects import Blob, KVCache
+
+SHAPE = (32, 2, 8, 256, 128)  # layers, K/V, kv heads, tokens, head dim: Llama-3-8B, 256-token chunk
+
+
+def _drop(path: str) -> None:
+    """Evict a (synced) file's pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes"):
+                return int(line.split()[1])
+    return 0
+
+
+def _median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 3)
+
+
+def _pct_ms(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 3)
+
+
+class _System:
+    """One contender: put(i), get(i), layer(i, l); files(i) for cold reads."""
+
+    name = ""
+    durable = True
+
+    def put(self, i: int) -> None: ...
+    def get(self, i: int) -> Any: ...
+    def layer(self, i: int, l: int) -> Any: ...
+    def files(self, i: int) -> list[str]: return []
+    def close(self) -> None: ...
+
+
+class FilePerObject(_System):
+    name = "file-per-object (baseline)"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        self.root, self.buf = root, memoryview(data).cast("B")
+        self.layer_bytes = data[0].nbytes
+        os.makedirs(root)
+
+    def _p(self, i: int) -> str:
+        return os.path.join(self.root, f"{i}.bin")
+
+    def put(self, i: int) -> None:
+        fd = os.open(self._p(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.pwrite(fd, self.buf, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def get(self, i: int) -> np.ndarray:
+        out = np.empty(len(self.buf), np.uint8)
+        fd = os.open(self._p(i), os.O_RDONLY)
+        try:
+            os.preadv(fd, [out], 0)
+        finally:
+            os.close(fd)
+        return out
+
+    def layer(self, i: int, l: int) -> np.ndarray:
+        out = np.empty(self.layer_bytes, np.uint8)
+        fd = os.open(self._p(i), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.preadv(fd, [out], l * self.layer_bytes)
+        finally:
+            os.close(fd)
+        return out
+
+    def files(self, i: int) -> list[str]:
+        return [self._p(i)]
+
+
+class SequentialLog(FilePerObject):
+    """Appends into one file (pwrite + fdatasync): the physical limit of a log writer."""
+
+    name = "sequential write+fdatasync (baseline)"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        super().__init__(root, data)
+        self.fd = os.open(os.path.join(root, "log"), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+
+    def put(self, i: int) -> None:
+        os.pwrite(self.fd, self.buf, i * len(self.buf))
+        os.fdatasync(self.fd)
+
+    def get(self, i: int) -> np.ndarray:
+        out = np.empty(len(self.buf), np.uint8)
+        os.preadv(self.fd, [out], i * len(self.buf))
+        return out
+
+    def layer(self, i: int, l: int) -> np.ndarray:
+        out = np.empty(self.layer_bytes, np.uint8)
+        os.preadv(self.fd, [out], i * len(self.buf) + l * self.layer_bytes)
+        return out
+
+    def files(self, i: int) -> list[str]:
+        return [os.path.join(self.root, "log")]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Tierstore(_System):
+    def __init__(self, root: str, data: np.ndarray, durability: str) -> None:
+        self.name = f"tierstore ({durability})"
+        self.durable = durability == "sync"
+        self.root, self.data, self.durability = root, data, durability
+        self.store = open_store(root, durability=durability)
+
+    def put(self, i: int) -> None:
+        self.store.put(f"chunk-{i}", KVCache(self.data))
+        if self.durability == "group":
+            self.store.flush()  # one put per group: what a durable group costs
+
+    def get(self, i: int) -> Any:
+        return self.store.get(f"chunk-{i}")
+
+    def layer(self, i: int, l: int) -> Any:
+        return self.store.get(f"chunk-{i}", layers=l)
+
+    def files(self, i: int) -> list[str]:
+        seg = os.path.join(self.root, "segments")
+        return [os.path.join(seg, n) for n in os.listdir(seg)]
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class Safetensors(_System):
+    name = "safetensors"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        from safetensors.numpy import save_file  # noqa: F401  (import check)
+
+        self.root, self.data = root, data
+        os.makedirs(root)
+
+    def _p(self, i: int) -> str:
+        return os.path.join(self.root, f"{i}.safetensors")
+
+    def put(self, i: int) -> None:
+        from safetensors.numpy import save_file
+
+        save_file({f"layer.{l}": self.data[l] for l in range(self.data.shape[0])}, self._p(i))
+        _fsync_path(self._p(i))
+
+    def get(self, i: int) -> Any:
+        from safetensors.numpy import load_file
+
+        return load_file(self._p(i))
+
+    def layer(self, i: int, l: int) -> Any:
+        from safetensors import safe_open
+
+        with safe_open(self._p(i), framework="numpy") as f:
+            return f.get_tensor(f"layer.{l}")
+
+    def files(self, i: int) -> list[str]:
+        return [self._p(i)]
+
+
+class TorchSave(_System):
+    name = "torch.save/load"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        import torch
+
+        self.root, self.t = root, torch.from_numpy(data)
+        os.makedirs(root)
+
+    def _p(self, i: int) -> str:
+        return os.path.join(self.root, f"{i}.pt")
+
+    def put(self, i: int) -> None:
+        import torch
+
+        torch.save(self.t, self._p(i))
+        _fsync_path(self._p(i))
+
+    def get(self, i: int) -> Any:
+        import torch
+
+        return torch.load(self._p(i), weights_only=True)
+
+    def layer(self, i: int, l: int) -> Any:
+        return self.get(i)[l]  # the format has no partial read
+
+    def files(self, i: int) -> list[str]:
+        return [self._p(i)]
+
+
+class H5py(_System):
+    name = "h5py"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        import h5py  # noqa: F401
+
+        self.root, self.data = root, data
+        os.makedirs(root)
+
+    def _p(self, i: int) -> str:
+        return os.path.join(self.root, f"{i}.h5")
+
+    def put(self, i: int) -> None:
+        import h5py
+
+        with h5py.File(self._p(i), "w") as f:
+            f.create_dataset("kv", data=self.data, chunks=(1, *self.data.shape[1:]))
+        _fsync_path(self._p(i))
+
+    def get(self, i: int) -> Any:
+        import h5py
+
+        with h5py.File(self._p(i), "r") as f:
+            return f["kv"][:]
+
+    def layer(self, i: int, l: int) -> Any:
+        import h5py
+
+        with h5py.File(self._p(i), "r") as f:
+            return f["kv"][l]
+
+    def files(self, i: int) -> list[str]:
+        return [self._p(i)]
+
+
+class Lmdb(_System):
+    name = "LMDB (one value per layer)"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        import lmdb
+
+        self.env = lmdb.open(root, map_size=1 << 36, lib_version=0)
+        self.root, self.data = root, data
+
+    def put(self, i: int) -> None:
+        with self.env.begin(write=True) as txn:
+            for l in range(self.data.shape[0]):
+                txn.put(f"{i}/{l}".encode(), memoryview(self.data[l]).cast("B"))
+
+    def get(self, i: int) -> Any:
+        out = np.empty(self.data.shape, self.data.dtype)
+        with self.env.begin(buffers=True) as txn:
+            for l in range(self.data.shape[0]):
+                out[l] = np.frombuffer(txn.get(f"{i}/{l}".encode()), self.data.dtype).reshape(self.data.shape[1:])
+        return out
+
+    def layer(self, i: int, l: int) -> Any:
+        with self.env.begin() as txn:
+            return txn.get(f"{i}/{l}".encode())
+
+    def files(self, i: int) -> list[str]:
+        return [os.path.join(self.root, "data.mdb")]
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _memcpy(data: np.ndarray, reps: int) -> float:
+    src = data.reshape(-1).view(np.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+        del dst
+    return _median_ms(times)
+
+
+def bench_chunk(root: str, *, reps: int, layer_reps: int, peers: bool, say: Callable[..., None]) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal(SHAPE, dtype=np.float32).astype(np.float16)
+    size = data.nbytes
+    layer_bytes = data[0].nbytes
+    makers: list[tuple[str, Callable[[], _System]]] = [
+        ("baseline", lambda: FilePerObject(os.path.join(root, "fpo"), data)),
+        ("seqlog", lambda: SequentialLog(os.path.join(root, "seq"), data)),
+        ("ts_sync", lambda: Tierstore(os.path.join(root, "ts-sync"), data, "sync")),
+        ("ts_group", lambda: Tierstore(os.path.join(root, "ts-group"), data, "group")),
+        ("ts_none", lambda: Tierstore(os.path.join(root, "ts-none"), data, "none")),
+    ]
+    if peers:
+        makers += [("safetensors", lambda: Safetensors(os.path.join(root, "st"), data)),
+                   ("torch", lambda: TorchSave(os.path.join(root, "pt"), data)),
+                   ("h5py", lambda: H5py(os.path.join(root, "h5"), data)),
+                   ("lmdb", lambda: Lmdb(os.path.join(root, "lmdb"), data))]
+    systems: dict[str, _System] = {}
+    skipped: dict[str, str] = {}
+    for key, make in makers:
+        try:
+            systems[key] = make()
+        except ImportError as e:
+            skipped[key] = f"not installed ({e.name})"
+    res: dict[str, dict[str, Any]] = {k: {"name": s.name} for k, s in systems.items()}
+    # puts, interleaved round-robin so drift in the disk hits every system alike
+    put_t: dict[str, list[float]] = {k: [] for k in systems}
+    for i in range(reps):
+        for k, s in systems.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            s.put(i)
+            put_t[k].append(time.perf_counter() - t0)
+    say(f"  puts done ({reps} x 32 MiB per system)")
+    for k in systems:
+        res[k]["put_ms"] = _median_ms(put_t[k])
+    # full gets: cold (pages evicted) then warm
+    for mode in ("cold", "warm"):
+        tt: dict[str, list[float]] = {k: [] for k in systems}
+        rb: dict[str, list[int]] = {k: [] for k in systems}
+        for i in range(reps):
+            for k, s in systems.items():
+                if mode == "cold":
+                    for p in s.files(i):
+                        _drop(p)
+                else:
+                    s.get(i)
+                gc.collect()
+                r0 = _read_bytes()
+                t0 = time.perf_counter()
+                out = s.get(i)
+                tt[k].append(time.perf_counter() - t0)
+                rb[k].append(_read_bytes() - r0)
+                del out
+        for k in systems:
+            res[k][f"get_{mode}_ms"] = _median_ms(tt[k])
+            if mode == "cold":
+                res[k]["get_cold_read_bytes"] = int(statistics.median(rb[k]))
+    say("  full gets done")
+    # single-layer gets
+    lrng = np.random.default_rng(1)
+    for mode, n in (("cold", max(8, layer_reps // 4)), ("warm", layer_reps)):
+        tt = {k: [] for k in systems}
+        rb = {k: [] for k in systems}
+        for _ in range(n):
+            i, l = int(lrng.integers(reps)), int(lrng.integers(SHAPE[0]))
+            for k, s in systems.items():
+                if mode == "cold":
+                    for p in s.files(i):
+                        _drop(p)
+                else:
+                    s.layer(i, l)
+                r0 = _read_bytes()
+                t0 = time.perf_counter()
+                s.layer(i, l)
+                tt[k].append(time.perf_counter() - t0)
+                rb[k].append(_read_bytes() - r0)
+        for k in systems:
+            res[k][f"layer_{mode}_p50_ms"] = _median_ms(tt[k])
+            res[k][f"layer_{mode}_p99_ms"] = _pct_ms(tt[k], 0.99)
+            if mode == "cold":
+                res[k]["layer_cold_read_bytes"] = int(statistics.median(rb[k]))
+    say("  layer gets done")
+    for s in systems.values():
+        s.close()
+    base = res["baseline"]
+    for r in res.values():
+        r["ratios_vs_baseline"] = {m: round(r[m] / base[m], 3) for m in
+                                   ("put_ms", "get_cold_ms", "get_warm_ms", "layer_cold_p50_ms", "layer_warm_p50_ms")
+                                   if r.get(m) and base.get(m)}
+    seq = res["seqlog"]
+    out = {"size_bytes": size, "layer_bytes": layer_bytes, "reps": reps, "layer_reps": layer_reps,
+           "memcpy_ms": _memcpy(data, max(reps, 5)), "systems": res, "skipped": skipped,
+           "targets": {
+               "durable_put_throughput_vs_sequential_write": round(seq["put_ms"] / res["ts_sync"]["put_ms"], 3),
+               "cold_get_throughput_vs_sequential_read": round(seq["get_cold_ms"] / res["ts_sync"]["get_cold_ms"], 3),
+               "warm_layer_get_vs_raw_pread": round(res["ts_sync"]["layer_warm_p50_ms"] / seq["layer_warm_p50_ms"], 3),
+               "cold_layer_read_bytes_vs_layer": round(res["ts_sync"]["layer_cold_read_bytes"] / layer_bytes, 3),
+           }}
+    return out
+
+
+def bench_blobs(root: str, *, n: int, peers: bool, say: Callable[..., None]) -> dict[str, Any]:
+    payload = np.random.default_rng(3).bytes(4096)
+    res: dict[str, Any] = {"n": n, "blob_bytes": 4096}
+    order = np.random.default_rng(4).permutation(n)
+    # tierstore, group commit: the durable batch is made by flush() at the end
+    path = os.path.join(root, "ts-blobs")
+    with open_store(path, durability="group") as s:
+        gc.collect()
+        t0 = time.perf_counter()
+        for i in range(n):
+            s.put(f"blob-{i}", Blob(payload))
+        s.flush()
+        res["tierstore_group_put_ops"] = round(n / (time.perf_counter() - t0))
+        for i in order[: min(n, 2000)]:
+            s.get(f"blob-{i}")
+        t0 = time.perf_counter()
+        for i in order:
+            s.get(f"blob-{i}")
+        res["tierstore_warm_get_ops"] = round(n / (time.perf_counter() - t0))
+    m = max(50, n // 40)
+    with open_store(os.path.join(root, "ts-blobs-sync"), durability="sync") as s:
+        t0 = time.perf_counter()
+        for i in range(m):
+            s.put(f"blob-{i}", Blob(payload))
+        res["tierstore_sync_put_ops"] = round(m / (time.perf_counter() - t0))
+    # baseline: one file per blob, written, then one syncfs for the whole batch
+    d = os.path.join(root, "fpo-blobs")
+    os.makedirs(d)
+    t0 = time.perf_counter()
+    for i in range(n):
+        fd = os.open(os.path.join(d, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.pwrite(fd, payload, 0)
+        os.close(fd)
+    os.sync()
+    res["file_per_object_put_ops"] = round(n / (time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    for i in order:
+        fd = os.open(os.path.join(d, str(i)), os.O_RDONLY)
+        os.pread(fd, 4096, 0)
+        os.close(fd)
+    res["file_per_object_warm_get_ops"] = round(n / (time.perf_counter() - t0))
+    if peers:
+        import lmdb
+
+        env = lmdb.open(os.path.join(root, "lmdb-blobs"), map_size=1 << 34, lib_version=0, metasync=False)
+        t0 = time.perf_counter()
+        with env.begin(write=True) as txn:  # LMDB's best case: the whole batch in one transaction
+            for i in range(n):
+                txn.put(f"blob-{i}".encode(), payload)
+        res["lmdb_one_txn_put_ops"] = round(n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for i in order:
+            with env.begin() as txn:
+                txn.get(f"blob-{i}".encode())
+        res["lmdb_warm_get_ops"] = round(n / (time.perf_counter() - t0))
+        env.close()
+    say(f"  blobs done ({n} x 4 KiB)")
+    return res
+
+
+def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = True, out: str | None = None,
+              quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
+    say = (lambda *a: None) if quiet else print
+    root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
+    sections = sections or ["chunk", "blobs"]
+    result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
+    try:
+        if "chunk" in sections:
+            say("chunk: Llama-3-8B KV chunk [32, 2, 8, 256, 128] fp16 = 32 MiB")
+            result["chunk"] = bench_chunk(os.path.join(root, "chunk"), reps=3 if quick else 10,
+                                          layer_reps=40 if quick else 200, peers=peers, say=say)
+            shutil.rmtree(os.path.join(root, "chunk"))
+        if "blobs" in sections:
+            say("blobs: 4 KiB")
+            result["blobs"] = bench_blobs(os.path.join(root, "blobs"), n=3000 if quick else 20000, peers=peers, say=say)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if not quiet:
+        print_report(result)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        if "chunk" in result:
+            plot(result, os.path.join(out, "benchmarks.png"))
+    return result
+
+
+def print_report(result: dict[str, Any]) -> None:
+    if "chunk" in result:
+        c = result["chunk"]
+        print(f"\n32 MiB KV chunk, medians of {c['reps']} (layer gets: {c['layer_reps']}); memcpy {c['memcpy_ms']} ms")
+        cols = ["put_ms", "get_cold_ms", "get_warm_ms", "layer_cold_p50_ms", "layer_cold_p99_ms",
+                "layer_warm_p50_ms", "layer_warm_p99_ms", "layer_cold_read_bytes"]
+        print(f"{'system':40s}" + "".join(f"{h:>14s}" for h in
+              ["put", "get cold", "get warm", "layer cold", "p99", "layer warm", "p99", "cold bytes"]))
+        for r in c["systems"].values():
+            print(f"{r['name']:40s}" + "".join(f"{r.get(h, float('nan')):>14,.2f}" if not h.endswith("bytes")
+                                              else f"{r.get(h, 0):>14,d}" for h in cols))
+        print("ratios to file-per-object (time; < 1 is faster):")
+        for r in c["systems"].values():
+            print(f"  {r['name']:38s} " + "  ".join(f"{k.removesuffix('_ms')}={v}" for k, v in
+                                                    r["ratios_vs_baseline"].items()))
+        print("targets:", json.dumps(c["targets"]))
+        for k, why in c["skipped"].items():
+            print(f"  skipped {k}: {why}")
+    if "blobs" in result:
+        print("\n4 KiB blobs (ops/s):", json.dumps({k: v for k, v in result["blobs"].items() if k.endswith("ops")}))
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Bar chart of time ratios to the file-per-object baseline (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    systems = result["chunk"]["systems"]
+    metrics = ["put_ms", "get_cold_ms", "get_warm_ms", "layer_cold_p50_ms", "layer_warm_p50_ms"]
+    labels = ["durable put", "get (cold)", "get (warm)", "1 layer (cold)", "1 layer (warm)"]
+    names = [k for k in systems if k != "baseline"]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(names)
+    for j, k in enumerate(names):
+        r = systems[k]["ratios_vs_baseline"]
+        ax.bar([i + j * width for i in range(len(metrics))], [r.get(m, 0) for m in metrics], width,
+               label=systems[k]["name"])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(metrics))], labels)
+    ax.set_ylabel("time / file-per-object baseline (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title("32 MiB Llama-3-8B KV chunk")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
