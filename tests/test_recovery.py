@@ -11,6 +11,7 @@ import pytest
 import tierstore
 from tierstore import Blob, KVCache, recovery
 from tierstore import format as fmt
+from tierstore import record as rec
 from tierstore import segment as seglib
 from tierstore.fileio import DEFAULT_IO
 
@@ -264,3 +265,23 @@ def test_unsynced_new_segment_header_is_dropped(store_path):
         assert s.recovery["removed_segments"] == [2]
     with tierstore.open(store_path) as s:
         assert s.keys() == ["x", "y"]
+
+
+def test_unknown_ignorable_record_is_skipped(store_path):
+    """A newer minor version may add records with the ignorable bit: they count as LSNs only."""
+    s = tierstore.open(store_path, index_commit_ms=1e9, index_batch=10**9)
+    s.put("a", Blob(b"1"))
+    rtype = fmt.REC_TYPE_IGNORABLE | 42
+    raw = rec._pack_header(rtype, 0, 48, 0, 3, 0, 0, b"", b"", b"", b"", 0, checksum=False)
+    s._log.append(rec.EncodedRecord(rec.RecordHeader(rtype, 0, 0, 48, 0, 3, 0, b"", b"", {}, (), (), 0, raw, ())))
+    s.put("b", Blob(b"2"))
+    s._log.sync()
+    crash(s)
+    with tierstore.open(store_path) as s:  # replayed from the log
+        assert s.keys() == ["a", "b"] and s.stats()["recovery"]["replayed_records"] == 2
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:  # rebuilt from segments
+        assert s.keys() == ["a", "b"]
+        s.put("c", Blob(b"3"))
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["a", "b", "c"]

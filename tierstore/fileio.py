@@ -164,6 +164,13 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
 
     Stops early only at end of file; the caller compares the result with what it asked for.
     """
+    if len(bufs) <= IOV_MAX:  # the usual case: one call fills everything
+        want = sum(b.nbytes for b in bufs)
+        if want <= _MAX_RW:
+            got = io.preadv(fd, bufs, offset)
+            if got == want or got == 0:
+                return got
+            return got + read_all(io, fd, _skip(bufs, got), offset + got)
     got = 0
     for batch in _iov_batches(bufs):
         while batch:
@@ -177,3 +184,14 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
             if n:
                 batch[0] = batch[0][n:]
     return got
+
+
+def _skip(bufs: Sequence[memoryview], n: int) -> list[memoryview]:
+    """The buffers that remain after the first ``n`` bytes were filled."""
+    out = [memoryview(b) for b in bufs]
+    while out and n >= out[0].nbytes:
+        n -= out[0].nbytes
+        out.pop(0)
+    if n:
+        out[0] = out[0][n:]
+    return out

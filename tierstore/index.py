@@ -70,7 +70,7 @@ def encode_location(loc: Location) -> bytes:
 
 
 _HEADER_CACHE: dict[bytes, "Location"] = {}
-_HEADER_CACHE_MAX = 8192
+_HEADER_CACHE_MAX = 65536
 
 
 def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | None = None) -> Location:

@@ -37,6 +37,47 @@ def crc32c(data: Any, value: int = 0) -> int:
     return _crc(data, value)
 
 
+_POLY = 0x82F63B78
+_COMBINE: dict[int, list[list[int]]] = {}
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _zeros_operator(nbytes: int) -> list[list[int]]:
+    """Byte-indexed tables of the GF(2) operator that appends ``nbytes`` zero bytes to a CRC
+    (zlib's crc32_combine method, precomputed once per length)."""
+    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    result = [1 << n for n in range(32)]  # identity
+    length = nbytes * 8
+    power = odd
+    while length:
+        if length & 1:
+            result = [_gf2_times(power, v) for v in result]
+        length >>= 1
+        if length:
+            power = [_gf2_times(power, v) for v in power]
+    return [[_gf2_times(result, b << (8 * k)) for b in range(256)] for k in range(4)]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of A+B from crc(A), crc(B) and len(B): lets halves be checksummed in parallel."""
+    tables = _COMBINE.get(len2)
+    if tables is None:
+        if len(_COMBINE) > 256:
+            _COMBINE.clear()
+        tables = _COMBINE[len2] = _zeros_operator(len2)
+    t0, t1, t2, t3 = tables
+    return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
+
+
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -289,8 +330,7 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
     meta_bytes = raw[p : p + f.meta_len]
     p = align_up(p + f.meta_len, 8)
     lengths, crcs = [], []
-    for i in range(f.n_extents):
-        n, c, r = fmt.EXTENT_ENTRY.unpack_from(raw, p + i * fmt.EXTENT_ENTRY.size)
+    for n, c, r in fmt.EXTENT_ENTRY.iter_unpack(raw[p : p + fmt.EXTENT_ENTRY.size * f.n_extents]):
         if r != 0:
             raise CorruptionError("reserved extent field is not zero", **where)
         lengths.append(n)
@@ -355,6 +395,8 @@ def unpack_meta(data: bytes, **where: Any) -> dict[str, Any]:
 
 
 def _depth(x: Any, limit: int = fmt.META_MAX_DEPTH + 1) -> int:
+    if isinstance(x, dict) and not any(type(v) in (dict, list) for v in x.values()):
+        return 1  # the common case: a flat map
     stack = [(x, 1)]
     deepest = 0
     while stack:

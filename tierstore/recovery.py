@@ -61,9 +61,13 @@ class LogScan:
     bytes_scanned: int = 0
 
 
-def _op(seg: int, off: int, hdr: rec.RecordHeader) -> Op:
-    loc = Location(seg, off, hdr) if hdr.type == fmt.REC_PUT else None
-    return Op(hdr.namespace, hdr.key, hdr.lsn, seg, off, hdr.record_len, loc)
+def _op(seg: int, off: int, hdr: rec.RecordHeader) -> Op | None:
+    """The index operation of a PUT or DELETE record (None for records that change nothing)."""
+    if hdr.type == fmt.REC_PUT:
+        return Op(hdr.namespace, hdr.key, hdr.lsn, seg, off, hdr.record_len, Location(seg, off, hdr))
+    if hdr.type == fmt.REC_DELETE:
+        return Op(hdr.namespace, hdr.key, hdr.lsn, seg, off, hdr.record_len, None)
+    return None
 
 
 def _stamp() -> str:
@@ -183,7 +187,9 @@ class _LogScanner:
                                             verify_payload=is_last or self.verify_sealed, size=size)
             while True:
                 for off, hdr in scanner.records():
-                    r.ops.append(_op(seg, off, hdr))
+                    op = _op(seg, off, hdr)
+                    if op is not None:
+                        r.ops.append(op)
                     r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
                 stop = scanner.stop
                 assert stop is not None
@@ -430,7 +436,10 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
         for off, hdr in scanner.records():
             if hdr.lsn > applied.lsn:
                 break
-            newest[(hdr.namespace, hdr.key)] = (hdr.lsn, seg, off) if hdr.type == fmt.REC_PUT else (hdr.lsn, -1, -1)
+            if hdr.type == fmt.REC_PUT:
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, seg, off)
+            elif hdr.type == fmt.REC_DELETE:
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, -1, -1)
         stop = scanner.stop
         if stop is not None and stop.reason != "end":
             severity = "error" if stop.valid_after or seg != segs[-1] else "warning"

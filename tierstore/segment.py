@@ -270,20 +270,28 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
     return None
 
 
+SPLIT_MIN = 512 << 10  # a single extent this large is read and checksummed as two halves in parallel
+
+
 def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
                  wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any], executor: Any = None) -> None:
     """Read extents ``wanted`` = [(index, destination)] (ascending indices) of the record at
     ``offset`` and verify each one's checksum.
 
     Adjacent extents are read with one scattered ``preadv`` (alignment padding goes to a
-    scratch page).  Large reads are cut into ~4 MiB pieces at extent boundaries and run on
-    ``executor``'s threads: copying out of the page cache and CRC-32C both release the GIL.
+    scratch page).  With an ``executor``, large reads are cut into pieces at extent boundaries
+    and run on its threads, the calling thread taking the first: copying out of the page cache
+    and CRC-32C both release the GIL.  A lone large extent is read as two halves whose
+    checksums are combined (``record.crc32c_combine``).
     """
     offsets = hdr.offsets
     lengths = hdr.extent_lengths
     total = sum(lengths[i] for i, _ in wanted)
+    if executor is not None and len(wanted) == 1 and total >= SPLIT_MIN:
+        _read_split(io, fd, offset, hdr, wanted[0], where, executor)
+        return
     parallel = executor is not None and total >= PARALLEL_MIN
-    limit = PARALLEL_CHUNK if parallel else None
+    limit = max(1 << 20, min(PARALLEL_CHUNK, total // 4)) if parallel else None
     tasks: list[list[tuple[int, memoryview]]] = []
     size = 0
     for idx, dest in wanted:
@@ -294,15 +302,16 @@ def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
         size += lengths[idx]
 
     def run(task: list[tuple[int, memoryview]]) -> None:
-        scratch = memoryview(bytearray(fmt.PAGE))
-        start = offsets[task[0][0]]
+        start = pos = offsets[task[0][0]]
         iov: list[memoryview] = []
-        pos = start
+        scratch: memoryview | None = None
         for idx, dest in task:
             gap = offsets[idx] - pos
-            while gap > 0:
-                iov.append(scratch[: min(gap, fmt.PAGE)])
-                gap -= min(gap, fmt.PAGE)
+            if gap:
+                scratch = scratch or memoryview(bytearray(fmt.PAGE))
+                while gap > 0:
+                    iov.append(scratch[: min(gap, fmt.PAGE)])
+                    gap -= min(gap, fmt.PAGE)
             if dest.nbytes:
                 iov.append(dest)
             pos = offsets[idx] + lengths[idx]
@@ -314,14 +323,41 @@ def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
                 raise CorruptionError(f"extent {idx} checksum mismatch", **where)
 
     if parallel and len(tasks) > 1:
-        futures = [executor.submit(run, t) for t in tasks]
-        errors = [f.exception() for f in futures]  # wait for every piece before returning
-        for e in errors:
+        futures = [executor.submit(run, t) for t in tasks[1:]]
+        error: BaseException | None = None
+        try:
+            run(tasks[0])
+        except BaseException as e:  # re-raised below, after every piece has finished with the buffer
+            error = e
+        errors = [f.exception() for f in futures]
+        for e in [error, *errors]:
             if e is not None:
                 raise e
     else:
         for t in tasks:
             run(t)
+
+
+def _read_split(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, item: tuple[int, memoryview],
+                where: dict[str, Any], executor: Any) -> None:
+    idx, dest = item
+    n = hdr.extent_lengths[idx]
+    base = offset + hdr.offsets[idx]
+    half = rec.align_up(n // 2, fmt.PAGE)
+
+    def part(lo: int, hi: int) -> int:
+        view = dest[lo:hi]
+        if read_all(io, fd, [view], base + lo) != hi - lo:
+            raise CorruptionError("record extends past the end of its segment", **where)
+        return rec.crc32c(view)
+
+    future = executor.submit(part, half, n)
+    try:
+        first = part(0, half)
+    finally:
+        second = future.result()  # never return while the other half still writes into dest
+    if rec.crc32c_combine(first, second, n - half) != hdr.extent_crcs[idx]:
+        raise CorruptionError(f"extent {idx} checksum mismatch", **where)
 
 
 def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, idx: int,

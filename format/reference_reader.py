@@ -1,0 +1,374 @@
+"""An independent reader of tierstore stores, written from SPEC.md alone.
+
+It does not import tierstore, nor LMDB: it scans the segments (SPEC.md §12), which is also
+the format's recovery path.  Dependencies: the standard library and numpy.  It carries its
+own CRC-32C (Appendix A) and a decoder for the msgpack subset of SPEC.md §5.2.
+
+    python format/reference_reader.py STORE_DIR          # lists every live object
+    python format/reference_reader.py STORE_DIR --json   # ... as JSON
+
+If this reader and tierstore ever disagree on a store, SPEC.md is incomplete or wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# --- Appendix A: CRC-32C ---------------------------------------------------------------------
+_TABLE = []
+for _n in range(256):
+    _c = _n
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _TABLE.append(_c)
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    crc ^= 0xFFFFFFFF
+    table = _TABLE
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+assert crc32c(b"123456789") == 0xE3069283
+
+
+class FormatError(Exception):
+    """The bytes do not follow SPEC.md."""
+
+
+# --- §5.2: the msgpack subset ------------------------------------------------------------------
+
+
+def unpack(data: bytes) -> Any:
+    value, pos = _unpack(data, 0, 1)
+    if pos != len(data):
+        raise FormatError("trailing bytes after metadata")
+    return value
+
+
+def _unpack(d: bytes, p: int, depth: int) -> tuple[Any, int]:
+    if depth > 16:
+        raise FormatError("metadata nested deeper than 16 levels")
+    if p >= len(d):
+        raise FormatError("metadata truncated")
+    t = d[p]
+    p += 1
+
+    def take(n: int) -> bytes:
+        nonlocal p
+        if p + n > len(d):
+            raise FormatError("metadata truncated")
+        out = d[p : p + n]
+        p += n
+        return out
+
+    def length(fmt_: str) -> int:  # msgpack lengths are big-endian
+        return struct.unpack(">" + fmt_, take(struct.calcsize(fmt_)))[0]
+
+    if t <= 0x7F:
+        return t, p
+    if t >= 0xE0:
+        return t - 0x100, p
+    if 0x80 <= t <= 0x8F:
+        return _map(d, p, t & 0x0F, depth)
+    if 0x90 <= t <= 0x9F:
+        return _array(d, p, t & 0x0F, depth)
+    if 0xA0 <= t <= 0xBF:
+        return take(t & 0x1F).decode("utf-8"), p
+    simple = {0xC0: None, 0xC2: False, 0xC3: True}
+    if t in simple:
+        return simple[t], p
+    ints = {0xCC: "B", 0xCD: "H", 0xCE: "I", 0xCF: "Q", 0xD0: "b", 0xD1: "h", 0xD2: "i", 0xD3: "q"}
+    if t in ints:
+        return struct.unpack(">" + ints[t], take(struct.calcsize(ints[t])))[0], p
+    if t == 0xCA:
+        return struct.unpack(">f", take(4))[0], p
+    if t == 0xCB:
+        return struct.unpack(">d", take(8))[0], p
+    if t in (0xD9, 0xDA, 0xDB):
+        n = length({0xD9: "B", 0xDA: "H", 0xDB: "I"}[t])
+        return take(n).decode("utf-8"), p
+    if t in (0xC4, 0xC5, 0xC6):
+        n = length({0xC4: "B", 0xC5: "H", 0xC6: "I"}[t])
+        return bytes(take(n)), p
+    if t in (0xDC, 0xDD):
+        n = length("H" if t == 0xDC else "I")
+        return _array(d, p, n, depth)
+    if t in (0xDE, 0xDF):
+        n = length("H" if t == 0xDE else "I")
+        return _map(d, p, n, depth)
+    raise FormatError(f"msgpack type byte {t:#x} is not allowed in metadata")
+
+
+def _array(d: bytes, p: int, n: int, depth: int) -> tuple[list[Any], int]:
+    if n > len(d) - p:
+        raise FormatError("metadata array longer than its bytes")
+    out = []
+    for _ in range(n):
+        v, p = _unpack(d, p, depth + 1)
+        out.append(v)
+    return out, p
+
+
+def _map(d: bytes, p: int, n: int, depth: int) -> tuple[dict[str, Any], int]:
+    if n > len(d) - p:
+        raise FormatError("metadata map longer than its bytes")
+    out: dict[str, Any] = {}
+    for _ in range(n):
+        k, p = _unpack(d, p, depth + 1)
+        if not isinstance(k, str):
+            raise FormatError("metadata map key is not a string")
+        v, p = _unpack(d, p, depth + 1)
+        out[k] = v
+    return out, p
+
+
+# --- §3, §4: segments and records --------------------------------------------------------------
+
+SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
+RECORD_MAGIC = b"\xd4TRC"
+PAGE = 4096
+PUT, DELETE, PAD, IGNORABLE = 1, 2, 3, 0x8000
+KINDS = {1: "kv", 2: "vectors", 3: "blob"}
+DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
+          5: ("float8_e4m3fn", "u1"), 6: ("float8_e5m2", "u1"), 7: ("int8", "i1"), 8: ("uint8", "u1"),
+          9: ("int16", "<i2"), 10: ("int32", "<i4"), 11: ("int64", "<i8")}
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Record:
+    segment: str
+    offset: int
+    type: int
+    flags: int
+    lsn: int
+    record_len: int
+    kind: int
+    align_log2: int
+    codec: int
+    namespace: bytes
+    key: bytes
+    meta: dict[str, Any]
+    extents: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc32c)
+
+
+def read_segment_header(data: bytes, name: str) -> dict[str, Any]:
+    if data[:8] != SEGMENT_MAGIC:
+        raise FormatError(f"{name}: not a segment")
+    major, minor, hsize, incompat, ro_compat, compat = struct.unpack_from("<HHIQQQ", data, 8)
+    if major != 1:
+        raise FormatError(f"{name}: format {major}.{minor} is not 1.x")
+    if crc32c(data[:112]) != struct.unpack_from("<I", data, 112)[0]:
+        raise FormatError(f"{name}: segment header checksum")
+    if incompat or hsize != PAGE:
+        raise FormatError(f"{name}: unknown incompatible features or header size")
+    store_uuid = data[40:56]
+    seg_id, base_lsn = struct.unpack_from("<QQ", data, 56)
+    if f"{seg_id:016x}.tseg" != name or base_lsn == 0:
+        raise FormatError(f"{name}: segment id / base LSN")
+    return {"store_uuid": store_uuid, "segment_id": seg_id, "base_lsn": base_lsn, "minor": minor}
+
+
+def parse_record(data: bytes, p: int, name: str) -> Record:
+    """Decode and validate the record at p (SPEC.md §4.4); FormatError if invalid or cut."""
+    if p + 48 > len(data):
+        raise FormatError("record header cut by end of file")
+    (magic, crc, rtype, flags, header_len, lsn, record_len, kind, align_log2, codec, ns_len, reserved, key_len,
+     meta_len, n_ext) = struct.unpack_from("<4sIHHIQQBBHBBHII", data, p)
+    if magic != RECORD_MAGIC:
+        raise FormatError("bad record magic")
+    if not (48 <= header_len <= 2 << 20 and header_len % 8 == 0 and n_ext <= 65536 and meta_len <= 1 << 20):
+        raise FormatError("header length fields out of range")
+    if header_len != align_up(48 + ns_len + key_len + meta_len, 8) + 16 * n_ext or not header_len <= record_len < 2**63:
+        raise FormatError("inconsistent header_len / record_len")
+    if p + header_len > len(data):
+        raise FormatError("record header cut by end of file")
+    header = data[p : p + header_len]
+    if crc32c(header[8:]) != crc:
+        raise FormatError("record header checksum")
+    if reserved or flags & ~1 or not 3 <= align_log2 <= 21 or p % (1 << align_log2):
+        raise FormatError("reserved / flags / alignment")
+    q = 48
+    namespace, key = header[q : q + ns_len], header[q + ns_len : q + ns_len + key_len]
+    meta_bytes = header[q + ns_len + key_len : q + ns_len + key_len + meta_len]
+    meta = unpack(meta_bytes) if meta_len else {}
+    if not isinstance(meta, dict):
+        raise FormatError("metadata is not a map")
+    table = align_up(48 + ns_len + key_len + meta_len, 8)
+    extents, pos = [], header_len
+    for i in range(n_ext):
+        length, ecrc, zero = struct.unpack_from("<QII", header, table + 16 * i)
+        if zero:
+            raise FormatError("reserved extent word")
+        pos = align_up(pos, 1 << align_log2)
+        extents.append((pos, length, ecrc))
+        pos += length
+    rec = Record(name, p, rtype, flags, lsn, record_len, kind, align_log2, codec, namespace, key, meta, extents)
+    if rtype == PAD:
+        if lsn or kind or ns_len or key_len or meta_len or n_ext:
+            raise FormatError("PAD with content")
+    elif rtype == DELETE:
+        if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
+            raise FormatError("DELETE with content")
+    elif rtype == PUT:
+        if lsn == 0 or not 1 <= ns_len <= 100 or not 1 <= key_len <= 400 or codec != 0:
+            raise FormatError("PUT fields")
+        if [e[1] for e in extents] != expected_lengths(kind, meta) or (pos if extents else header_len) != record_len:
+            raise FormatError("extents do not match the metadata")
+    elif not rtype & IGNORABLE:
+        raise FormatError(f"unknown record type {rtype}")
+    if p + record_len > len(data):
+        raise FormatError("record cut by end of file")
+    return rec
+
+
+def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
+    """SPEC.md §5.3."""
+    def ints(v: Any) -> bool:
+        return isinstance(v, list) and all(type(x) is int and x >= 1 for x in v)
+    if kind == 1:
+        shape, dt = meta.get("shape"), meta.get("dtype")
+        if not ints(shape) or len(shape) != 5 or shape[1] != 2 or dt not in range(1, 7):
+            raise FormatError("kv metadata")
+        if type(meta.get("layer_start")) is not int or meta["layer_start"] < 0:
+            raise FormatError("kv layer_start")
+        layer = int(np.prod(shape[1:], dtype=object)) * np.dtype(DTYPES[dt][1]).itemsize
+        return [layer] * shape[0]
+    if kind == 2:
+        shape, dt, rpe = meta.get("shape"), meta.get("dtype"), meta.get("rows_per_extent")
+        if not ints(shape) or len(shape) != 2 or dt not in range(1, 9) or type(rpe) is not int or rpe < 1:
+            raise FormatError("vectors metadata")
+        if meta.get("metric") not in ("cosine", "l2", "ip") or type(meta.get("ids")) is not bool:
+            raise FormatError("vectors metric / ids")
+        n, dim = shape
+        rows = [min(rpe, n - s) for s in range(0, n, rpe)]
+        out = [r * dim * np.dtype(DTYPES[dt][1]).itemsize for r in rows]
+        return out + [r * 8 for r in rows] if meta["ids"] else out
+    if kind == 3:
+        if type(meta.get("size")) is not int or meta["size"] < 0 or not isinstance(meta.get("media_type"), str):
+            raise FormatError("blob metadata")
+        return [meta["size"]]
+    raise FormatError(f"unknown kind {kind}")
+
+
+def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes]]:
+    """SPEC.md §12: the live records of a store, and each segment's bytes."""
+    seg_dir = os.path.join(store, "segments")
+    names = sorted(n for n in os.listdir(seg_dir) if n.endswith(".tseg") and len(n) == 21)
+    if not names:
+        raise FormatError("no segments")
+    state: dict[tuple[bytes, bytes], Record] = {}
+    files: dict[str, bytes] = {}
+    lsn = None
+    uuid = None
+    for i, name in enumerate(names):
+        with open(os.path.join(seg_dir, name), "rb") as f:
+            data = f.read()
+        files[name] = data
+        hdr = read_segment_header(data, name)
+        if uuid is not None and hdr["store_uuid"] != uuid:
+            raise FormatError(f"{name}: belongs to another store")
+        uuid = hdr["store_uuid"]
+        if lsn is None:
+            lsn = hdr["base_lsn"]
+        elif hdr["base_lsn"] != lsn:
+            raise FormatError(f"{name}: base LSN {hdr['base_lsn']}, expected {lsn}")
+        p = PAGE
+        while p < len(data):
+            if p % PAGE and PAGE - p % PAGE < 48:
+                if any(data[p : align_up(p, PAGE)]):
+                    break
+                p = align_up(p, PAGE)
+                continue
+            if data[p : p + 4] == b"\0\0\0\0":
+                break
+            try:
+                r = parse_record(data, p, name)
+            except FormatError:
+                if i != len(names) - 1:
+                    raise
+                break  # the end of the valid log (a torn tail) in the last segment
+            if r.type != PAD:
+                if r.lsn != lsn:
+                    if i != len(names) - 1:
+                        raise FormatError(f"{name}@{p}: LSN {r.lsn}, expected {lsn}")
+                    break
+                lsn += 1
+                if r.type == PUT:
+                    state[(r.namespace, r.key)] = r
+                elif r.type == DELETE:
+                    state.pop((r.namespace, r.key), None)
+            p = align_up(p + r.record_len, 8)
+    return state, files
+
+
+def decode(r: Record, data: bytes) -> Any:
+    """The object of a PUT record, every extent checksum verified."""
+    parts = []
+    for off, length, ecrc in r.extents:
+        b = data[r.offset + off : r.offset + off + length]
+        if len(b) != length or crc32c(b) != ecrc:
+            raise FormatError(f"{r.segment}@{r.offset}: extent checksum")
+        parts.append(b)
+    m = r.meta
+    if r.kind == 3:
+        return parts[0]
+    name, storage = DTYPES[m["dtype"]]
+    if r.kind == 1:
+        return np.frombuffer(b"".join(parts), dtype=storage).reshape(m["shape"])
+    n, dim = m["shape"]
+    e = -(-n // m["rows_per_extent"])
+    arr = np.frombuffer(b"".join(parts[:e]), dtype=storage).reshape(n, dim)
+    ids = np.frombuffer(b"".join(parts[e:]), dtype="<i8") if m["ids"] else None
+    return arr, ids
+
+
+def describe(store: str) -> list[dict[str, Any]]:
+    state, files = scan(store)
+    out = []
+    for (ns, key), r in sorted(state.items()):
+        obj = decode(r, files[r.segment])
+        item: dict[str, Any] = {"namespace": ns.decode(), "key": key.decode() if r.flags & 1 else "0x" + key.hex(),
+                                "kind": KINDS[r.kind], "lsn": r.lsn, "meta": r.meta.get("meta", {})}
+        if r.kind == 3:
+            item.update(size=len(obj), media_type=r.meta["media_type"], crc32c=crc32c(obj))
+        else:
+            arr = obj if r.kind == 1 else obj[0]
+            item.update(dtype=DTYPES[r.meta["dtype"]][0], shape=list(arr.shape), crc32c=crc32c(arr.tobytes()))
+            if r.kind == 1:
+                item["layer_start"] = r.meta["layer_start"]
+            else:
+                item["metric"] = r.meta["metric"]
+                item["ids_crc32c"] = None if obj[1] is None else crc32c(obj[1].tobytes())
+        out.append(item)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 2
+    items = describe(argv[0])
+    if "--json" in argv:
+        print(json.dumps(items, indent=2))
+    else:
+        for it in items:
+            print(f"{it['namespace']}\t{it['key']}\t{it['kind']}\t{it.get('shape', it.get('size'))}\t{it.get('dtype', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
