@@ -160,7 +160,6 @@ def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):
     (seg,) = segment_files(store_path)
     layer = real_kv[0].nbytes
     with open(seg, "r+b") as f:  # flip a byte inside layer 2
-        pos = info.offset + 4096 * ((info.stored_bytes - 6 * layer) // 4096) + 2 * layer + 100
         pos = info.offset + (info.stored_bytes - 6 * layer) + 2 * layer + 100
         f.seek(pos)
         b = f.read(1)
@@ -174,9 +173,9 @@ def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):
         assert ei.value.segment == 1 and ei.value.offset == info.offset and ei.value.key == "c"
         with pytest.raises(tierstore.CorruptionError):
             s.get("c", layers=2)
-        report = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True)
-        assert not report.ok and "extent 2 checksum mismatch" in report.findings[0].what
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=False).ok  # shallow: headers only
+        for deep in (False, True):
+            report = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=deep)
+            assert not report.ok and "extent 2 checksum mismatch" in report.findings[0].what
 
 
 def test_sealed_segment_damage_needs_recover(store_path):
@@ -285,3 +284,31 @@ def test_unknown_ignorable_record_is_skipped(store_path):
         s.put("c", Blob(b"3"))
     with tierstore.open(store_path) as s:
         assert s.keys() == ["a", "b", "c"]
+
+
+def test_deep_fsck_checks_dead_records_and_lmdb(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("k", Blob(b"a" * 5000))
+        old = s.info("k")
+        s.put("k", Blob(b"b" * 5000))  # the first record is now dead
+    (seg,) = segment_files(store_path)
+    with open(seg, "r+b") as f:
+        f.seek(old.offset + 4096 + 10)  # inside the dead record's payload
+        f.write(b"\xff")
+    with tierstore.open(store_path, readonly=True) as s:
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=False).ok  # live data is intact
+        deep = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True)
+        assert not deep.ok and "log damaged" in deep.findings[0].what
+    data = os.path.join(store_path, "index", "data.mdb")
+    with open(data, "rb") as f:
+        page = f.read().find(b"\x07defaultk") // 4096  # the leaf page holding our entry
+    with open(data, "r+b") as f:
+        f.seek(page * 4096)  # smash its page header
+        f.write(b"\xde\xad\xbe\xef" * 4)
+    from tierstore.index import Index
+    idx = Index.open(os.path.join(store_path, "index"), writable=False)
+    try:  # the verifier runs before liblmdb walks the damaged tree
+        findings = [f.what for f in recovery.check_store(DEFAULT_IO, store_path, idx, deep=True).findings]
+    finally:
+        idx.close()
+    assert any(w.startswith("index (LMDB)") for w in findings), findings

@@ -2,7 +2,7 @@
 
     tierstore demo    [--path DIR]                 write KV caches, vectors, blobs; read them back
     tierstore bench   [--quick] [--out DIR]        benchmarks against raw-file baselines and peers
-    tierstore fsck    PATH [--deep]                check a store (read-only)
+    tierstore fsck    PATH [--deep]                check a store and every live checksum (read-only)
     tierstore recover PATH                         rebuild the index from the segments
     tierstore ls      PATH [--namespace NS]        list objects
     tierstore stats   PATH                         sizes and counters
@@ -53,7 +53,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     from . import recovery
 
     with open_store(args.path, create=False, readonly=True) as store:
-        update, close = _progress(_segments_bytes(args.path) if args.deep else None, "verifying", not args.json)
+        update, close = _progress(_segments_bytes(args.path), "verifying", not args.json)
         try:
             assert store._index is not None
             report = recovery.check_store(store._io, store.path, store._index, deep=args.deep, progress=update)
@@ -61,8 +61,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             close()
 
     def text() -> None:
-        print(f"{args.path}: {report.objects} objects in {report.segments} segments"
-              + (f", {report.bytes_verified / 2**20:.1f} MiB of extents verified" if args.deep else ""))
+        print(f"{args.path}: {report.objects} objects in {report.segments} segments, "
+              f"{report.bytes_verified / 2**20:.1f} MiB of live extents verified"
+              + ("; every log record and the LMDB index file checked" if args.deep else ""))
         for f in report.findings:
             where = " ".join(f"{k}={v}" for k, v in f.as_dict().items() if k not in ("severity", "what"))
             print(f"  {f.severity}: {f.what} {where}")
@@ -191,9 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-peers", action="store_true", help="skip safetensors / torch.save / h5py / LMDB")
     sp.add_argument("--out", default=None, help="write results.json and plots here")
     sp.add_argument("--section", action="append", choices=["chunk", "blobs"], help="run only these sections")
-    sp = add("fsck", cmd_fsck, "check a store: index against segments both ways; --deep verifies every checksum")
+    sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
+                               "object; exit code 1 on any error")
     sp.add_argument("path")
-    sp.add_argument("--deep", action="store_true", help="read every extent and verify its CRC-32C")
+    sp.add_argument("--deep", action="store_true",
+                    help="also verify every record of the log (overwritten and deleted ones too) and run LMDB's "
+                         "structural verifier on the index")
     sp = add("recover", cmd_recover, "rebuild the index from the segments; quarantine damaged records")
     sp.add_argument("path")
     sp.add_argument("--deep", action="store_true", help="also verify every payload checksum while scanning")

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb.verify
+
 from . import format as fmt
 from . import record as rec
 from . import segment as seglib
@@ -367,10 +369,12 @@ def _ns(b: bytes) -> str:
 
 def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
                 progress: Callable[[int], None] | None = None) -> Report:
-    """Check both directions (index -> records, log -> index); with ``deep``, every checksum.
+    """Check a store without changing it.
 
-    Read-only.  Every indexed object must point at a record with the same header bytes, and
-    the newest record of every key in the applied part of the log must be what the index holds.
+    Always: both directions (every index entry points at a record with the same header
+    bytes; the newest record of every key in the applied log is what the index holds) and
+    every checksum of every live object.  ``deep`` adds every record of the log (overwritten
+    and deleted ones too) and LMDB's own structural verifier over the index file.
     """
     report = Report()
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
@@ -378,10 +382,19 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
     report.segments = len(segs)
     fds = {seg: io.open(os.path.join(seg_dir, seglib.segment_name(seg)), os.O_RDONLY) for seg in segs}
     try:
+        if deep:
+            # verify-then-trust: LMDB's offline verifier walks the file in Python first, since
+            # liblmdb itself may crash on a damaged file
+            problems = lmdb.verify.verify(index.path)
+            for problem in problems:
+                report.error(f"index (LMDB): {problem}")
+            if problems:
+                report.error("index failed verification and was not read; `tierstore recover PATH` rebuilds it")
+                return report
         with index.read() as view:
             applied = view.applied()
-            indexed = _check_index_to_log(io, view, fds, report, deep, progress)
-        _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report)
+            indexed = _check_index_to_log(io, view, fds, report, progress)
+        _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):
             report.findings.append(Finding("warning", f"quarantine/ holds {len(os.listdir(qdir))} file(s) "
@@ -392,7 +405,7 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
     return report
 
 
-def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Report, deep: bool,
+def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Report,
                         progress: Callable[[int], None] | None) -> dict[tuple[bytes, bytes], Location]:
     indexed: dict[tuple[bytes, bytes], Location] = {}
     for k, v in view.txn.cursor(db=view.index.objects):
@@ -412,7 +425,7 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
             report.error("index entry does not match the record in the segment", **where)
         elif io.size(fd) < loc.offset + loc.header.record_len:
             report.error("record extends past the end of its segment", **where)
-        elif deep:
+        else:
             bad = seglib.verify_extents(io, fd, loc.offset, loc.header)
             if bad is not None:
                 report.error(f"extent {bad} checksum mismatch", **where)
@@ -423,7 +436,7 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
 
 
 def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[int, int], applied: Applied,
-                        indexed: dict[tuple[bytes, bytes], Location], report: Report) -> None:
+                        indexed: dict[tuple[bytes, bytes], Location], report: Report, deep: bool) -> None:
     newest: dict[tuple[bytes, bytes], tuple[int, int, int]] = {}  # key -> (lsn, segment, offset); -1: deleted
     for seg in segs:
         path = os.path.join(seg_dir, seglib.segment_name(seg))
@@ -432,7 +445,7 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
         except TierstoreError as e:
             report.error(f"bad segment header: {e.message}", segment=seg, offset=0)
             continue
-        scanner = seglib.SegmentScanner(io, fds[seg], seg, path=path, verify_payload=False)
+        scanner = seglib.SegmentScanner(io, fds[seg], seg, path=path, verify_payload=deep)
         for off, hdr in scanner.records():
             if hdr.lsn > applied.lsn:
                 break
