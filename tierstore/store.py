@@ -614,17 +614,22 @@ class Store:
         CorruptionError naming the segment and offset, never wrong data.  NotFound if the
         key does not exist.
         """
-        arrays.validate_device(device)
+        if device is not None:
+            arrays.validate_device(device)
         for attempt in range(3):
             ns, k, loc = self._locate(key, namespace)
-            where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace,
-                     "path": self._files.path(loc.segment)}
+            where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
                 obj = blk.read_object(loc.header, _Reader(self, loc, where), layers=layers, rows=rows, device=device)
             except FileNotFoundError:
                 if attempt == 2:
-                    raise CorruptionError("segment file missing", **where) from None
+                    raise CorruptionError("segment file missing", path=self._files.path(loc.segment),
+                                          **where) from None
                 continue  # compaction moved the object between lookup and read: look it up again
+            except CorruptionError as e:
+                if e.path is None:
+                    e.path = self._files.path(loc.segment)
+                raise
             self._counters["gets"] += 1
             return obj
         raise AssertionError("unreachable")
