@@ -20,29 +20,23 @@ from .errors import InvalidObject
 FRAMEWORK_NUMPY = "numpy"
 FRAMEWORK_TORCH = "torch"
 
-_torch: Any = None
-_ml_dtypes: Any = None
+_OPTIONAL: dict[str, Any] = {}
+
+
+def _optional(name: str) -> Any:
+    """An optional dependency's module, or None when it is not installed (imported lazily)."""
+    if name not in _OPTIONAL:
+        _OPTIONAL[name] = importlib.import_module(name) if importlib.util.find_spec(name) else None
+    return _OPTIONAL[name]
 
 
 def torch_module() -> Any:
-    """Return the torch module, or None when torch is not installed."""
-    global _torch
-    if _torch is None:
-        if importlib.util.find_spec("torch") is None:
-            _torch = False
-        else:
-            _torch = importlib.import_module("torch")
-    return _torch or None
+    """The torch module, or None when torch is not installed."""
+    return _optional("torch")
 
 
 def _ml_dtypes_module() -> Any:
-    global _ml_dtypes
-    if _ml_dtypes is None:
-        if importlib.util.find_spec("ml_dtypes") is None:
-            _ml_dtypes = False
-        else:
-            _ml_dtypes = importlib.import_module("ml_dtypes")
-    return _ml_dtypes or None
+    return _optional("ml_dtypes")
 
 
 def is_torch_tensor(x: Any) -> bool:

@@ -170,17 +170,29 @@ class Tierstore(_System):
         self.store.close()
 
 
-class Safetensors(_System):
-    name = "safetensors"
+class _FileEach(_System):
+    """A peer that keeps one file per object in ``root``, named ``<i><suffix>``."""
+
+    suffix = ""
 
     def __init__(self, root: str, data: np.ndarray) -> None:
-        from safetensors.numpy import save_file  # noqa: F401  (import check)
-
         self.root, self.data = root, data
         os.makedirs(root)
 
     def _p(self, i: int) -> str:
-        return os.path.join(self.root, f"{i}.safetensors")
+        return os.path.join(self.root, f"{i}{self.suffix}")
+
+    def files(self, i: int) -> list[str]:
+        return [self._p(i)]
+
+
+class Safetensors(_FileEach):
+    name, suffix = "safetensors", ".safetensors"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        from safetensors.numpy import save_file  # noqa: F401  (skipped when not installed)
+
+        super().__init__(root, data)
 
     def put(self, i: int) -> None:
         from safetensors.numpy import save_file
@@ -199,21 +211,15 @@ class Safetensors(_System):
         with safe_open(self._p(i), framework="numpy") as f:
             return f.get_tensor(f"layer.{l}")
 
-    def files(self, i: int) -> list[str]:
-        return [self._p(i)]
 
-
-class TorchSave(_System):
-    name = "torch.save/load"
+class TorchSave(_FileEach):
+    name, suffix = "torch.save/load", ".pt"
 
     def __init__(self, root: str, data: np.ndarray) -> None:
         import torch
 
-        self.root, self.t = root, torch.from_numpy(data)
-        os.makedirs(root)
-
-    def _p(self, i: int) -> str:
-        return os.path.join(self.root, f"{i}.pt")
+        super().__init__(root, data)
+        self.t = torch.from_numpy(data)
 
     def put(self, i: int) -> None:
         import torch
@@ -229,21 +235,14 @@ class TorchSave(_System):
     def layer(self, i: int, l: int) -> Any:
         return self.get(i)[l]  # the format has no partial read
 
-    def files(self, i: int) -> list[str]:
-        return [self._p(i)]
 
-
-class H5py(_System):
-    name = "h5py"
+class H5py(_FileEach):
+    name, suffix = "h5py", ".h5"
 
     def __init__(self, root: str, data: np.ndarray) -> None:
         import h5py  # noqa: F401
 
-        self.root, self.data = root, data
-        os.makedirs(root)
-
-    def _p(self, i: int) -> str:
-        return os.path.join(self.root, f"{i}.h5")
+        super().__init__(root, data)
 
     def put(self, i: int) -> None:
         import h5py
@@ -263,9 +262,6 @@ class H5py(_System):
 
         with h5py.File(self._p(i), "r") as f:
             return f["kv"][l]
-
-    def files(self, i: int) -> list[str]:
-        return [self._p(i)]
 
 
 class Lmdb(_System):
@@ -485,7 +481,7 @@ def bench_blobs(root: str, *, n: int, peers: bool, say: Callable[..., None]) -> 
             for i in range(n):
                 txn.put(f"blob-{i}".encode(), payload)
         res["lmdb_one_txn_put_ops"] = round(n / (time.perf_counter() - t0))
-        for phase in ("warm-up", "timed"):
+        for _ in range(2):  # a warm-up pass, then the timed one
             t0 = time.perf_counter()
             for i in order:
                 with env.begin() as txn:

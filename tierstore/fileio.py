@@ -119,12 +119,17 @@ def write_all(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes], offset: 
             if n <= 0:
                 raise OSError(errno.EIO, "pwritev wrote nothing")
             written += n
-            while batch and n >= batch[0].nbytes:
-                n -= batch[0].nbytes
-                batch.pop(0)
-            if n:
-                batch[0] = batch[0][n:]
+            _consume(batch, n)
     return written
+
+
+def _consume(batch: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers, in place (after a short transfer)."""
+    while batch and n >= batch[0].nbytes:
+        n -= batch[0].nbytes
+        batch.pop(0)
+    if n:
+        batch[0] = batch[0][n:]
 
 
 def split_iov(bufs: Sequence[memoryview | bytes], offset: int, chunk: int) -> list[tuple[int, list[memoryview]]]:
@@ -170,7 +175,9 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
             got = io.preadv(fd, bufs, offset)
             if got == want or got == 0:
                 return got
-            return got + read_all(io, fd, _skip(bufs, got), offset + got)
+            rest = [memoryview(b) for b in bufs]
+            _consume(rest, got)
+            return got + read_all(io, fd, rest, offset + got)
     got = 0
     for batch in _iov_batches(bufs):
         while batch:
@@ -178,20 +185,5 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
             if n == 0:
                 return got
             got += n
-            while batch and n >= batch[0].nbytes:
-                n -= batch[0].nbytes
-                batch.pop(0)
-            if n:
-                batch[0] = batch[0][n:]
+            _consume(batch, n)
     return got
-
-
-def _skip(bufs: Sequence[memoryview], n: int) -> list[memoryview]:
-    """The buffers that remain after the first ``n`` bytes were filled."""
-    out = [memoryview(b) for b in bufs]
-    while out and n >= out[0].nbytes:
-        n -= out[0].nbytes
-        out.pop(0)
-    if n:
-        out[0] = out[0][n:]
-    return out
