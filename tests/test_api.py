@@ -50,9 +50,9 @@ def test_partial_layer_read_reads_only_that_layer(store_path, monkeypatch):
         reads: list[int] = []
         real = s._io.preadv
 
-        def counting(fd, bufs, offset):
+        def counting(fd, bufs, offset, *flags):
             reads.append(sum(memoryview(b).nbytes for b in bufs))
-            return real(fd, bufs, offset)
+            return real(fd, bufs, offset, *flags)
 
         monkeypatch.setattr(s._io, "preadv", counting)
         got = s.get("c", layers=5)
@@ -85,7 +85,8 @@ def test_vectors_rows_read_only_needed_extents(store_path, real_emb, monkeypatch
         s.flush()
         reads: list[int] = []
         real = s._io.preadv
-        monkeypatch.setattr(s._io, "preadv", lambda fd, b, o: reads.append(sum(x.nbytes for x in b)) or real(fd, b, o))
+        monkeypatch.setattr(s._io, "preadv",
+                            lambda fd, b, o, *f: reads.append(sum(x.nbytes for x in b)) or real(fd, b, o, *f))
         got = s.get("v", rows=[5, 9, 11])
         assert np.array_equal(got.data, real_emb[[5, 9, 11]])
     assert sum(reads) == 16 * 768  # one extent of 16 rows

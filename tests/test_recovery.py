@@ -312,3 +312,62 @@ def test_deep_fsck_checks_dead_records_and_lmdb(store_path):
     finally:
         idx.close()
     assert any(w.startswith("index (LMDB)") for w in findings), findings
+
+
+def _evict(path: str) -> None:
+    for seg in segment_files(path):
+        fd = os.open(seg, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_cold_reads_go_direct_and_are_verified(store_path, real_kv, monkeypatch):
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache(real_kv))  # 6 layers of 192 KiB: page-aligned extents
+        s.flush()
+        seg_fd = s._files.acquire(1)
+        s._files.release(1)
+        if DEFAULT_IO.cached_fraction(seg_fd[0], 0, 4096) is None:
+            pytest.skip("cachestat(2) is not available on this kernel: cold reads stay buffered")
+        used: list[int] = []
+        real = s._io.preadv
+        monkeypatch.setattr(s._io, "preadv", lambda fd, b, o, *f: used.append(fd) or real(fd, b, o, *f))
+        _evict(store_path)
+        assert np.array_equal(s.get("c").data, real_kv)
+        assert used and set(used) == {seg_fd[1]}  # the O_DIRECT descriptor
+        used.clear()
+        assert np.array_equal(s.get("c").data, real_kv)  # now warm (O_DIRECT does not fill the cache,
+        info = s.info("c")                                 # so this is cold again: still correct)
+    (seg,) = segment_files(store_path)
+    with open(seg, "r+b") as f:  # damage layer 3
+        pos = info.offset + info.stored_bytes - 3 * real_kv[0].nbytes + 77
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    _evict(store_path)
+    with tierstore.open(store_path) as s:
+        with pytest.raises(tierstore.CorruptionError):
+            s.get("c")
+        _evict(store_path)
+        assert np.array_equal(s.get("c", layers=range(0, 3)).data, real_kv[:3])
+
+
+def test_direct_read_refused_falls_back(store_path, real_kv, monkeypatch):
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache(real_kv))
+        s.flush()
+        fd, dfd = s._files.acquire(1)
+        s._files.release(1)
+        real = s._io.preadv
+
+        def refuse(f, b, o, *flags):
+            if f == dfd:
+                raise OSError(22, "Invalid argument")
+            return real(f, b, o, *flags)
+
+        monkeypatch.setattr(s._io, "preadv", refuse)
+        _evict(store_path)
+        assert np.array_equal(s.get("c").data, real_kv)
+        if DEFAULT_IO.cached_fraction(fd, 0, 4096) is not None:
+            assert not s._files.dio.direct

@@ -264,6 +264,48 @@ class H5py(_FileEach):
             return f["kv"][l]
 
 
+class ODirect(_FileEach):
+    """One file per object written and read with O_DIRECT, LMCache's local-disk style (plus
+    an fdatasync so the put is durable)."""
+
+    name, suffix = "O_DIRECT file per object (LMCache-style)", ".bin"
+
+    def __init__(self, root: str, data: np.ndarray) -> None:
+        if not hasattr(os, "O_DIRECT"):
+            raise ImportError("O_DIRECT", name="O_DIRECT")
+        super().__init__(root, data)
+        from .block import aligned_empty
+
+        self.buf = aligned_empty(data.nbytes)
+        self.buf[:] = data.reshape(-1).view(np.uint8)
+        self.layer_bytes = data[0].nbytes
+
+    def put(self, i: int) -> None:
+        fd = os.open(self._p(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        try:
+            os.pwritev(fd, [self.buf], 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _read(self, i: int, nbytes: int, offset: int) -> np.ndarray:
+        from .block import aligned_empty
+
+        out = aligned_empty(nbytes)
+        fd = os.open(self._p(i), os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [out], offset)
+        finally:
+            os.close(fd)
+        return out
+
+    def get(self, i: int) -> np.ndarray:
+        return self._read(i, self.buf.nbytes, 0)
+
+    def layer(self, i: int, l: int) -> np.ndarray:
+        return self._read(i, self.layer_bytes, l * self.layer_bytes)
+
+
 class Lmdb(_System):
     name = "LMDB (one value per layer)"
 
@@ -337,7 +379,8 @@ def bench_chunk(root: str, *, reps: int, layer_reps: int, peers: bool, say: Call
         ("ts_none", lambda: Tierstore(os.path.join(root, "ts-none"), data, "none")),
     ]
     if peers:
-        makers += [("safetensors", lambda: Safetensors(os.path.join(root, "st"), data)),
+        makers += [("odirect", lambda: ODirect(os.path.join(root, "odirect"), data)),
+                   ("safetensors", lambda: Safetensors(os.path.join(root, "st"), data)),
                    ("torch", lambda: TorchSave(os.path.join(root, "pt"), data)),
                    ("h5py", lambda: H5py(os.path.join(root, "h5"), data)),
                    ("lmdb", lambda: Lmdb(os.path.join(root, "lmdb"), data))]

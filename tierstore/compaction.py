@@ -60,7 +60,7 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
     for seg in victims:
         older_survivor = any(s < seg and s not in victims for s in all_segs)
         path = store._files.path(seg)
-        with store._segment_fd(seg) as fd:
+        with store._segment_fd(seg) as (fd, _):
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
             for off, hdr in scanner.records():
                 with store._write_lock:

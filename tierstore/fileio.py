@@ -10,9 +10,12 @@ interprets file contents.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import platform
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +23,32 @@ from .errors import StoreFull, StoreIOError
 
 PARALLEL_MIN = 8 << 20  # transfers at least this large are split across the I/O threads
 PARALLEL_CHUNK = 4 << 20
+PAGE = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class DirectIO:
+    """Whether O_DIRECT works here; switched off at the first EINVAL/EOPNOTSUPP (tmpfs, some
+    network and FUSE file systems), so callers fall back to buffered I/O."""
+
+    def __init__(self) -> None:
+        self.direct = bool(O_DIRECT)
+
+    @staticmethod
+    def unsupported(e: OSError) -> bool:
+        return e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+    def open_direct(self, io: "PosixIO", path: str, flags: int) -> int:
+        """An O_DIRECT fd of ``path``, or -1 when direct I/O is not available."""
+        if not self.direct:
+            return -1
+        try:
+            return io.open(path, flags | O_DIRECT)
+        except OSError as e:
+            if self.unsupported(e):
+                self.direct = False
+                return -1
+            raise
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _MAX_RW = 0x7FFFF000  # Linux transfers at most this many bytes per read/write call
@@ -37,8 +66,8 @@ class PosixIO:
     def pwritev(self, fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> int:
         return os.pwritev(fd, bufs, offset)
 
-    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-        return os.preadv(fd, bufs, offset)
+    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int, flags: int = 0) -> int:
+        return os.preadv(fd, bufs, offset, flags) if flags else os.preadv(fd, bufs, offset)
 
     def pread(self, fd: int, n: int, offset: int) -> bytes:
         return os.pread(fd, n, offset)
@@ -80,6 +109,38 @@ class PosixIO:
 
     def flock(self, fd: int, op: int) -> None:
         fcntl.flock(fd, op)
+
+    def cached_fraction(self, fd: int, offset: int, length: int) -> float | None:
+        """The fraction of [offset, offset+length) in the page cache (Linux cachestat), or None
+        when the kernel cannot say."""
+        return _cachestat(fd, offset, length)
+
+
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64), ("nr_writeback", ctypes.c_uint64),
+                ("nr_evicted", ctypes.c_uint64), ("nr_recently_evicted", ctypes.c_uint64)]
+
+
+_SYS_CACHESTAT = 451 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else None
+_libc: Any = None
+
+
+def _cachestat(fd: int, offset: int, length: int) -> float | None:
+    """cachestat(2) (Linux 6.5+): how much of a file range is resident.  None if unavailable."""
+    global _SYS_CACHESTAT, _libc
+    if _SYS_CACHESTAT is None or length <= 0:
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    rng, st = _CacheRange(offset, length), _CacheStat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        _SYS_CACHESTAT = None  # ENOSYS (older kernel) or blocked: stop asking
+        return None
+    return min(1.0, st.nr_cache * PAGE / length)
 
 
 DEFAULT_IO = PosixIO()

@@ -16,10 +16,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from . import format as fmt
 from . import record as rec
 from .errors import CorruptionError, FormatVersionError, StoreIOError
-from .fileio import PARALLEL_CHUNK, PARALLEL_MIN, PosixIO, io_error, read_all, write_all, write_all_parallel
+from .fileio import (
+    PAGE,
+    PARALLEL_CHUNK,
+    PARALLEL_MIN,
+    DirectIO,
+    PosixIO,
+    io_error,
+    read_all,
+    write_all,
+    write_all_parallel,
+)
 
 CREATOR = b"tierstore-py"
 
@@ -270,72 +282,139 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
     return None
 
 
-SPLIT_MIN = 512 << 10  # a single extent this large is read and checksummed as two halves in parallel
+SPLIT_MIN = 512 << 10  # a warm extent this large is read and checksummed as two halves in parallel
+COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache goes O_DIRECT
 
 
 def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
-                 wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any], executor: Any = None) -> None:
+                 wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any], executor: Any = None,
+                 dfd: int = -1, dio: DirectIO | None = None) -> None:
     """Read extents ``wanted`` = [(index, destination)] (ascending indices) of the record at
     ``offset`` and verify each one's checksum.
 
-    Adjacent extents are read with one scattered ``preadv`` (alignment padding goes to a
-    scratch page).  With an ``executor``, large reads are cut into pieces at extent boundaries
-    and run on its threads, the calling thread taking the first: copying out of the page cache
-    and CRC-32C both release the GIL.  A lone large extent is read as two halves whose
-    checksums are combined (``record.crc32c_combine``).
+    Cold data (mostly not in the page cache, per ``cachestat``) that is page-aligned in the
+    file and in memory is read with O_DIRECT from ``dfd``: one large request per contiguous
+    run, no readahead, no copy through the page cache.  Warm data is copied out of the page
+    cache: adjacent extents with one scattered ``preadv`` (alignment padding to a scratch
+    page); with an ``executor``, large reads in ~4 MiB pieces on its threads, the calling
+    thread taking the first (copying and CRC-32C release the GIL), and a lone large extent
+    as two halves whose checksums are combined (``record.crc32c_combine``).
     """
-    offsets = hdr.offsets
-    lengths = hdr.extent_lengths
+    offsets, lengths = hdr.offsets, hdr.extent_lengths
+    runs = _runs(wanted, lengths, None)
+    first, last = wanted[0][0], wanted[-1][0]
+    span = offsets[last] + lengths[last] - offsets[first]
+    if (dfd >= 0 and dio is not None and dio.direct and span
+            and all(_page_aligned(offset + offsets[r[0][0]], [d for _, d in r], lengths, r) for r in runs)):
+        cached = io.cached_fraction(fd, offset + offsets[first], span)
+        if cached is not None and cached < COLD_FRACTION:
+            try:
+                for r in runs:
+                    _read_run(io, dfd, offset, hdr, r, where)
+            except OSError as e:
+                if not dio.unsupported(e):
+                    raise
+                dio.direct = False  # the file system refuses O_DIRECT: read buffered from now on
+            else:
+                _verify(hdr, wanted, where, executor)
+                return
     total = sum(lengths[i] for i, _ in wanted)
     if executor is not None and len(wanted) == 1 and total >= SPLIT_MIN:
         _read_split(io, fd, offset, hdr, wanted[0], where, executor)
         return
     parallel = executor is not None and total >= PARALLEL_MIN
-    limit = max(1 << 20, min(PARALLEL_CHUNK, total // 4)) if parallel else None
-    tasks: list[list[tuple[int, memoryview]]] = []
-    size = 0
-    for idx, dest in wanted:
-        if not tasks or idx != tasks[-1][-1][0] + 1 or (limit is not None and size + lengths[idx] > limit):
-            tasks.append([])
-            size = 0
-        tasks[-1].append((idx, dest))
-        size += lengths[idx]
+    tasks = _runs(wanted, lengths, max(1 << 20, min(PARALLEL_CHUNK, total // 4)) if parallel else None)
 
     def run(task: list[tuple[int, memoryview]]) -> None:
-        start = pos = offsets[task[0][0]]
-        iov: list[memoryview] = []
-        scratch: memoryview | None = None
-        for idx, dest in task:
-            gap = offsets[idx] - pos
-            if gap:
-                scratch = scratch or memoryview(bytearray(fmt.PAGE))
-                while gap > 0:
-                    iov.append(scratch[: min(gap, fmt.PAGE)])
-                    gap -= min(gap, fmt.PAGE)
-            if dest.nbytes:
-                iov.append(dest)
-            pos = offsets[idx] + lengths[idx]
-        want = pos - start
-        if want and read_all(io, fd, iov, offset + start) != want:
-            raise CorruptionError("record extends past the end of its segment", **where)
-        for idx, dest in task:
-            if rec.crc32c(dest) != hdr.extent_crcs[idx]:
-                raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+        _read_run(io, fd, offset, hdr, task, where)
+        _verify(hdr, task, where, None)
 
     if parallel and len(tasks) > 1:
-        futures = [executor.submit(run, t) for t in tasks[1:]]
-        error: BaseException | None = None
-        try:
-            run(tasks[0])
-        except BaseException as e:  # re-raised below, after every piece has finished with the buffer
-            error = e
-        errors = [f.exception() for f in futures]
-        for e in [error, *errors]:
-            if e is not None:
-                raise e
+        _run_all(executor, run, tasks)
     else:
         for t in tasks:
             run(t)
+
+
+def _runs(wanted: Sequence[tuple[int, memoryview]], lengths: Sequence[int],
+          limit: int | None) -> list[list[tuple[int, memoryview]]]:
+    """Group wanted extents into runs of consecutive indices (at most ``limit`` bytes each)."""
+    runs: list[list[tuple[int, memoryview]]] = []
+    size = 0
+    for idx, dest in wanted:
+        if not runs or idx != runs[-1][-1][0] + 1 or (limit is not None and size + lengths[idx] > limit):
+            runs.append([])
+            size = 0
+        runs[-1].append((idx, dest))
+        size += lengths[idx]
+    return runs
+
+
+def _read_run(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, run: list[tuple[int, memoryview]],
+              where: dict[str, Any]) -> None:
+    """Read consecutive extents with one scattered preadv (padding goes to a scratch page)."""
+    offsets, lengths = hdr.offsets, hdr.extent_lengths
+    start = pos = offsets[run[0][0]]
+    iov: list[memoryview] = []
+    scratch: memoryview | None = None
+    for idx, dest in run:
+        gap = offsets[idx] - pos
+        if gap:
+            scratch = scratch or memoryview(bytearray(fmt.PAGE))
+            while gap > 0:
+                iov.append(scratch[: min(gap, fmt.PAGE)])
+                gap -= min(gap, fmt.PAGE)
+        if dest.nbytes:
+            iov.append(dest)
+        pos = offsets[idx] + lengths[idx]
+    want = pos - start
+    if want and read_all(io, fd, iov, offset + start) != want:
+        raise CorruptionError("record extends past the end of its segment", **where)
+
+
+def _verify(hdr: rec.RecordHeader, wanted: Sequence[tuple[int, memoryview]], where: dict[str, Any],
+            executor: Any) -> None:
+    """Check each extent's CRC-32C (on the executor's threads when there are many bytes)."""
+    def check(item: tuple[int, memoryview]) -> None:
+        idx, dest = item
+        if rec.crc32c(dest) != hdr.extent_crcs[idx]:
+            raise CorruptionError(f"extent {idx} checksum mismatch", **where)
+
+    if executor is not None and len(wanted) > 1 and sum(d.nbytes for _, d in wanted) >= PARALLEL_MIN:
+        _run_all(executor, check, list(wanted))
+    else:
+        for item in wanted:
+            check(item)
+
+
+def _run_all(executor: Any, fn: Callable[[Any], None], items: list[Any]) -> None:
+    """fn over items: all but the first on the executor, the first on this thread.  Returns
+    (or raises the first error) only once every call has finished with its buffers."""
+    futures = [executor.submit(fn, it) for it in items[1:]]
+    error: BaseException | None = None
+    try:
+        fn(items[0])
+    except BaseException as e:  # re-raised below, after the other calls are done
+        error = e
+    errors = [f.exception() for f in futures]
+    for e in [error, *errors]:
+        if e is not None:
+            raise e
+
+
+def _aligned(nbytes: int) -> bytearray | np.ndarray:
+    """A zeroed, page-aligned buffer."""
+    raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start : start + nbytes]
+
+
+def _page_aligned(file_offset: int, bufs: Sequence[memoryview], lengths: Sequence[int],
+                  run: Sequence[tuple[int, memoryview]]) -> bool:
+    """Can this run use O_DIRECT: page-aligned file offset, extent lengths and buffer addresses?"""
+    if file_offset % PAGE or any(lengths[idx] % PAGE for idx, _ in run):
+        return False
+    return all(np.frombuffer(b, dtype=np.uint8).ctypes.data % PAGE == 0 for b in bufs if b.nbytes)
 
 
 def _read_split(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, item: tuple[int, memoryview],
@@ -376,58 +455,68 @@ def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, 
 
 
 class SegmentFiles:
-    """Read-only file descriptors of segments, shared by threads, reference counted.
+    """Read file descriptors of segments, shared by threads, reference counted.
 
-    A segment retired by compaction is closed when its last reader releases it, so a read in
-    flight never sees its descriptor closed (or reused) under it.
+    Each segment has a buffered descriptor (``POSIX_FADV_RANDOM``: a one-layer read fetches
+    that layer, not 8 MiB of readahead) and, where the file system supports it, an O_DIRECT
+    one for cold reads.  A segment retired by compaction is closed when its last reader
+    releases it, so a read in flight never sees its descriptor closed (or reused) under it.
     """
 
-    def __init__(self, io: PosixIO, seg_dir: str) -> None:
+    def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None) -> None:
         self.io, self.seg_dir = io, seg_dir
+        self.dio = dio or DirectIO()
         self._lock = threading.Lock()
-        self._fds: dict[int, list[int]] = {}  # id -> [fd, refs]
+        self._fds: dict[int, list[int]] = {}  # id -> [fd, direct fd or -1, refs]
         self._retired: set[int] = set()
 
     def path(self, seg_id: int) -> str:
         return os.path.join(self.seg_dir, segment_name(seg_id))
 
-    def acquire(self, seg_id: int) -> int:
-        """The fd of a segment (opened on first use); FileNotFoundError if it is gone."""
+    def acquire(self, seg_id: int) -> tuple[int, int]:
+        """(fd, O_DIRECT fd or -1) of a segment, opened on first use; FileNotFoundError if gone."""
         with self._lock:
             ent = self._fds.get(seg_id)
             if ent is None:
-                fd = self.io.open(self.path(seg_id), os.O_RDONLY)
+                path = self.path(seg_id)
+                fd = self.io.open(path, os.O_RDONLY)
                 self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
-                ent = self._fds[seg_id] = [fd, 0]
-            ent[1] += 1
-            return ent[0]
+                try:
+                    dfd = self.dio.open_direct(self.io, path, os.O_RDONLY)
+                except OSError:
+                    self.io.close(fd)
+                    raise
+                ent = self._fds[seg_id] = [fd, dfd, 0]
+            ent[2] += 1
+            return ent[0], ent[1]
 
     def release(self, seg_id: int) -> None:
         with self._lock:
             ent = self._fds[seg_id]
-            ent[1] -= 1
-            if ent[1] == 0 and seg_id in self._retired:
+            ent[2] -= 1
+            if ent[2] == 0 and seg_id in self._retired:
                 self._close(seg_id)
 
     def retire(self, seg_id: int) -> None:
-        """Close the segment's fd once no read uses it (called after the file is unlinked)."""
+        """Close the segment's fds once no read uses them (called after the file is unlinked)."""
         with self._lock:
             ent = self._fds.get(seg_id)
-            if ent is not None and ent[1] == 0:
+            if ent is not None and ent[2] == 0:
                 self._close(seg_id)
             elif ent is not None:
                 self._retired.add(seg_id)
 
     def _close(self, seg_id: int) -> None:
-        fd, _ = self._fds.pop(seg_id)
+        fd, dfd, _ = self._fds.pop(seg_id)
         self._retired.discard(seg_id)
         self.io.close(fd)
+        if dfd >= 0:
+            self.io.close(dfd)
 
     def close_all(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
-                self.io.close(fd)
-            self._fds.clear()
+            for seg in list(self._fds):
+                self._close(seg)
             self._retired.clear()
 
 
@@ -456,11 +545,16 @@ class Log:
 
     SMALL_RECORD = 64 << 10  # records up to this size are buffered
     BUFFER_BYTES = 1 << 20  # the buffer is written out when it grows past this
+    DIRECT_MIN = 4 << 20  # with sync/group durability, records this large are written with O_DIRECT
+    BOUNCE_BYTES = 8 << 20  # O_DIRECT writes go through three page-aligned buffers of this size
 
     def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
-                 segment_bytes: int, sync_enabled: bool, executor: Any = None) -> None:
+                 segment_bytes: int, sync_enabled: bool, executor: Any = None, dio: DirectIO | None = None) -> None:
         self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
         self.executor = executor
+        self.dio = dio or DirectIO()
+        self.dfd: int | None = None  # O_DIRECT descriptor of the active segment, opened on first use
+        self._bounce: list[memoryview] = []
         self.segment_bytes = segment_bytes
         self.sync_enabled = sync_enabled
         self.append_lock = threading.Lock()
@@ -555,9 +649,13 @@ class Log:
                     self._flush_buffer()
             else:
                 self._flush_buffer()
-                iov = self._pad_iov(self.tail, start) + record.iovecs(header) + [rec.zeros(new_tail - end)]
                 try:
-                    write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
+                    if self._direct_ok(start, record_len):
+                        write_all(self.io, self.fd, self._pad_iov(self.tail, start), self.tail)
+                        self._write_direct(record.iovecs(header), start)
+                    else:
+                        iov = self._pad_iov(self.tail, start) + record.iovecs(header) + [rec.zeros(new_tail - end)]
+                        write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
                 except OSError as e:
                     self._undo_partial_write()
                     raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
@@ -566,6 +664,58 @@ class Log:
             if on_written is not None:
                 on_written(where, header)
             return where
+
+    def _direct_ok(self, start: int, record_len: int) -> bool:
+        return (self.sync_enabled and record_len >= self.DIRECT_MIN and start % PAGE == 0
+                and self.dio.direct and self._dfd() >= 0)
+
+    def _dfd(self) -> int:
+        """The O_DIRECT write descriptor of the active segment (-1 when unsupported)."""
+        if self.dfd is None:
+            self.dfd = self.dio.open_direct(self.io, self._path(self.active), os.O_WRONLY)
+        return self.dfd
+
+    def _write_direct(self, iov: list[memoryview | bytes], start: int) -> None:
+        """Write a record with O_DIRECT, through page-aligned bounce buffers (caller holds
+        append_lock).  Copying chunk k+1 overlaps the device writing chunk k; the last page is
+        zero-filled (those bytes are padding).  Not durable until ``sync``: the page cache is
+        bypassed, but the device's own cache still needs the fdatasync.
+        """
+        total = sum(memoryview(b).nbytes for b in iov)
+        size = rec.align_up(total, PAGE)
+        if not self._bounce:
+            self._bounce = [memoryview(_aligned(self.BOUNCE_BYTES)) for _ in range(3)]
+        pieces = [memoryview(b).cast("B") for b in iov]
+        futures: list[Any] = []
+        for k, pos in enumerate(range(0, size, self.BOUNCE_BYTES)):
+            n = min(self.BOUNCE_BYTES, size - pos)
+            buf = self._bounce[k % 3]
+            if len(futures) >= 3:
+                futures[-3].result()  # that buffer's write is done: reuse it
+            filled = 0
+            while pieces and filled < n:
+                take = min(n - filled, pieces[0].nbytes)
+                buf[filled : filled + take] = pieces[0][:take]
+                filled += take
+                pieces[0] = pieces[0][take:]
+                if not pieces[0].nbytes:
+                    pieces.pop(0)
+            if filled < n:
+                buf[filled:n] = bytes(n - filled)
+            if self.executor is None:
+                write_all(self.io, self.dfd, [buf[:n]], start + pos)
+            else:
+                futures.append(self.executor.submit(write_all, self.io, self.dfd, [buf[:n]], start + pos))
+        error = None
+        for f in futures:  # wait for every write before the buffers can be reused or returned
+            e = f.exception()
+            error = error or e
+        if error is not None:
+            if isinstance(error, OSError) and self.dio.unsupported(error):
+                self.dio.direct = False  # the file system refuses O_DIRECT writes: buffered from now on
+                write_all(self.io, self.fd, iov, start)
+                return
+            raise error
 
     def _advance(self, new_tail: int, lsn: int, *, buffered: bool) -> None:
         self.next_lsn = lsn + 1
@@ -636,6 +786,9 @@ class Log:
             raise io_error(e, "create segment", path=self._path(new_id), segment=new_id) from None
         if self.fd not in self._sealed_unsynced:
             self._to_close.append(self.fd)  # a concurrent sync() may still be using it
+        if self.dfd is not None and self.dfd >= 0:
+            self.io.close(self.dfd)  # only appends use it, and they hold append_lock
+        self.dfd = None
         if self.sync_enabled:
             self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
             self.durable_lsn = self.next_lsn - 1
@@ -695,4 +848,6 @@ class Log:
         with self._sync_lock, self.append_lock:
             for fd in self._sealed_unsynced + self._to_close + ([self.fd] if self.fd >= 0 else []):
                 self.io.close(fd)
-            self._sealed_unsynced, self._to_close, self.fd = [], [], -1
+            if self.dfd is not None and self.dfd >= 0:
+                self.io.close(self.dfd)
+            self._sealed_unsynced, self._to_close, self.fd, self.dfd = [], [], -1, None

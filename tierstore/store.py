@@ -186,13 +186,14 @@ class _Reader:
 
     def read_into(self, wanted: Any) -> None:
         self._ensure_written()
-        with self.store._segment_fd(self.loc.segment) as fd:
+        files = self.store._files
+        with self.store._segment_fd(self.loc.segment) as (fd, dfd):
             seglib.read_extents(self.store._io, fd, self.loc.offset, self.loc.header, wanted, self.where,
-                                self.store._pool)
+                                self.store._pool, dfd, files.dio)
 
     def read_bytes(self, index: int) -> bytes:
         self._ensure_written()
-        with self.store._segment_fd(self.loc.segment) as fd:
+        with self.store._segment_fd(self.loc.segment) as (fd, _):
             return seglib.read_extent_bytes(self.store._io, fd, self.loc.offset, self.loc.header, index, self.where)
 
 
@@ -200,9 +201,8 @@ class _SegFd:
     def __init__(self, files: seglib.SegmentFiles, seg: int) -> None:
         self.files, self.seg = files, seg
 
-    def __enter__(self) -> int:
-        self.fd = self.files.acquire(self.seg)
-        return self.fd
+    def __enter__(self) -> tuple[int, int]:
+        return self.files.acquire(self.seg)
 
     def __exit__(self, *exc: Any) -> None:
         self.files.release(self.seg)
@@ -294,7 +294,8 @@ class Store:
         self._drop_dead_segments(keep=scan.active)
         self._log = seglib.Log(io, self._seg_dir, self._store_uuid, active=scan.active, tail=scan.tail,
                                next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
-                               sync_enabled=self.durability != "none", executor=self._pool)
+                               sync_enabled=self.durability != "none", executor=self._pool,
+                               dio=self._files.dio)
         self._log.on_discard = self._on_discard
 
     def _take_writer_lock(self) -> None:
