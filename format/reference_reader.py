@@ -366,7 +366,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(items, indent=2))
     else:
         for it in items:
-            print(f"{it['namespace']}\t{it['key']}\t{it['kind']}\t{it.get('shape', it.get('size'))}\t{it.get('dtype', '')}")
+            size = it.get("shape", it.get("size"))
+            print(f"{it['namespace']}\t{it['key']}\t{it['kind']}\t{size}\t{it.get('dtype', '')}")
     return 0
 
 

@@ -11,6 +11,10 @@ import os
 import sys
 
 import atheris
+import crc32c  # noqa: F401  (dependencies are imported first, so only tierstore is instrumented)
+import lmdb  # noqa: F401
+import msgpack  # noqa: F401
+import numpy  # noqa: F401
 
 with atheris.instrument_imports():
     from tierstore import record

@@ -322,7 +322,7 @@ def _evict(path: str) -> None:
 
 
 def test_cold_reads_go_direct_and_are_verified(store_path, real_kv, monkeypatch):
-    with tierstore.open(store_path) as s:
+    with tierstore.open(store_path, direct_reads="always") as s:
         s.put("c", KVCache(real_kv))  # 6 layers of 192 KiB: page-aligned extents
         s.flush()
         seg_fd = s._files.acquire(1)
@@ -346,7 +346,7 @@ def test_cold_reads_go_direct_and_are_verified(store_path, real_kv, monkeypatch)
         f.seek(pos)
         f.write(bytes([b[0] ^ 0x10]))
     _evict(store_path)
-    with tierstore.open(store_path) as s:
+    with tierstore.open(store_path, direct_reads="always") as s:
         with pytest.raises(tierstore.CorruptionError):
             s.get("c")
         _evict(store_path)
@@ -354,7 +354,7 @@ def test_cold_reads_go_direct_and_are_verified(store_path, real_kv, monkeypatch)
 
 
 def test_direct_read_refused_falls_back(store_path, real_kv, monkeypatch):
-    with tierstore.open(store_path) as s:
+    with tierstore.open(store_path, direct_reads="always") as s:
         s.put("c", KVCache(real_kv))
         s.flush()
         fd, dfd = s._files.acquire(1)
@@ -371,3 +371,28 @@ def test_direct_read_refused_falls_back(store_path, real_kv, monkeypatch):
         assert np.array_equal(s.get("c").data, real_kv)
         if DEFAULT_IO.cached_fraction(fd, 0, 4096) is not None:
             assert not s._files.dio.direct
+
+
+def test_small_reads_fill_the_page_cache(store_path, real_kv):
+    """By default a cold read smaller than 8 MiB goes through the page cache: the next one is warm."""
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache(real_kv))
+        s.flush()
+        _evict(store_path)
+        s.get("c", layers=2)
+        fd, dfd = s._files.acquire(1)
+        s._files.release(1)
+        frac = DEFAULT_IO.cached_fraction(fd, s.info("c").offset, s.info("c").stored_bytes)
+        if frac is None:
+            pytest.skip("cachestat(2) is not available on this kernel")
+        assert 0 < frac < 0.5  # one layer of six, and nothing else (no readahead)
+
+
+def test_direct_reads_option_validated(store_path):
+    with pytest.raises(tierstore.InvalidObject):
+        tierstore.open(store_path, direct_reads=True)
+    with tierstore.open(store_path, direct_reads="never") as s:
+        s.put("a", Blob(b"1" * 10_000_000))
+        assert s._files.acquire(1)[1] == -1
+        s._files.release(1)
+        assert s.get("a").data == b"1" * 10_000_000

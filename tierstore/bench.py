@@ -145,11 +145,12 @@ class SequentialLog(FilePerObject):
 
 
 class Tierstore(_System):
-    def __init__(self, root: str, data: np.ndarray, durability: str) -> None:
-        self.name = f"tierstore ({durability})"
+    def __init__(self, root: str, data: np.ndarray, durability: str, **options: Any) -> None:
+        extra = "".join(f", {k}={v}" for k, v in options.items())
+        self.name = f"tierstore ({durability}{extra})"
         self.durable = durability == "sync"
         self.root, self.data, self.durability = root, data, durability
-        self.store = open_store(root, durability=durability)
+        self.store = open_store(root, durability=durability, **options)
 
     def put(self, i: int) -> None:
         self.store.put(f"chunk-{i}", KVCache(self.data))
@@ -377,6 +378,7 @@ def bench_chunk(root: str, *, reps: int, layer_reps: int, peers: bool, say: Call
         ("ts_sync", lambda: Tierstore(os.path.join(root, "ts-sync"), data, "sync")),
         ("ts_group", lambda: Tierstore(os.path.join(root, "ts-group"), data, "group")),
         ("ts_none", lambda: Tierstore(os.path.join(root, "ts-none"), data, "none")),
+        ("ts_direct", lambda: Tierstore(os.path.join(root, "ts-direct"), data, "sync", direct_reads="always")),
     ]
     if peers:
         makers += [("odirect", lambda: ODirect(os.path.join(root, "odirect"), data)),

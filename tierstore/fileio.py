@@ -33,6 +33,7 @@ class DirectIO:
 
     def __init__(self) -> None:
         self.direct = bool(O_DIRECT)
+        self.read_min = 8 << 20  # the smallest cold read that goes O_DIRECT
 
     @staticmethod
     def unsupported(e: OSError) -> bool:

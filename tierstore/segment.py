@@ -283,7 +283,8 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
 
 
 SPLIT_MIN = 512 << 10  # a warm extent this large is read and checksummed as two halves in parallel
-COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache goes O_DIRECT
+COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache counts as cold
+DIRECT_READS = {"auto": 8 << 20, "always": 1, "never": None}  # smallest cold read that goes O_DIRECT
 
 
 def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
@@ -304,7 +305,7 @@ def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
     runs = _runs(wanted, lengths, None)
     first, last = wanted[0][0], wanted[-1][0]
     span = offsets[last] + lengths[last] - offsets[first]
-    if (dfd >= 0 and dio is not None and dio.direct and span
+    if (dfd >= 0 and dio is not None and dio.direct and span >= dio.read_min
             and all(_page_aligned(offset + offsets[r[0][0]], [d for _, d in r], lengths, r) for r in runs)):
         cached = io.cached_fraction(fd, offset + offsets[first], span)
         if cached is not None and cached < COLD_FRACTION:
@@ -458,14 +459,17 @@ class SegmentFiles:
     """Read file descriptors of segments, shared by threads, reference counted.
 
     Each segment has a buffered descriptor (``POSIX_FADV_RANDOM``: a one-layer read fetches
-    that layer, not 8 MiB of readahead) and, where the file system supports it, an O_DIRECT
-    one for cold reads.  A segment retired by compaction is closed when its last reader
-    releases it, so a read in flight never sees its descriptor closed (or reused) under it.
+    that layer, not 8 MiB of readahead) and, unless ``direct_reads="never"`` and where the file
+    system supports it, an O_DIRECT one for cold reads.  A segment retired by compaction is closed
+    when its last reader releases it, so a read in flight never sees its descriptor closed
+    (or reused) under it.
     """
 
-    def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None) -> None:
+    def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None, *, direct_reads: str = "auto") -> None:
         self.io, self.seg_dir = io, seg_dir
         self.dio = dio or DirectIO()
+        self.direct_reads = DIRECT_READS[direct_reads] is not None
+        self.dio.read_min = DIRECT_READS[direct_reads] or 0
         self._lock = threading.Lock()
         self._fds: dict[int, list[int]] = {}  # id -> [fd, direct fd or -1, refs]
         self._retired: set[int] = set()
@@ -482,7 +486,7 @@ class SegmentFiles:
                 fd = self.io.open(path, os.O_RDONLY)
                 self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
                 try:
-                    dfd = self.dio.open_direct(self.io, path, os.O_RDONLY)
+                    dfd = self.dio.open_direct(self.io, path, os.O_RDONLY) if self.direct_reads else -1
                 except OSError:
                     self.io.close(fd)
                     raise

@@ -82,6 +82,7 @@ class Options:
     lock_timeout: float = 60.0  # seconds to wait for another writer to close
     vector_extent_bytes: int = 64 << 10  # target extent size of a vector row range
     index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
+    direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
@@ -93,6 +94,10 @@ class Options:
         for k, v in kwargs.items():
             if k.endswith("_bytes") or k == "index_map_size":
                 vals[k] = parse_size(v, k)
+            elif k == "direct_reads":
+                if v not in seglib.DIRECT_READS:
+                    raise InvalidObject(f"{k} must be one of {', '.join(seglib.DIRECT_READS)}, got {v!r}")
+                vals[k] = v
             elif k in ("index_batch",):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise InvalidObject(f"{k} must be a positive int, got {v!r}")
@@ -244,7 +249,7 @@ class Store:
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                         thread_name_prefix="tierstore-io")
         self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
-        self._files = seglib.SegmentFiles(self._io, self._seg_dir)
+        self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads)
         try:
             self._open(create)
         except BaseException:

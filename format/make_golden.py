@@ -1,0 +1,168 @@
+"""Write the golden stores of the current format version into format/v<MAJOR>/ (run by hand).
+
+    python format/make_golden.py            # refuses to overwrite existing golden files
+    python format/make_golden.py --force    # only when a format version is being created
+
+Golden files are frozen: once a version's files are committed, every later tierstore must read
+them (tests/test_golden.py); the test suite never regenerates them.  Each case is a store
+directory holding only ``segments/`` (the index is derived data and not portable), plus
+``expected.json`` (every live object and its metadata) and ``arrays/*.npy`` / ``blobs/*.bin``
+(the exact decoded contents).  Content is deterministic; store ids and times are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tierstore  # noqa: E402
+from tierstore import Blob, KVCache, Vectors  # noqa: E402
+from tierstore import format as fmt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / f"v{fmt.FORMAT_MAJOR}"
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def objects(rng: np.random.Generator) -> list[tuple[str, str | bytes, Any, dict[str, Any] | None]]:
+    """(namespace, key, object, meta) covering every kind, dtype and blob size class of v1."""
+    torch = _torch()
+    kv = rng.standard_normal((2, 2, 2, 8, 4)).astype(np.float32)
+    items: list[tuple[str, str | bytes, Any, dict[str, Any] | None]] = [
+        ("llama", b"\x00\x01chunk-fp16", KVCache(kv.astype(np.float16), layer_start=4), {"tokens": [0, 8]}),
+        ("llama", "chunk-fp32", KVCache(kv), None),
+        ("llama", "chunk-f64", KVCache(kv.astype(np.float64)), None),
+        ("llama", "chunk-bf16", KVCache(torch.from_numpy(kv).to(torch.bfloat16)), None),
+        ("llama", "chunk-e4m3", KVCache(torch.from_numpy(kv).to(torch.float8_e4m3fn)), None),
+        ("llama", "chunk-e5m2", KVCache(torch.from_numpy(kv).to(torch.float8_e5m2)), None),
+        ("rag", "emb-ids", Vectors(rng.standard_normal((37, 16)).astype(np.float16), ids=np.arange(37) * 7 + 1,
+                                   metric="ip"), {"source": "doc-17"}),
+        ("rag", "emb-noids", Vectors(rng.standard_normal((5, 8)).astype(np.float32), metric="l2"), None),
+        ("rag", "emb-int8", Vectors(rng.integers(-128, 127, (9, 32)).astype(np.int8)), None),
+        ("rag", "emb-uint8", Vectors(rng.integers(0, 255, (3, 16)).astype(np.uint8), metric="cosine"), None),
+        ("default", "blob-empty", Blob(b""), None),
+        ("default", "blob-small", Blob(b"hello, tierstore", media_type="text/plain"), {"n": 1, "ok": True}),
+        ("default", "blob-page", Blob(bytes(range(256)) * 16, media_type="application/octet-stream"), None),
+        ("default", "blob-big", Blob(rng.bytes(10_000), media_type="image/png"), None),
+        ("default", "ünïcode-kéy", Blob("ünïcode".encode(), media_type="text/plain; charset=utf-8"), None),
+        ("special", "nan-inf", Vectors(np.array([[np.nan, np.inf, -np.inf, -0.0, 1e-45, 65504]], np.float32)), None),
+    ]
+    return items
+
+
+def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False) -> None:
+    rng = np.random.default_rng(2026)
+    root = OUT / name
+    store_dir = root / "store"
+    with tierstore.open(store_dir, segment_bytes=segment_bytes) as s:
+        for ns, key, obj, meta in objects(rng):
+            s.put(key, obj, namespace=ns, meta=meta)
+        s.put("to-delete", Blob(b"gone"))
+        s.put("chunk-fp32", Blob(b"overwritten: a KV chunk replaced by a blob"), namespace="llama")
+        s.delete("to-delete")
+        if compact:
+            s.compact()
+            s.put("after-compaction", Blob(b"written after compaction"))
+        if torn:
+            s.put("torn", Blob(b"this record is cut by the torn tail" * 200))
+    if torn:
+        segs = sorted((store_dir / "segments").iterdir())
+        last = segs[-1]
+        size = last.stat().st_size
+        with open(last, "r+b") as f:
+            f.truncate(size - 3000)  # cut the last record: a crash mid-append
+    shutil.rmtree(store_dir / "index")
+    os.remove(store_dir / "LOCK")
+    expected = describe_with_engine(store_dir, root)
+    (root / "expected.json").write_text(json.dumps(expected, indent=2, ensure_ascii=False) + "\n")
+
+
+def describe_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
+    """Expected content, written with the engine right after the store was made."""
+    tmp = root / "tmp-open"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(store_dir, tmp)
+    out = []
+    (root / "arrays").mkdir(exist_ok=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    with tierstore.open(tmp, readonly=False) as s:
+        for ns in s.namespaces():
+            for key in s.keys(namespace=ns):
+                obj, info = s.get(key, namespace=ns), s.info(key, namespace=ns)
+                fname = hashlib.sha256(f"{ns}/{key!r}".encode()).hexdigest()[:16]
+                item: dict[str, Any] = {
+                    "namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
+                    "key_type": "str" if isinstance(key, str) else "bytes", "kind": info.kind, "meta": info.meta,
+                }
+                if isinstance(obj, Blob):
+                    (root / "blobs" / f"{fname}.bin").write_bytes(obj.data)
+                    item.update(media_type=obj.media_type, size=len(obj.data), file=f"blobs/{fname}.bin",
+                                sha256=hashlib.sha256(obj.data).hexdigest())
+                else:
+                    raw = _raw_numpy(obj.data)
+                    np.save(root / "arrays" / f"{fname}.npy", raw)
+                    item.update(dtype=info.dtype, shape=list(info.shape), file=f"arrays/{fname}.npy",
+                                sha256=hashlib.sha256(raw.tobytes()).hexdigest())
+                    if isinstance(obj, KVCache):
+                        item["layer_start"] = obj.layer_start
+                    else:
+                        item["metric"] = obj.metric
+                        if obj.ids is not None:
+                            ids = _raw_numpy(obj.ids)
+                            np.save(root / "arrays" / f"{fname}.ids.npy", ids)
+                            item["ids_file"] = f"arrays/{fname}.ids.npy"
+                out.append(item)
+    shutil.rmtree(tmp)
+    return out
+
+
+def _raw_numpy(x: Any) -> np.ndarray:
+    """Array bytes as numpy with the storage dtype of SPEC.md §5.2 (bf16 -> <u2, fp8 -> u1)."""
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        if x.dtype in (torch.bfloat16,):
+            return x.view(torch.int16).numpy().view("<u2")
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return x.view(torch.uint8).numpy()
+        return x.numpy()
+    return np.asarray(x)
+
+
+CASES = {
+    "kinds": {},
+    "multi_segment": {"segment_bytes": 64 << 10},
+    "torn_tail": {"torn": True},
+    "compacted": {"segment_bytes": 64 << 10, "compact": True},
+}
+
+
+def main(argv: list[str]) -> int:
+    if OUT.exists() and "--force" not in argv:
+        print(f"{OUT} exists: golden files are frozen (pass --force only when creating a format version)")
+        return 1
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    OUT.mkdir(parents=True)
+    for name, kw in CASES.items():
+        write_case(name, **kw)
+        print("wrote", OUT / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
