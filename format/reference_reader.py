@@ -282,10 +282,9 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
         if uuid is not None and hdr["store_uuid"] != uuid:
             raise FormatError(f"{name}: belongs to another store")
         uuid = hdr["store_uuid"]
-        if lsn is None:
-            lsn = hdr["base_lsn"]
-        elif hdr["base_lsn"] != lsn:
-            raise FormatError(f"{name}: base LSN {hdr['base_lsn']}, expected {lsn}")
+        if lsn is not None and hdr["base_lsn"] < lsn:
+            raise FormatError(f"{name}: base LSN {hdr['base_lsn']} goes back (below {lsn})")
+        lsn = hdr["base_lsn"]  # LSNs are dense within a segment; compaction may leave gaps between
         p = PAGE
         while p < len(data):
             if p % PAGE and PAGE - p % PAGE < 48:

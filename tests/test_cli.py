@@ -65,7 +65,7 @@ def test_recover_rebuilds_missing_index(filled):
     shutil.rmtree(os.path.join(filled, "index"))
     code, out = run("recover", filled, "--json")
     assert code == 0, out
-    assert json.loads(out)["records_replayed"] == 3
+    assert json.loads(out)["records"] == 3
     with tierstore.open(filled, readonly=True) as s:
         assert s.get("note").data == b"hello"
 

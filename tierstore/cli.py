@@ -2,8 +2,10 @@
 
     tierstore demo    [--path DIR]                 write KV caches, vectors, blobs; read them back
     tierstore bench   [--quick] [--out DIR]        benchmarks against raw-file baselines and peers
-    tierstore fsck    PATH [--deep]                check a store and every live checksum (read-only)
-    tierstore recover PATH                         rebuild the index from the segments
+    tierstore fsck    PATH [--deep] [--fix]        check a store and every live checksum (read-only)
+    tierstore recover PATH                         verify the log, quarantine damage, rebuild the index
+    tierstore dump    PATH [KEY] [--namespace NS]  decode the log, one object, or one segment file
+    tierstore compact PATH                         reclaim the space of overwritten and deleted objects
     tierstore ls      PATH [--namespace NS]        list objects
     tierstore stats   PATH                         sizes and counters
 
@@ -48,7 +50,7 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None
         text()
 
 
-def cmd_fsck(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> Any:
     from . import open as open_store
     from . import recovery
 
@@ -56,9 +58,26 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         update, close = _progress(_segments_bytes(args.path), "verifying", not args.json)
         try:
             assert store._index is not None
-            report = recovery.check_store(store._io, store.path, store._index, deep=args.deep, progress=update)
+            return recovery.check_store(store._io, store.path, store._index, deep=args.deep, progress=update)
         finally:
             close()
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from . import recovery
+
+    try:
+        report = _check(args)
+    except (CorruptionError, FormatVersionError) as e:
+        if not args.fix:
+            raise
+        report = None
+        first_error = str(e)
+    repaired = None
+    if args.fix and (report is None or not report.ok):
+        repaired = recovery.recover(args.path)
+        before = report.as_dict() if report is not None else {"ok": False, "error": first_error}
+        report = _check(args)
 
     def text() -> None:
         print(f"{args.path}: {report.objects} objects in {report.segments} segments, "
@@ -69,40 +88,103 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             print(f"  {f.severity}: {f.what} {where}")
         print("ok" if report.ok else "ERRORS FOUND")
 
-    _emit(args, report.as_dict(), text)
+    data = report.as_dict()
+    if repaired is not None:
+        data = {"before": before, "repair": repaired, "after": data, "ok": report.ok}
+
+    def text_fix() -> None:
+        if repaired is not None:
+            print(f"repaired: {len(repaired['damage'])} damaged region(s) quarantined, index rebuilt")
+        text()
+
+    _emit(args, data, text_fix)
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from . import recovery
-    from .fileio import DEFAULT_IO
-    from .store import Store
 
     path = os.path.abspath(args.path)
-    if not os.path.isdir(os.path.join(path, "segments")):
-        raise StoreNotFound(f"no store at {path}", path=path)
-    # take the writer lock so no writer runs while the index is swapped
-    lock = Store._lock_only(path, timeout=args.lock_timeout)
+    update, close = _progress(_segments_bytes(path), "scanning", not args.json)
     try:
-        update, close = _progress(_segments_bytes(path), "scanning", not args.json)
-        try:
-            scan = recovery.rebuild_index(DEFAULT_IO, path, repair=True, verify_payloads=args.deep, progress=update)
-        finally:
-            close()
+        result = recovery.recover(path, lock_timeout=args.lock_timeout, progress=update)
     finally:
-        os.close(lock)
-    result = {"path": path, "records_replayed": len(scan.ops), "bytes_scanned": scan.bytes_scanned,
-              "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
-              "next_lsn": scan.next_lsn}
+        close()
 
     def text() -> None:
-        print(f"{path}: index rebuilt from {scan.bytes_scanned / 2**20:.1f} MiB of segments "
-              f"({len(scan.ops)} records)")
-        for d in scan.damage:
-            q = f", quarantined to {d.quarantined_to}" if d.quarantined_to else ""
-            print(f"  segment {d.segment} offset {d.offset}: {d.reason}; {d.bytes_dropped} bytes dropped{q}")
-        for s in scan.removed_segments:
+        print(f"{path}: index rebuilt from {result['bytes_scanned'] / 2**20:.1f} MiB of segments "
+              f"({result['records']} records, every checksum verified) in {result['seconds']:.2f} s")
+        for d in result["damage"]:
+            what = f" ({d['namespace']}/{d['key']} is gone)" if d.get("key") is not None else ""
+            q = f", quarantined to {d['quarantined_to']}" if d["quarantined_to"] else ""
+            print(f"  segment {d['segment']} offset {d['offset']}: {d['reason']}; {d['bytes_dropped']} bytes "
+                  f"dropped{q}{what}")
+        for s in result["removed_segments"]:
             print(f"  segment {s}: header never became durable; moved to quarantine/")
+        if not result["damage"] and not result["removed_segments"]:
+            print("  no damage found")
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from .dump import dump_segment, dump_store
+
+    if os.path.isfile(args.path):
+        result = dump_segment(args.path)
+        segments = [result]
+    elif args.key is not None:
+        key: str | bytes = bytes.fromhex(args.key[2:]) if args.key.startswith("0x") else args.key
+        result = dump_store(args.path, key, namespace=args.namespace)
+        segments = []
+    else:
+        if not os.path.isdir(os.path.join(args.path, "segments")):
+            raise StoreNotFound(f"no store at {args.path}", path=args.path)
+        result = dump_store(args.path)
+        segments = result["segments"]
+
+    def text() -> None:
+        if args.key is not None and not os.path.isfile(args.path):
+            r, i = result["record"], result["info"]
+            print(f"{result['namespace']}/{i['key']}: {i['kind']} {i['shape']} {i['dtype'] or ''} "
+                  f"codec={i['codec']} lsn={i['lsn']} segment={i['segment']} offset={i['offset']}")
+            print(f"  meta: {r.get('meta')}")
+            for e in r.get("extents", []):
+                print(f"  extent @+{e['offset']}: {e['length']} bytes, crc32c {e['crc32c']}")
+            return
+        for sg in segments:
+            h = sg["header"]
+            print(f"{sg['path']}: {sg['size']} bytes, " + (f"format {h['format']}, segment {h['segment_id']}, "
+                                                          f"base LSN {h['base_lsn']}" if "error" not in h
+                                                          else f"bad header: {h['error']}"))
+            for r in sg.get("records", []):
+                if r["type"] == "pad":
+                    continue
+                what = f"{r.get('namespace')}/{r.get('key')}"
+                extra = f" {r['kind']} {len(r['extents'])} extents" if r["type"] == "put" else ""
+                print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
+            if "end" in sg:
+                e = sg["end"]
+                print(f"  end @{e['offset']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else ""))
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from . import open as open_store
+
+    with open_store(args.path, create=False, lock_timeout=args.lock_timeout) as store:
+        before = store.stats()
+        result = store.compact(min_dead_ratio=args.min_dead_ratio)
+        after = store.stats()
+    result.update(segment_bytes_before=before["segment_bytes"], segment_bytes_after=after["segment_bytes"])
+
+    def text() -> None:
+        print(f"{args.path}: {len(result['victims'])} segment(s) rewritten, {result['copied']} records copied, "
+              f"{result['dropped']} dropped; {before['segment_bytes'] / 2**20:.1f} MiB -> "
+              f"{after['segment_bytes'] / 2**20:.1f} MiB in {result['seconds']:.2f} s")
 
     _emit(args, result, text)
     return EXIT_OK
@@ -198,9 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deep", action="store_true",
                     help="also verify every record of the log (overwritten and deleted ones too) and run LMDB's "
                          "structural verifier on the index")
-    sp = add("recover", cmd_recover, "rebuild the index from the segments; quarantine damaged records")
+    sp.add_argument("--fix", action="store_true", help="repair what it finds (as `recover` does); read-only without")
+    sp = add("recover", cmd_recover, "verify every record, cut a torn tail, quarantine damage (never deleting it) "
+                                     "and rebuild the index from the segments")
     sp.add_argument("path")
-    sp.add_argument("--deep", action="store_true", help="also verify every payload checksum while scanning")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, help="seconds to wait for a running writer")
+    sp = add("dump", cmd_dump, "decode a store's log, one object (KEY), or a single segment file, read-only")
+    sp.add_argument("path", help="a store directory or a .tseg segment file")
+    sp.add_argument("key", nargs="?", default=None, help="an object's key (0x... for bytes keys)")
+    sp.add_argument("--namespace", default="default")
+    sp = add("compact", cmd_compact, "reclaim the space of overwritten and deleted objects (crash-safe)")
+    sp.add_argument("path")
+    sp.add_argument("--min-dead-ratio", type=float, default=0.0,
+                    help="rewrite only segments with at least this fraction of dead bytes")
     sp.add_argument("--lock-timeout", type=float, default=60.0, help="seconds to wait for a running writer")
     sp = add("ls", cmd_ls, "list the objects of a store")
     sp.add_argument("path")
@@ -223,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     except TierstoreError as e:
         print(f"tierstore: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # e.g. permission denied on the store directory
+        print(f"tierstore: {e}", file=sys.stderr)
+        return EXIT_CANNOT_OPEN
 
 
 if __name__ == "__main__":

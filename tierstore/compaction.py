@@ -49,9 +49,8 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
         if seg >= active:
             continue
         size = os.path.getsize(store._files.path(seg)) - fmt.SEGMENT_HEADER_SIZE
-        live = stats.get(seg, (0, 0))[0]
-        dead = max(0, size - live)
-        if size == 0 or dead > 0 and dead / size >= min_dead_ratio:
+        dead = stats.get(seg, (0, 0))[0]
+        if size <= 0 or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
     all_segs = seglib.list_segments(io, store._seg_dir)
     copied = carried = dropped = 0

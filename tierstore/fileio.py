@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import StoreFull, StoreIOError
 
+EINTR_RETRIES = 100  # consecutive EINTRs tolerated by one transfer before it fails
 PARALLEL_MIN = 8 << 20  # transfers at least this large are split across the I/O threads
 PARALLEL_CHUNK = 4 << 20
 PAGE = 4096
@@ -175,9 +176,17 @@ def _iov_batches(bufs: Sequence[memoryview | bytes]) -> list[list[memoryview]]:
 def write_all(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> int:
     """Write every buffer at ``offset`` (gathered, retrying short writes); returns bytes written."""
     written = 0
+    interrupted = 0
     for batch in _iov_batches(bufs):
         while batch:
-            n = io.pwritev(fd, batch, offset + written)
+            try:
+                n = io.pwritev(fd, batch, offset + written)
+            except InterruptedError:
+                interrupted += 1  # EINTR: nothing was written; try again (a bounded number of times)
+                if interrupted > EINTR_RETRIES:
+                    raise
+                continue
+            interrupted = 0
             if n <= 0:
                 raise OSError(errno.EIO, "pwritev wrote nothing")
             written += n
@@ -234,16 +243,32 @@ def read_all(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> i
     if len(bufs) <= IOV_MAX:  # the usual case: one call fills everything
         want = sum(b.nbytes for b in bufs)
         if want <= _MAX_RW:
-            got = io.preadv(fd, bufs, offset)
+            try:
+                got = io.preadv(fd, bufs, offset)
+            except InterruptedError:
+                return read_all_loop(io, fd, bufs, offset)  # EINTR: nothing was read; retry
             if got == want or got == 0:
                 return got
             rest = [memoryview(b) for b in bufs]
             _consume(rest, got)
             return got + read_all(io, fd, rest, offset + got)
+    return read_all_loop(io, fd, bufs, offset)
+
+
+def read_all_loop(io: PosixIO, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+    """read_all's general case: batches, short reads, EINTR."""
     got = 0
+    interrupted = 0
     for batch in _iov_batches(bufs):
         while batch:
-            n = io.preadv(fd, batch, offset + got)
+            try:
+                n = io.preadv(fd, batch, offset + got)
+            except InterruptedError:
+                interrupted += 1
+                if interrupted > EINTR_RETRIES:
+                    raise
+                continue
+            interrupted = 0
             if n == 0:
                 return got
             got += n

@@ -15,17 +15,18 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import lmdb
 
 from . import format as fmt
 from . import record as rec
-from .errors import CorruptionError, FormatVersionError, TierstoreError
+from .errors import CorruptionError, FormatVersionError, StoreIOError, TierstoreError
 
 _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
-_SEGSTAT = struct.Struct("<QB")  # live bytes, state
+_SEGSTAT = struct.Struct("<QB")  # dead bytes, state
 _FORMAT = struct.Struct("<HH")
 
 SEG_LIVE = 0
@@ -67,6 +68,19 @@ def index_key(namespace: bytes, key: bytes) -> bytes:
 
 def encode_location(loc: Location) -> bytes:
     return _LOC.pack(loc.segment, loc.offset) + loc.header.raw
+
+
+@contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """LMDB read failures (a damaged index file) become CorruptionError: the index is derived
+    data, and `tierstore recover` rebuilds it from the segments."""
+    try:
+        yield
+    except lmdb.MapResizedError:
+        raise
+    except lmdb.Error as e:
+        raise CorruptionError(f"index unreadable: {e}", path=path,
+                              hint="run `tierstore recover PATH` to rebuild the index from the segments") from None
 
 
 _HEADER_CACHE: dict[bytes, "Location"] = {}
@@ -172,17 +186,18 @@ class Index:
     # -- reading ----------------------------------------------------------------------------
 
     def _read_txn(self) -> lmdb.Transaction:
-        try:
-            return self.env.begin(buffers=False)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)  # another process grew the map: adopt its size
-            return self.env.begin(buffers=False)
+        with _reading(self.path):
+            try:
+                return self.env.begin(buffers=False)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+                return self.env.begin(buffers=False)
 
     def read(self) -> "ReadView":
         return ReadView(self, self._read_txn())
 
     def get_meta(self, name: bytes) -> bytes | None:
-        with self._read_txn() as txn:
+        with self._read_txn() as txn, _reading(self.path):
             return txn.get(name, db=self.meta)
 
     def applied(self) -> Applied:
@@ -197,31 +212,44 @@ class Index:
         return _FORMAT.unpack(v) if v is not None else None
 
     def segment_stats(self) -> dict[int, tuple[int, int]]:
-        """segment id -> (live bytes, state)."""
-        with self._read_txn() as txn:
+        """segment id -> (dead bytes, state)."""
+        with self._read_txn() as txn, _reading(self.path):
             return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in txn.cursor(db=self.segments)}
 
     def count(self) -> int:
-        with self._read_txn() as txn:
+        with self._read_txn() as txn, _reading(self.path):
             return txn.stat(self.objects)["entries"]
 
     # -- writing ----------------------------------------------------------------------------
 
-    def _write(self, fn: Any) -> Any:
-        """Run ``fn(txn)`` in one write transaction, growing the map and replaying on MapFullError."""
+    def _write(self, fn: Any, *, durable: bool = False) -> Any:
+        """Run ``fn(txn)`` in one write transaction, growing the map and replaying on MapFullError.
+
+        The environment runs with metasync=False, so a commit is atomic but a power loss may
+        undo the last one (replay from the log covers it); ``durable`` also syncs the meta page.
+        """
         with self._write_lock:
             while True:
                 txn = self.env.begin(write=True)
                 try:
                     result = fn(txn)
                     txn.commit()
-                    return result
+                    break
                 except lmdb.MapFullError:
                     txn.abort()
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.Error as e:
+                    txn.abort()
+                    raise StoreIOError(f"index write failed: {e}", path=self.path) from None
                 except BaseException:
                     txn.abort()
                     raise
+            if durable:
+                try:
+                    self.env.sync(True)
+                except lmdb.Error as e:
+                    raise StoreIOError(f"index sync failed: {e}", path=self.path, poisoned=False) from None
+            return result
 
     def initialise(self, store_uuid: bytes) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -229,14 +257,14 @@ class Index:
             txn.put(b"format", _FORMAT.pack(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR), db=self.meta)
             txn.put(b"lmdb_lib_version", str(fmt.LMDB_LIB_VERSION).encode(), db=self.meta)
             txn.put(b"applied", _APPLIED.pack(0, 0, 0, 0), db=self.meta)
-        self._write(fn)
-        self.env.sync(True)
+        self._write(fn, durable=True)
 
     def apply(self, ops: Sequence[Op], applied: Applied, *, durable: bool = False) -> None:
         """Apply log records in LSN order and record the new applied position, atomically.
 
-        Live-byte accounting per segment (for compaction) is updated in the same transaction;
-        a DELETE record counts as live in its own segment until compaction rewrites it.
+        Dead-byte accounting per segment (for compaction) is updated in the same transaction:
+        a record becomes dead when a later PUT or DELETE of its key is applied.  DELETE records
+        themselves are never counted dead (compaction decides whether to carry them).
         """
         def fn(txn: lmdb.Transaction) -> None:
             deltas: dict[int, int] = {}
@@ -244,33 +272,29 @@ class Index:
                 ik = index_key(op.namespace, op.key)
                 old = txn.get(ik, db=self.objects)
                 if old is not None:
-                    oseg, ooff = _LOC.unpack_from(old)
-                    deltas[oseg] = deltas.get(oseg, 0) - _record_len_of(old)
+                    oseg = _LOC.unpack_from(old)[0]
+                    deltas[oseg] = deltas.get(oseg, 0) + _record_len_of(old)
                 if op.location is not None:
                     txn.put(ik, encode_location(op.location), db=self.objects)
                 elif old is not None:
                     txn.delete(ik, db=self.objects)
-                deltas[op.segment] = deltas.get(op.segment, 0) + op.record_len
-            self._add_live(txn, deltas)
+            self._add_dead(txn, deltas)
             txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
-        self._write(fn)
-        if durable:
-            self.env.sync(True)
+        self._write(fn, durable=durable)
 
-    def _add_live(self, txn: lmdb.Transaction, deltas: dict[int, int]) -> None:
+    def _add_dead(self, txn: lmdb.Transaction, deltas: dict[int, int]) -> None:
         for seg, d in deltas.items():
             k = struct.pack(">Q", seg)
             v = txn.get(k, db=self.segments)
-            live, state = _SEGSTAT.unpack(v) if v is not None else (0, SEG_LIVE)
-            txn.put(k, _SEGSTAT.pack(max(0, live + d), state), db=self.segments)
+            dead, state = _SEGSTAT.unpack(v) if v is not None else (0, SEG_LIVE)
+            txn.put(k, _SEGSTAT.pack(dead + d, state), db=self.segments)
 
     def mark_dead(self, segs: Sequence[int]) -> None:
-        """Compaction's commit point: these segments hold nothing live; durable on return."""
+        """Compaction's commit point: these segments are superseded and may be deleted; durable."""
         def fn(txn: lmdb.Transaction) -> None:
             for seg in segs:
                 txn.put(struct.pack(">Q", seg), _SEGSTAT.pack(0, SEG_DEAD), db=self.segments)
-        self._write(fn)
-        self.env.sync(True)
+        self._write(fn, durable=True)
 
     def forget_segments(self, segs: Sequence[int]) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -301,40 +325,45 @@ class ReadView:
         self.txn.abort()
 
     def applied(self) -> Applied:
-        v = self.txn.get(b"applied", db=self.index.meta)
+        with _reading(self.index.path):
+            v = self.txn.get(b"applied", db=self.index.meta)
         if v is None or len(v) != _APPLIED.size:
             raise CorruptionError("index has no valid applied position", path=self.index.path)
         return Applied(*_APPLIED.unpack(v))
 
     def get(self, namespace: bytes, key: bytes) -> Location | None:
-        v = self.txn.get(index_key(namespace, key), db=self.index.objects)
+        with _reading(self.index.path):
+            v = self.txn.get(index_key(namespace, key), db=self.index.objects)
         return None if v is None else decode_location(v, namespace, key)
 
     def keys(self, namespace: bytes) -> Iterator[tuple[bytes, int]]:
         """(key, flags) of every object in ``namespace``, in key order."""
         prefix = index_key(namespace, b"")
-        cur = self.txn.cursor(db=self.index.objects)
-        if not cur.set_range(prefix):
-            return
-        for k, v in cur:
-            if not k.startswith(prefix):
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.index.objects)
+            if not cur.set_range(prefix):
                 return
-            flags = struct.unpack_from("<H", v, _LOC.size + 10)[0]
-            yield k[len(prefix) :], flags
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    return
+                flags = struct.unpack_from("<H", v, _LOC.size + 10)[0]
+                yield k[len(prefix) :], flags
 
     def namespaces(self) -> list[bytes]:
         out = []
-        cur = self.txn.cursor(db=self.index.objects)
-        ok = cur.first()
-        while ok:
-            k = cur.key()
-            ns = k[1 : 1 + k[0]]
-            out.append(ns)
-            # jump past this namespace: next key with a greater (len, ns) prefix
-            ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.index.objects)
+            ok = cur.first()
+            while ok:
+                k = cur.key()
+                ns = k[1 : 1 + k[0]]
+                out.append(ns)
+                # jump past this namespace: next key with a greater (len, ns) prefix
+                ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
         return out
 
     def items(self) -> Iterator[tuple[bytes, bytes, Location]]:
-        for k, v in self.txn.cursor(db=self.index.objects):
-            ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
-            yield ns, key, decode_location(v, ns, key)
+        with _reading(self.index.path):
+            for k, v in self.txn.cursor(db=self.index.objects):
+                ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
+                yield ns, key, decode_location(v, ns, key)

@@ -31,7 +31,7 @@ import lmdb.verify
 from . import format as fmt
 from . import record as rec
 from . import segment as seglib
-from .errors import CorruptionError, ReadOnlyError, TierstoreError
+from .errors import CorruptionError, FormatVersionError, ReadOnlyError, TierstoreError
 from .fileio import PosixIO, write_all
 from .index import Applied, Index, Location, Op, decode_location
 
@@ -47,6 +47,8 @@ class Damage:
     reason: str
     bytes_dropped: int
     quarantined_to: str | None = None
+    namespace: str | None = None  # the object that was lost, when its header could still be read
+    key: str | None = None
 
 
 @dataclass
@@ -111,6 +113,31 @@ def quarantine_file(io: PosixIO, root: str, path: str) -> str:
     return dest
 
 
+def _damaged_v1_header(io: PosixIO, fd: int) -> bool:
+    """Is this a format-1 segment header that fails its checksum (so a "newer version" in it is
+    a damaged byte, not a newer format)?"""
+    b = io.pread(fd, fmt.SEGMENT_HEADER.size, 0)
+    if len(b) < fmt.SEGMENT_HEADER.size:
+        return True
+    return rec.crc32c(b[: fmt.SEGMENT_HEADER_CRC_OFFSET]) != int.from_bytes(b[fmt.SEGMENT_HEADER_CRC_OFFSET:
+                                                                            fmt.SEGMENT_HEADER.size], "little")
+
+
+def _store_uuid_of_others(io: PosixIO, seg_dir: str, skip: int) -> bytes | None:
+    for seg in seglib.list_segments(io, seg_dir):
+        if seg == skip:
+            continue
+        path = os.path.join(seg_dir, seglib.segment_name(seg))
+        fd = io.open(path, os.O_RDONLY)
+        try:
+            return seglib.read_segment_header(io, fd, path=path, seg_id=seg).store_uuid
+        except TierstoreError:
+            continue
+        finally:
+            io.close(fd)
+    return None
+
+
 def has_no_records(io: PosixIO, fd: int) -> bool:
     """True when nothing past the segment header parses as a record header."""
     if io.size(fd) <= fmt.SEGMENT_HEADER_SIZE:
@@ -162,8 +189,8 @@ class _LogScanner:
         try:
             try:
                 header = seglib.read_segment_header(io, fd, path=path, seg_id=seg)
-            except CorruptionError:
-                if is_last and not is_first and has_no_records(io, fd):
+            except (CorruptionError, FormatVersionError) as e:
+                if isinstance(e, CorruptionError) and is_last and not is_first and has_no_records(io, fd):
                     # Created, but its header never became durable: nothing in it was acknowledged.
                     if self.writable:
                         io.close(fd)
@@ -171,7 +198,9 @@ class _LogScanner:
                         quarantine_file(io, self.root, path)
                         r.removed_segments.append(seg)
                     return None
-                raise
+                if not (self.repair and self.writable and _damaged_v1_header(io, fd)):
+                    raise
+                header = self._salvage_header(fd, seg, path, e)
             if self.store_uuid is not None and header.store_uuid != self.store_uuid:
                 raise CorruptionError("segment belongs to another store (store uuid differs)", path=path, segment=seg)
             self.store_uuid = header.store_uuid
@@ -180,9 +209,10 @@ class _LogScanner:
                                     f"writes {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}", path=path, segment=seg)
             if offset is None:
                 offset = fmt.SEGMENT_HEADER_SIZE
-                if expect is not None and header.base_lsn != expect:
+                if expect is not None and header.base_lsn < expect:
+                    # LSNs never go back; a gap is legitimate (compaction deletes whole segments)
                     self._sealed_damage(fd, seg, path, offset, None,
-                                        f"segment base LSN {header.base_lsn} where {expect} was expected")
+                                        f"segment base LSN {header.base_lsn} below {expect}, the next expected")
                 expect = header.base_lsn
             size = io.size(fd)
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
@@ -195,16 +225,29 @@ class _LogScanner:
                     r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
                 stop = scanner.stop
                 assert stop is not None
-                if stop.reason == "end" or is_last:
+                if stop.reason == "end" or (is_last and not (self.repair and stop.valid_after)):
+                    break  # the end of the log (a torn tail of the last segment is cut below)
+                # damage inside the log: corruption, or (repairing) quarantine it and go on
+                why = f"{stop.reason}: {stop.detail}"
+                bad = stop.header
+                if bad is not None and self.repair:
+                    # the header is intact, the payload is not: quarantine the record and hide the
+                    # key, so that an older version of it does not come back in its place
+                    end = rec.align_up(stop.offset + bad.record_len, fmt.RECORD_ALIGN)
+                    self._sealed_damage(fd, seg, path, stop.offset, end, why, key=(bad.namespace, bad.key))
+                    r.ops.append(Op(bad.namespace, bad.key, bad.lsn, seg, stop.offset, 0, None))
+                    r.last = Applied(seg, stop.offset, bad.lsn, stop.offset + bad.record_len)
+                    nxt: int | None = end
+                    resume_lsn: int | None = bad.lsn + 1
+                else:
+                    nxt = scanner.next_valid(stop.offset)
+                    self._sealed_damage(fd, seg, path, stop.offset, size if nxt is None else nxt, why)
+                    resume_lsn = None
+                if nxt is None or nxt >= size:
+                    stop = seglib.ScanStop(size, "end")
                     break
-                # damage inside a sealed segment: corruption, or (repairing) skip to the next record
-                nxt = scanner.next_valid(stop.offset)
-                self._sealed_damage(fd, seg, path, stop.offset, size if nxt is None else nxt,
-                                    f"{stop.reason}: {stop.detail}")
-                if nxt is None:
-                    break
-                scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=nxt, expect_lsn=None,
-                                                verify_payload=self.verify_sealed, size=size)
+                scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=nxt, expect_lsn=resume_lsn,
+                                                verify_payload=is_last or self.verify_sealed, size=size)
             r.bytes_scanned += size - offset
             if self.progress is not None:
                 self.progress(size - offset)
@@ -217,6 +260,31 @@ class _LogScanner:
             if fd >= 0:
                 io.close(fd)
 
+    def _salvage_header(self, fd: int, seg: int, path: str, error: TierstoreError) -> seglib.SegmentHeader:
+        """Repair: rewrite a damaged segment header from what the rest of the store says (the
+        store uuid, the id in the file name, the LSN of the first valid record).  The old header
+        page goes to quarantine/ first."""
+        io = self.io
+        quarantine_bytes(io, self.root, fd, seg, 0, fmt.SEGMENT_HEADER_SIZE, f"damaged segment header: {error}")
+        uuid = self.store_uuid or _store_uuid_of_others(io, self.seg_dir, seg)
+        if uuid is None:
+            raise CorruptionError("segment header damaged and no other segment names the store", path=path,
+                                  segment=seg) from None
+        scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
+        first = fmt.SEGMENT_HEADER_SIZE if scanner._header_ok(seglib._Window(io, fd, scanner.size),
+                                                              fmt.SEGMENT_HEADER_SIZE) \
+            else scanner.next_valid(fmt.SEGMENT_HEADER_SIZE)
+        base_lsn = 1
+        if first is not None:
+            hdr = rec.decode_header(io.pread(fd, fmt.HEADER_MAX_BYTES, first))
+            base_lsn = max(1, hdr.lsn)
+        header = seglib.new_segment_header(uuid, seg, base_lsn)
+        write_all(io, fd, [header.encode()], 0)
+        io.fdatasync(fd)
+        self.result.damage.append(Damage(seg, 0, f"segment header rewritten ({error.message})", fmt.SEGMENT_HEADER_SIZE,
+                                         None))
+        return header
+
     def _cut_tail(self, fd: int, seg: int, stop: seglib.ScanStop, size: int) -> None:
         d = Damage(seg, stop.offset, f"{stop.reason}: {stop.detail}", size - stop.offset)
         if self.writable:
@@ -226,12 +294,16 @@ class _LogScanner:
             self.io.fdatasync(fd)
         self.result.damage.append(d)
 
-    def _sealed_damage(self, fd: int, seg: int, path: str, offset: int, end: int | None, reason: str) -> None:
+    def _sealed_damage(self, fd: int, seg: int, path: str, offset: int, end: int | None, reason: str,
+                       key: tuple[bytes, bytes] | None = None) -> None:
         if not self.repair:
-            raise CorruptionError(f"damaged record in sealed segment ({reason})", path=path, segment=seg,
+            raise CorruptionError(f"damaged record in the log ({reason})", path=path, segment=seg,
                                   offset=offset,
                                   hint="run `tierstore recover PATH`: it quarantines the damaged bytes, keeps the rest")
         d = Damage(seg, offset, reason, 0)
+        if key is not None:
+            d.key = key[1].decode("utf-8", "replace")
+            d.namespace = key[0].decode("utf-8", "replace")
         if end is not None:
             d.bytes_dropped = end - offset
             d.quarantined_to = quarantine_bytes(self.io, self.root, fd, seg, offset, end, reason)
@@ -325,6 +397,36 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
     return scan
 
 
+def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """``tierstore recover``: under the writer lock, scan every segment verifying every
+    checksum, cut a torn tail, quarantine damaged records (hiding their keys, so that older
+    versions do not come back in their place) and damaged segment headers (rewritten), and
+    rebuild the index from what remains.  Nothing is deleted: damaged bytes go to quarantine/."""
+    from .store import acquire_writer_lock
+
+    io = io or PosixIO()
+    root = os.path.abspath(path)
+    if not os.path.isdir(os.path.join(root, fmt.SEGMENTS_DIR)):
+        from .errors import StoreNotFound
+
+        raise StoreNotFound(f"no store at {root}", path=root)
+    lock = acquire_writer_lock(io, root, lock_timeout)
+    t0 = time.perf_counter()
+    try:
+        scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress)
+        leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
+        if os.path.exists(leftover):
+            shutil.rmtree(leftover)
+    finally:
+        io.close(lock)
+    seconds = time.perf_counter() - t0
+    return {"path": root, "records": len(scan.ops), "bytes_scanned": scan.bytes_scanned, "seconds": seconds,
+            "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
+            "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
+            "next_lsn": scan.next_lsn}
+
+
 # --- checking (fsck) ---------------------------------------------------------------------------
 
 
@@ -399,6 +501,13 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         if os.path.isdir(qdir) and os.listdir(qdir):
             report.findings.append(Finding("warning", f"quarantine/ holds {len(os.listdir(qdir))} file(s) "
                                                       "from earlier recoveries"))
+        if os.path.exists(os.path.join(root, fmt.INDEX_DIR + ".rebuild")):
+            report.findings.append(Finding("warning", "an interrupted index rebuild left index.rebuild/ "
+                                                      "(the next recover removes it)"))
+        for seg, (_dead, state) in index.segment_stats().items():
+            if state == 1 and seg in fds:
+                report.findings.append(Finding("warning", "segment marked dead by compaction is still on disk "
+                                                          "(the next writable open deletes it)", segment=seg))
     finally:
         for fd in fds.values():
             io.close(fd)

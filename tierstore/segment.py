@@ -138,6 +138,7 @@ class ScanStop:
     reason: str
     detail: str = ""
     valid_after: bool = False
+    header: rec.RecordHeader | None = None  # set when the header was valid and only the payload failed
 
 
 class _Window:
@@ -230,7 +231,7 @@ class SegmentScanner:
             if self.verify_payload and hdr.extent_lengths:
                 bad = verify_extents(self.io, self.fd, p, hdr)
                 if bad is not None:
-                    return ScanStop(p, "invalid", f"extent {bad} checksum mismatch")
+                    return ScanStop(p, "invalid", f"extent {bad} checksum mismatch", header=hdr)
         return p, hdr
 
     def _zero_to_eof(self, win: _Window, p: int) -> bool:
@@ -598,8 +599,14 @@ class Log:
             write_all(io, fd, [new_segment_header(store_uuid, seg_id, base_lsn).encode()], 0)
             if sync:
                 io.fdatasync(fd)
-        finally:
+        except BaseException:
             io.close(fd)
+            try:
+                io.unlink(path)  # nothing was appended to it: take it back so a retry can create it
+            except OSError:
+                pass  # recovery removes a segment whose header never became durable
+            raise
+        io.close(fd)
         if sync:
             io.fsync_dir(seg_dir)
 

@@ -42,6 +42,7 @@ from .errors import (
     StoreClosed,
     StoreLocked,
     StoreNotFound,
+    TierstoreError,
 )
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
@@ -252,6 +253,11 @@ class Store:
         self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads)
         try:
             self._open(create)
+        except OSError as e:
+            self._teardown()
+            if isinstance(e, TierstoreError):
+                raise
+            raise io_error(e, "open store", path=self.path) from None
         except BaseException:
             self._teardown()
             raise
@@ -636,6 +642,8 @@ class Store:
                 if e.path is None:
                     e.path = self._files.path(loc.segment)
                 raise
+            except OSError as e:
+                raise io_error(e, "read", path=self._files.path(loc.segment), **where) from None
             self._counters["gets"] += 1
             return obj
         raise AssertionError("unreachable")
@@ -708,7 +716,7 @@ class Store:
         segs = self._index.segment_stats()
         seg_ids = seglib.list_segments(self._io, self._seg_dir)
         sizes = {s: os.path.getsize(self._files.path(s)) for s in seg_ids}
-        live = sum(segs.get(s, (0, 0))[0] for s in seg_ids)
+        dead = sum(segs.get(s, (0, 0))[0] for s in seg_ids)
         total = sum(sizes.values())
         with self._pending_lock:
             pending = len(self._pending)
@@ -722,8 +730,8 @@ class Store:
             "pending_index_records": pending,
             "segments": len(seg_ids),
             "segment_bytes": total,
-            "live_bytes": live,
-            "dead_bytes": max(0, total - live - fmt.SEGMENT_HEADER_SIZE * len(seg_ids)),
+            "live_bytes": total - dead,  # segment bytes not superseded (headers and padding included)
+            "dead_bytes": dead,  # bytes of overwritten and deleted objects' records
             "applied_lsn": applied.lsn,
             "next_lsn": log.next_lsn if log else None,
             "durable_lsn": log.durable_lsn if log else None,
@@ -744,4 +752,9 @@ class Store:
         """
         from .compaction import compact
         log = self._check_writable()
-        return compact(self, log, min_dead_ratio=min_dead_ratio)
+        try:
+            return compact(self, log, min_dead_ratio=min_dead_ratio)
+        except OSError as e:
+            if isinstance(e, TierstoreError):
+                raise
+            raise io_error(e, "compact", path=self.path) from None
