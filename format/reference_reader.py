@@ -137,7 +137,7 @@ def _map(d: bytes, p: int, n: int, depth: int) -> tuple[dict[str, Any], int]:
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 RECORD_MAGIC = b"\xd4TRC"
 PAGE = 4096
-PUT, DELETE, PAD, IGNORABLE = 1, 2, 3, 0x8000
+PUT, DELETE, PAD, HOLE, IGNORABLE = 1, 2, 3, 4, 0x8000
 KINDS = {1: "kv", 2: "vectors", 3: "blob"}
 DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
           5: ("float8_e4m3fn", "u1"), 6: ("float8_e5m2", "u1"), 7: ("int8", "i1"), 8: ("uint8", "u1"),
@@ -220,6 +220,9 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
     if rtype == PAD:
         if lsn or kind or ns_len or key_len or meta_len or n_ext:
             raise FormatError("PAD with content")
+    elif rtype == HOLE:
+        if kind or ns_len or key_len or n_ext or lsn == 0 or type(meta.get("count")) is not int or meta["count"] < 1:
+            raise FormatError("bad HOLE record")
     elif rtype == DELETE:
         if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
             raise FormatError("DELETE with content")
@@ -305,7 +308,7 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
                     if i != len(names) - 1:
                         raise FormatError(f"{name}@{p}: LSN {r.lsn}, expected {lsn}")
                     break
-                lsn += 1
+                lsn += r.meta["count"] if r.type == HOLE else 1
                 if r.type == PUT:
                     state[(r.namespace, r.key)] = r
                 elif r.type == DELETE:

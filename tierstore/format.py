@@ -46,6 +46,7 @@ MIN_RECORD_GAP = RECORD_HEADER_SIZE  # no record starts within 48 bytes before a
 REC_PUT = 1
 REC_DELETE = 2
 REC_PAD = 3
+REC_HOLE = 4  # written by repair: LSNs [lsn, lsn + count) were lost to damage (bytes quarantined)
 REC_TYPE_IGNORABLE = 0x8000  # an unknown type with this bit set may be skipped
 RETIRED_RECORD_TYPES: tuple[int, ...] = ()
 

@@ -22,7 +22,7 @@ import lmdb
 
 from . import format as fmt
 from . import record as rec
-from .errors import CorruptionError, FormatVersionError, StoreIOError, TierstoreError
+from .errors import CorruptionError, StoreIOError, TierstoreError
 
 _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
@@ -152,7 +152,9 @@ class Index:
                 except lmdb.InvalidError as e:
                     raise CorruptionError(f"index is not a valid LMDB environment: {e}", path=real) from None
                 except lmdb.VersionMismatchError as e:
-                    raise FormatVersionError(f"index written by another LMDB version: {e}", path=real) from None
+                    # tierstore always writes LMDB data format v1 (lib_version=0): another version
+                    # means a damaged meta page or a foreign file; the index is derived, so rebuild
+                    raise CorruptionError(f"index is not LMDB data format v1: {e}", path=real) from None
                 except lmdb.Error as e:
                     raise CorruptionError(f"cannot open index: {e}", path=real) from None
                 ent = _ENVS[real] = [env, 0, threading.Lock(), writable]

@@ -250,6 +250,27 @@ def encode_delete(namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
     return EncodedRecord(header)
 
 
+def lsn_span(h: RecordHeader) -> int:
+    """How many LSNs a record accounts for: 0 for PAD, ``count`` for HOLE, 1 otherwise."""
+    if h.type == fmt.REC_PAD:
+        return 0
+    return h.meta["count"] if h.type == fmt.REC_HOLE else 1
+
+
+def encode_filler(length: int, lsn: int = 0, count: int = 0) -> bytes:
+    """``length`` bytes (>= 48) that stand in for damaged ones: a HOLE record accounting for the
+    LSNs [lsn, lsn + count) when count > 0, else a PAD record; zero-filled after the header."""
+    if count:
+        meta = pack_meta({"count": count})
+        hlen = header_length(b"", b"", meta, 0)
+        if hlen > length:
+            raise ValueError("no room for a HOLE record")
+        header = _pack_header(fmt.REC_HOLE, lsn, length, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                              0, b"", b"", meta, b"", 0)
+        return header + bytes(length - len(header))
+    return encode_pad(length)
+
+
 def encode_pad(length: int) -> bytes:
     """A PAD record covering ``length`` bytes (>= 48): header plus zeros."""
     if length < fmt.RECORD_HEADER_SIZE:
@@ -302,6 +323,27 @@ def parse_fixed(b: Any, **where: Any) -> Fixed:
                  key_len, meta_len, n_extents)
 
 
+def salvage(b: bytes, expect_lsn: int | None) -> tuple[int, bytes, bytes, int, int] | None:
+    """Best effort for repair: (type, namespace, key, lsn, record_len) of a damaged PUT/DELETE
+    header whose framing still adds up and whose LSN is the expected one, ignoring its magic and
+    checksum; None when it does not look like one.  Used only to hide the key of a record that
+    was lost, so that an older version of it does not come back."""
+    if len(b) < fmt.RECORD_HEADER_SIZE:
+        return None
+    (_, _, rtype, _, header_len, lsn, record_len, _, _, _, ns_len, _, key_len, meta_len,
+     n_extents) = fmt.RECORD_HEADER.unpack_from(b, 0)
+    if rtype not in (fmt.REC_PUT, fmt.REC_DELETE) or (expect_lsn is not None and lsn != expect_lsn):
+        return None
+    if not (1 <= ns_len <= fmt.NAMESPACE_MAX_BYTES and 1 <= key_len <= fmt.KEY_MAX_BYTES):
+        return None
+    if header_len != align_up(fmt.RECORD_HEADER_SIZE + ns_len + key_len + meta_len, 8) + 16 * n_extents:
+        return None
+    if not header_len <= record_len <= INT64_MAX or len(b) < fmt.RECORD_HEADER_SIZE + ns_len + key_len:
+        return None
+    p = fmt.RECORD_HEADER_SIZE
+    return rtype, bytes(b[p : p + ns_len]), bytes(b[p + ns_len : p + ns_len + key_len]), lsn, record_len
+
+
 def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **where: Any) -> RecordHeader:
     """Validate and decode a record header from ``b`` (which holds at least header_len bytes).
 
@@ -316,7 +358,8 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
         raise CorruptionError("record header checksum mismatch", **where)
     if f.reserved != 0:
         raise CorruptionError("reserved header byte is not zero", **where)
-    if f.type & fmt.REC_TYPE_IGNORABLE == 0 and f.type not in (fmt.REC_PUT, fmt.REC_DELETE, fmt.REC_PAD):
+    if f.type & fmt.REC_TYPE_IGNORABLE == 0 and f.type not in (fmt.REC_PUT, fmt.REC_DELETE, fmt.REC_PAD,
+                                                                fmt.REC_HOLE):
         raise CorruptionError(f"unknown record type {f.type}", **where)
     if f.flags & ~fmt.FLAGS_KNOWN:
         raise CorruptionError(f"unknown record flags {f.flags:#x}", **where)
@@ -349,6 +392,12 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
     if h.type == fmt.REC_PAD:
         if h.kind or h.namespace or h.key or h.meta or h.extent_lengths or h.lsn:
             raise CorruptionError("PAD record with content", **where)
+        return
+    if h.type == fmt.REC_HOLE:
+        count = h.meta.get("count")
+        if (h.kind or h.namespace or h.key or h.extent_lengths or not h.lsn or type(count) is not int
+                or not 1 <= count < 2**32):
+            raise CorruptionError("bad HOLE record", **where)
         return
     if h.type & fmt.REC_TYPE_IGNORABLE:
         return  # unknown but ignorable: framing is all a v1 reader checks

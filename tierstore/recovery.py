@@ -75,7 +75,8 @@ def _op(seg: int, off: int, hdr: rec.RecordHeader) -> Op | None:
 
 
 def _stamp() -> str:
-    return time.strftime("%Y%m%dT%H%M%S")
+    """A name prefix for quarantined files: time, then a nanosecond tie-breaker."""
+    return time.strftime("%Y%m%dT%H%M%S") + f".{time.time_ns() % 10**9:09d}"
 
 
 def quarantine_bytes(io: PosixIO, root: str, fd: int, seg_id: int, start: int, end: int, reason: str) -> str:
@@ -138,6 +139,14 @@ def _store_uuid_of_others(io: PosixIO, seg_dir: str, skip: int) -> bytes | None:
     return None
 
 
+def _next_lsn(io: PosixIO, fd: int, seg: int, path: str, offset: int, size: int) -> int | None:
+    """The LSN of the first record with one (PAD records have none) from ``offset`` on."""
+    scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, verify_payload=False, size=size)
+    for _, hdr in scanner.records():
+        return hdr.lsn
+    return None
+
+
 def has_no_records(io: PosixIO, fd: int) -> bool:
     """True when nothing past the segment header parses as a record header."""
     if io.size(fd) <= fmt.SEGMENT_HEADER_SIZE:
@@ -178,7 +187,7 @@ class _LogScanner:
             if expect is None:
                 break  # the last segment was never durably created
         r = self.result
-        r.next_lsn = r.last.lsn + 1 if r.last.lsn else (expect or 1)
+        r.next_lsn = max(r.last.lsn + 1, expect or 1)
         return r
 
     def _segment(self, seg: int, *, is_first: bool, is_last: bool, offset: int | None,
@@ -222,7 +231,8 @@ class _LogScanner:
                     op = _op(seg, off, hdr)
                     if op is not None:
                         r.ops.append(op)
-                    r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
+                    if hdr.type != fmt.REC_HOLE:  # an applied position names a record with its own LSN
+                        r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
                 stop = scanner.stop
                 assert stop is not None
                 if stop.reason == "end" or (is_last and not (self.repair and stop.valid_after)):
@@ -230,19 +240,38 @@ class _LogScanner:
                 # damage inside the log: corruption, or (repairing) quarantine it and go on
                 why = f"{stop.reason}: {stop.detail}"
                 bad = stop.header
+                expected = scanner.expect_lsn
                 if bad is not None and self.repair:
-                    # the header is intact, the payload is not: quarantine the record and hide the
-                    # key, so that an older version of it does not come back in its place
+                    # the header is intact, the payload is not: quarantine the record, and put a
+                    # DELETE of its key in its place so that an older version does not come back
                     end = rec.align_up(stop.offset + bad.record_len, fmt.RECORD_ALIGN)
                     self._sealed_damage(fd, seg, path, stop.offset, end, why, key=(bad.namespace, bad.key))
+                    self._rewrite(fd, stop.offset, end, bad.lsn, 1, bad)
                     r.ops.append(Op(bad.namespace, bad.key, bad.lsn, seg, stop.offset, 0, None))
-                    r.last = Applied(seg, stop.offset, bad.lsn, stop.offset + bad.record_len)
                     nxt: int | None = end
                     resume_lsn: int | None = bad.lsn + 1
                 else:
                     nxt = scanner.next_valid(stop.offset)
-                    self._sealed_damage(fd, seg, path, stop.offset, size if nxt is None else nxt, why)
-                    resume_lsn = None
+                    end = size if nxt is None else nxt
+                    guess = None
+                    if self.repair:
+                        guess = rec.salvage(io.pread(fd, fmt.HEADER_MAX_BYTES, stop.offset), expected)
+                    key = (guess[1], guess[2]) if guess is not None else None
+                    self._sealed_damage(fd, seg, path, stop.offset, end, why, key=key)
+                    after = _next_lsn(io, fd, seg, path, nxt, size) if nxt is not None else None
+                    lost = after - expected if after is not None and expected is not None else 0
+                    if guess is not None and rec.align_up(stop.offset + guess[4], fmt.RECORD_ALIGN) <= end:
+                        # the damaged header still names its key: hide it (as a DELETE in its place)
+                        ns_, key_, lsn_ = guess[1], guess[2], guess[3]
+                        stand_in = rec.RecordHeader(fmt.REC_PUT, 0, lsn_, guess[4], 0, 3, 0, ns_, key_, {}, (), (),
+                                                    0, b"", ())
+                        cut = rec.align_up(stop.offset + guess[4], fmt.RECORD_ALIGN)
+                        self._rewrite(fd, stop.offset, cut, lsn_, 1, stand_in)
+                        self._rewrite(fd, cut, end, lsn_ + 1, max(lost - 1, 0), None)
+                        r.ops.append(Op(ns_, key_, lsn_, seg, stop.offset, 0, None))
+                    else:
+                        self._rewrite(fd, stop.offset, end, expected or 0, max(lost, 0), None)
+                    resume_lsn = expected + lost if lost > 0 and expected is not None else None
                 if nxt is None or nxt >= size:
                     stop = seglib.ScanStop(size, "end")
                     break
@@ -259,6 +288,30 @@ class _LogScanner:
         finally:
             if fd >= 0:
                 io.close(fd)
+
+    def _rewrite(self, fd: int, start: int, end: int, lsn: int, count: int, bad: rec.RecordHeader | None) -> None:
+        """Repair: replace quarantined bytes [start, end) so the log reads clean again and keeps
+        its LSNs dense: a DELETE of the damaged record's key (when its header was readable) or a
+        HOLE record accounting for the lost LSNs, then PAD; zeros when too short for a record."""
+        length = end - start
+        if length <= 0:
+            return
+        if length < fmt.MIN_RECORD_GAP:
+            data = bytes(length)
+        elif bad is not None and bad.type == fmt.REC_PUT:
+            delete = rec.encode_delete(bad.namespace, bad.key, bad.flags).header.stamped(bad.lsn).raw
+            rest = length - len(delete)
+            if rest == 0 or rest >= fmt.MIN_RECORD_GAP:
+                data = delete + (rec.encode_pad(rest) if rest else b"")
+            else:
+                data = rec.encode_filler(length, lsn, count)
+        else:
+            try:
+                data = rec.encode_filler(length, lsn, count)
+            except ValueError:
+                data = rec.encode_pad(length)
+        write_all(self.io, fd, [data], start)
+        self.io.fdatasync(fd)
 
     def _salvage_header(self, fd: int, seg: int, path: str, error: TierstoreError) -> seglib.SegmentHeader:
         """Repair: rewrite a damaged segment header from what the rest of the store says (the
@@ -397,12 +450,45 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
     return scan
 
 
+def verify_lmdb(path: str) -> list[str]:
+    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
+    try:
+        return list(lmdb.verify.verify(path))
+    except lmdb.verify.VerifyError as e:
+        return [str(e)]
+
+
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
+    """The old index's view -- {(namespace, key): LSN} and its applied LSN -- when the index is
+    there and passes LMDB's offline verifier; None otherwise."""
+    path = os.path.join(root, fmt.INDEX_DIR)
+    if not Index.exists(path) or verify_lmdb(path):
+        return None
+    try:
+        idx = Index.open(path, writable=False)
+    except TierstoreError:
+        return None
+    try:
+        with idx.read() as view:
+            applied = view.applied().lsn
+            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied
+    except TierstoreError:
+        return None
+    finally:
+        idx.close()
+
+
 def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """``tierstore recover``: under the writer lock, scan every segment verifying every
     checksum, cut a torn tail, quarantine damaged records (hiding their keys, so that older
     versions do not come back in their place) and damaged segment headers (rewritten), and
-    rebuild the index from what remains.  Nothing is deleted: damaged bytes go to quarantine/."""
+    rebuild the index from what remains.  Nothing is deleted: damaged bytes go to quarantine/.
+
+    When the previous index is readable, it is a second witness: a key it did not hold (or
+    held at a newer LSN) whose rebuilt version is older than what it had applied lost the
+    record that deleted or replaced it, and is deleted rather than brought back."""
+    from . import open as open_store
     from .store import acquire_writer_lock
 
     io = io or PosixIO()
@@ -414,16 +500,35 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     lock = acquire_writer_lock(io, root, lock_timeout)
     t0 = time.perf_counter()
     try:
+        previous = _previous_index(root)
         scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress)
         leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
         if os.path.exists(leftover):
             shutil.rmtree(leftover)
     finally:
         io.close(lock)
+    stale: list[tuple[bytes, bytes]] = []
+    if previous is not None and scan.damage:
+        known, applied = previous
+        idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
+        try:
+            with idx.read() as view:
+                for ns, key, loc in view.items():
+                    was = known.get((ns, key))
+                    if loc.header.lsn <= applied and (was is None or was > loc.header.lsn):
+                        stale.append((ns, key))
+        finally:
+            idx.close()
+    if stale:
+        with open_store(root, lock_timeout=lock_timeout) as store:
+            for ns, key in stale:
+                store.delete(key, namespace=ns.decode("utf-8"))
     seconds = time.perf_counter() - t0
     return {"path": root, "records": len(scan.ops), "bytes_scanned": scan.bytes_scanned, "seconds": seconds,
             "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
+            "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": key.decode("utf-8", "replace")}
+                                   for ns, key in stale],
             "next_lsn": scan.next_lsn}
 
 
@@ -487,7 +592,7 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         if deep:
             # verify-then-trust: LMDB's offline verifier walks the file in Python first, since
             # liblmdb itself may crash on a damaged file
-            problems = lmdb.verify.verify(index.path)
+            problems = verify_lmdb(index.path)
             for problem in problems:
                 report.error(f"index (LMDB): {problem}")
             if problems:

@@ -190,8 +190,9 @@ class SegmentScanner:
                 return
             off, hdr = stop
             if hdr.type != fmt.REC_PAD:
-                self.last_lsn = hdr.lsn
-                self.expect_lsn = hdr.lsn + 1
+                span = rec.lsn_span(hdr)
+                self.last_lsn = hdr.lsn + span - 1
+                self.expect_lsn = hdr.lsn + span
                 yield off, hdr
             p = rec.align_up(off + hdr.record_len, fmt.RECORD_ALIGN)
 

@@ -294,7 +294,13 @@ class Store:
                 raise CorruptionError("the index is missing", path=index_dir,
                                       hint="open the store writable (or run `tierstore recover PATH`) to rebuild it")
             self._rebuild("index missing")
-        self._index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size)
+        try:
+            self._index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size)
+        except CorruptionError as e:
+            if self.readonly:
+                raise
+            self._rebuild(f"index unreadable ({e.message})")  # derived data: rebuild it from the log
+            self._index = Index.open(index_dir, writable=True, map_size=self.options.index_map_size)
         scan = self._replay()
         if self.readonly:
             for op in scan.ops:
@@ -336,6 +342,8 @@ class Store:
         scan = recovery.rebuild_index(self._io, self.path, repair=False)
         self.recovery.update({"rebuilt_index": why, "rebuild_seconds": time.perf_counter() - t0,
                               "rebuild_bytes_scanned": scan.bytes_scanned})
+        self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
+        self.recovery.setdefault("removed_segments", []).extend(scan.removed_segments)
 
     def _replay(self) -> recovery.LogScan:
         """Bring the index up to the end of the log (see recovery.py)."""
@@ -365,9 +373,9 @@ class Store:
                                      map_size=self.options.index_map_size)
             applied = self._index.applied()
             scan = recovery.scan_log(self._io, self.path, uuid, applied, writable=True, repair=False)
-        self.recovery.update({"replayed_records": len(scan.ops), "replay_seconds": time.perf_counter() - t0,
-                              "damage": [d.__dict__ for d in scan.damage],
-                              "removed_segments": scan.removed_segments})
+        self.recovery.update({"replayed_records": len(scan.ops), "replay_seconds": time.perf_counter() - t0})
+        self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
+        self.recovery.setdefault("removed_segments", []).extend(scan.removed_segments)
         return scan
 
     def _drop_dead_segments(self, keep: int) -> None:
