@@ -64,6 +64,7 @@ class FaultFS(PosixIO):
         self.dir_pending: dict[str, list[tuple]] = {}  # dir -> [("create", path) | ("unlink", path, content) |
         #                                                         ("rename", src, dst, src_content)]
         self.on_persist: Callable[[str], None] | None = None
+        self.index_env: Any = None  # for image(): the open store's LMDB environment
         self.calls: dict[str, int] = {}
         self._faults: list[dict[str, Any]] = []
         self.fired = 0  # how many injected faults went off
@@ -238,6 +239,15 @@ class FaultFS(PosixIO):
                 out.write(content)
         if index_snapshot is not None:
             shutil.copytree(index_snapshot, os.path.join(dest, "index"))
+
+    def image(self, dest: str) -> None:
+        """The state a power loss now leaves when the disk loses exactly what was not synced
+        (mode B), with the index as of its last commit, copied from ``self.index_env`` (the
+        open store's LMDB environment) when the caller set it."""
+        self.crash_state(dest, "B", random.Random(0), None)
+        if self.index_env is not None:
+            os.makedirs(os.path.join(dest, "index"))
+            self.index_env.copy(os.path.join(dest, "index"))
 
     @staticmethod
     def _crash_op(content: bytearray, op: tuple, mode: str, rng: random.Random) -> None:

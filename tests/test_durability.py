@@ -24,7 +24,7 @@ import tierstore
 from tierstore import Blob, recovery
 from tierstore.fileio import DEFAULT_IO
 
-from .crashsim import CrashSimIO
+from .faultfs import FaultFS
 
 
 def value(key: str, version: int) -> bytes:
@@ -85,7 +85,7 @@ def check_image(path: str, ops: list[tuple], acked: int, flushed: int) -> None:
 def test_power_loss_at_every_persistence_point(tmp_path, durability, seed):
     root = str(tmp_path / "store")
     os.makedirs(root)
-    io = CrashSimIO(root)
+    io = FaultFS(root)
     ops = make_ops(seed, 24)
     images: list[tuple[str, int, int]] = []
     progress = {"acked": 0, "durable": 0}
@@ -270,7 +270,7 @@ def test_power_loss_with_large_records(tmp_path):
     """Records >= 4 MiB take the O_DIRECT write path: the same guarantees hold."""
     root = str(tmp_path / "store")
     os.makedirs(root)
-    io = CrashSimIO(root)
+    io = FaultFS(root)
     big = [bytes([i]) * (5 << 20) for i in range(3)]
     images: list[tuple[str, int]] = []
     acked = {"n": 0}

@@ -1,6 +1,6 @@
 """Model-based test: the Store against a plain dict, under random interleavings of put, get,
 partial get, delete, overwrite, reopen, compact and crash-and-recover (simulated power loss
-through tests/crashsim.py).  With durability="sync" every acknowledged operation survives a
+through tests/faultfs.py).  With durability="sync" every acknowledged operation survives a
 crash, so after recovery the store must equal the model exactly.
 
 TIERSTORE_STATEFUL_EXAMPLES scales the run (CI: 40 examples of up to 30 steps, derandomized).
@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import tierstore
 from tierstore import Blob, KVCache, Vectors, recovery
 
-from .crashsim import CrashSimIO
+from .faultfs import FaultFS
 
 KEYS = st.sampled_from(["a", "b", "c", "ü-key", "d" * 400])
 BYTES_KEYS = st.sampled_from([b"\x00\xff", b"\x12\x34\x56"])
@@ -42,7 +42,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _open(self, root: str) -> None:
         os.makedirs(root, exist_ok=True)
         self.root = root
-        self.io = CrashSimIO(root)
+        self.io = FaultFS(root)
         # the index applies every 3 records (not on a timer), so runs are deterministic
         self.store = tierstore.open(root, _io=self.io, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=3)
         self.io.index_env = self.store._index.env
