@@ -57,8 +57,22 @@ def test_fsck_exit_code_on_bad_checksum(filled):
         f.write(bytes([b[0] ^ 0xFF]))
     code, out = run("fsck", filled)  # the default already checks every live checksum
     assert code == 1 and "checksum mismatch" in out and "ERRORS FOUND" in out
+    assert "key=0x0102" in out  # a bytes key is shown in hex
     code, out = run("fsck", filled, "--deep", "--json")
     assert code == 1 and not json.loads(out)["ok"]
+
+
+def test_output_into_a_closed_pipe_stops_quietly(store_path):
+    """`tierstore ls PATH | head -1`: no traceback, no error message, exit code 0."""
+    with tierstore.open(store_path, durability="none") as s:
+        for i in range(3000):  # a listing well over a pipe buffer (64 KiB)
+            s.put(f"a-rather-long-key-name-so-the-listing-is-large-{i:06d}", Blob(b"x"))
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "ls", store_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"default\t")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == b"", err
 
 
 def test_recover_rebuilds_missing_index(filled):

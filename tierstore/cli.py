@@ -85,7 +85,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
               + ("; every log record and the LMDB index file checked" if args.deep else ""))
         for f in report.findings:
             where = " ".join(f"{k}={v}" for k, v in f.as_dict().items() if k not in ("severity", "what"))
-            print(f"  {f.severity}: {f.what} {where}")
+            print(f"  {f.severity}: {f.what}" + (f" {where}" if where else ""))
         print("ok" if report.ok else "ERRORS FOUND")
 
     data = report.as_dict()
@@ -306,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
+        return EXIT_OK
     except StoreLocked as e:
         print(f"tierstore: {e}", file=sys.stderr)
         return EXIT_LOCKED

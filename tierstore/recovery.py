@@ -631,7 +631,8 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
             continue
         indexed[(ns, key)] = loc
         report.objects += 1
-        where = {"segment": loc.segment, "offset": loc.offset, "namespace": _ns(ns), "key": key}
+        shown = key.decode("utf-8", "replace") if loc.header.key_is_str else key
+        where = {"segment": loc.segment, "offset": loc.offset, "namespace": _ns(ns), "key": shown}
         fd = fds.get(loc.segment)
         if fd is None:
             report.error("index entry points at a missing segment", **where)
