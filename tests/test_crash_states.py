@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
+from tierstore import Blob, KVCache, compaction, recovery
 from tierstore.fileio import DEFAULT_IO
 from tierstore.index import Index
 
@@ -51,11 +51,11 @@ def _apply(model: dict, op: str, step: int) -> None:
         model.pop("k1", None)
 
 
-def _base(tmp: Path) -> tuple[str, dict]:
+def _base(tmp: Path, segment_bytes: str) -> tuple[str, dict]:
     """A durable store that existed before the workload: two blobs and a KV chunk."""
     root = str(tmp / "template")
     kv = np.arange(2 * 2 * 2 * 8 * 16, dtype=np.float16).reshape(2, 2, 2, 8, 16)
-    with tierstore.open(root, segment_bytes="64KiB") as s:
+    with tierstore.open(root, segment_bytes=segment_bytes) as s:
         s.put("k0", Blob(b"zero" * 100))
         s.put("k1", Blob(b"one" * 3000))
         s.put("kv", KVCache(kv))
@@ -76,9 +76,10 @@ def _read(path: str) -> dict:
 
 
 class Explorer:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, segment_bytes: str) -> None:
         self.tmp = tmp
-        self.template, self.base = _base(tmp)
+        self.template, self.base = _base(tmp, segment_bytes)
+        self.segment_bytes = segment_bytes
         self.stats = {"workloads": 0, "points": 0, "states": 0}
         self.images: list[tuple[str, tuple[str, ...], int, int]] = []
 
@@ -89,7 +90,7 @@ class Explorer:
         shutil.copytree(self.template, root)
         fs = FaultFS(root)
         progress = {"acked": 0, "issued": 0}
-        store = tierstore.open(root, _io=fs, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=10**9)
+        store = tierstore.open(root, _io=fs, segment_bytes=self.segment_bytes, index_commit_ms=1e9, index_batch=10**9)
         snap_dir = str(wdir / "snap")
         prev_dir = str(wdir / "prev")  # the index as of the commit before the last one
         rng = random.Random(hash(ops) & 0xFFFF)
@@ -179,19 +180,38 @@ def fast_tmp(tmp_path):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_power_loss_states(fast_tmp, capsys):
-    ex = Explorer(fast_tmp)
-    for w in workloads(3 if DEEP else 2):
-        ex.run(w)
-        for image, ops, acked, issued in ex.images:  # check as we go: bounded space
-            ex.check(image, ops, acked, issued)
-            shutil.rmtree(image)
-        ex.images.clear()
-        shutil.rmtree(fast_tmp / f"w{ex.stats['workloads']}")
-    ex.stats["violations"] = 0
+def test_power_loss_states(fast_tmp, capsys, monkeypatch):
+    monkeypatch.setattr(compaction, "BATCH_SEGMENTS", 1)  # each victim its own batch: cover batch boundaries
+    per_compaction: list[int] = []  # how many batches each compaction ran
+    real_batch = compaction._compact_batch
+
+    def counted_batch(*a):
+        per_compaction[-1] += 1
+        return real_batch(*a)
+
+    real_compact = compaction.compact
+    monkeypatch.setattr(compaction, "_compact_batch", counted_batch)
+    monkeypatch.setattr(compaction, "compact", lambda *a, **k: (per_compaction.append(0), real_compact(*a, **k))[1])
+    totals = {"workloads": 0, "points": 0, "states": 0}
+    # one store in one segment, and one in five 16 KiB segments (compactions with several victims)
+    for segment_bytes in ("64KiB", "16KiB"):
+        tmp = fast_tmp / segment_bytes
+        tmp.mkdir()
+        ex = Explorer(tmp, segment_bytes)
+        for w in workloads(3 if DEEP else 2):
+            ex.run(w)
+            for image, ops, acked, issued in ex.images:  # check as we go: bounded space
+                ex.check(image, ops, acked, issued)
+                shutil.rmtree(image)
+            ex.images.clear()
+            shutil.rmtree(tmp / f"w{ex.stats['workloads']}")
+        for k in totals:
+            totals[k] += ex.stats[k]
+    totals["violations"] = 0
     with capsys.disabled():
-        print(f"\ncrash states: {ex.stats}")
-    assert ex.stats["states"] >= (8000 if DEEP else 1000)
+        print(f"\ncrash states: {totals}")
+    assert totals["states"] >= (16000 if DEEP else 2000)
+    assert max(per_compaction) >= 2, per_compaction  # crashes between batches were explored
 
 
 def test_fsck_runs_on_crash_states_without_index(tmp_path):

@@ -14,6 +14,10 @@ Steps, each crash-safe:
 5. Mark the victims dead in the index (durable), then unlink them.  A crash in between
    leaves dead segments that the next open unlinks.
 
+Steps 3-5 run on batches of victims (oldest first, ``BATCH_BYTES`` or ``BATCH_SEGMENTS`` at a time), so a
+compaction that is interrupted (a crash, a kill) keeps the space it already reclaimed and a
+store that is killed often still makes progress.
+
 This module never rewrites a record in place and never deletes a segment the index uses.
 """
 
@@ -30,6 +34,10 @@ from .errors import CorruptionError
 
 if TYPE_CHECKING:
     from .store import Store
+
+# victims are compacted (copied, applied, unlinked) in batches of at most this many bytes or segments
+BATCH_BYTES = 64 << 20
+BATCH_SEGMENTS = 16
 
 
 def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[str, Any]:
@@ -53,10 +61,27 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
         if size <= 0 or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
     all_segs = seglib.list_segments(io, store._seg_dir)
-    copied = carried = dropped = 0
     bytes_before = sum(os.path.getsize(store._files.path(s)) for s in victims)
+    counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
+    batch: list[int] = []
+    batch_bytes = 0
+    for seg in victims:  # oldest first, in batches: an interrupted compaction keeps what it finished
+        batch.append(seg)
+        batch_bytes += os.path.getsize(store._files.path(seg))
+        if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
+            _compact_batch(store, log, batch, victims, all_segs, counts)
+            batch, batch_bytes = [], 0
+    return {"victims": victims, **counts, "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
+
+
+def _compact_batch(store: "Store", log: seglib.Log, batch: list[int], victims: list[int], all_segs: list[int],
+                   counts: dict[str, int]) -> None:
+    """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, unlink."""
+    io = store._io
+    index = store._index
+    assert index is not None
     moved: list[tuple[bytes, bytes]] = []
-    for seg in victims:
+    for seg in batch:
         older_survivor = any(s < seg and s not in victims for s in all_segs)
         path = store._files.path(seg)
         with store._segment_fd(seg) as (fd, _):
@@ -66,17 +91,17 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
                     cur = store._lookup(hdr.namespace, hdr.key)
                     if hdr.type == fmt.REC_PUT:
                         if cur is None or (cur.segment, cur.offset) != (seg, off):
-                            dropped += 1
+                            counts["dropped"] += 1
                             continue
                         _copy_record(log, store, fd, off, hdr)
                         moved.append((hdr.namespace, hdr.key))
-                        copied += 1
+                        counts["copied"] += 1
                     elif hdr.type == fmt.REC_DELETE:
                         if cur is not None or not older_survivor:
-                            dropped += 1
+                            counts["dropped"] += 1
                             continue
                         log.append(rec.EncodedRecord(hdr), store._on_written)
-                        carried += 1
+                        counts["carried_deletes"] += 1
             if scanner.stop is not None and scanner.stop.reason != "end":
                 # never drop a segment we could not read to its end
                 raise CorruptionError(f"cannot compact a damaged segment ({scanner.stop.detail})", path=path,
@@ -84,17 +109,14 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
     store._commit(force=True, sync=True)
     for ns, key in moved:  # the index must no longer point into a victim
         loc = store._lookup(ns, key)
-        if loc is not None and loc.segment in victims:
+        if loc is not None and loc.segment in batch:
             raise AssertionError(f"compaction left {key!r} in victim segment {loc.segment}")
-    if victims:
-        index.mark_dead(victims)
-        for seg in victims:
-            io.unlink(store._files.path(seg))
-            store._files.retire(seg)
-        io.fsync_dir(store._seg_dir)
-        index.forget_segments(victims)
-    return {"victims": victims, "copied": copied, "carried_deletes": carried, "dropped": dropped,
-            "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
+    index.mark_dead(batch)
+    for seg in batch:
+        io.unlink(store._files.path(seg))
+        store._files.retire(seg)
+    io.fsync_dir(store._seg_dir)
+    index.forget_segments(batch)
 
 
 def _copy_record(log: seglib.Log, store: "Store", src_fd: int, off: int, hdr: rec.RecordHeader) -> None:
