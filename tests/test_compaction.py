@@ -126,3 +126,24 @@ def test_interrupted_compaction_keeps_what_it_reclaimed(store_path, monkeypatch)
         monkeypatch.setattr(compaction, "_compact_batch", real_batch)
         s.compact()
         assert {k: s.get(k).data for k in s.keys()} == want and disk_bytes(store_path) < 12 * 9000
+
+
+
+def test_frequent_compaction_does_not_pile_up_small_segments(store_path):
+    """A compaction after every few writes (as in the SIGKILL test): segments holding one small
+    live object, or only a delete record, are merged away, so the number of segment files stays
+    bounded and the store's size tracks its live data."""
+    with tierstore.open(store_path, segment_bytes="256KiB") as s:
+        for r in range(40):
+            s.put(f"keep{r}", Blob(bytes([r]) * 3000))  # live for ever: its segment has no dead bytes
+            s.compact()
+            s.put(f"gone{r}", Blob(b"g" * 3000))
+            s.compact()
+            s.delete(f"gone{r}")  # a segment holding only this delete record
+            s.compact()
+    with tierstore.open(store_path) as s:
+        assert {k: s.get(k).data for k in s.keys()} == {f"keep{r}": bytes([r]) * 3000 for r in range(40)}
+        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        st = s.stats()
+    assert len(segment_files(store_path)) <= 3, segment_files(store_path)
+    assert st["segment_bytes"] <= 2 * (256 << 10)

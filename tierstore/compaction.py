@@ -2,9 +2,11 @@
 
 Steps, each crash-safe:
 
-1. Flush, so the index reflects the whole log, and roll the log over to a fresh segment:
-   every victim is then sealed.
-2. Victims: sealed segments whose dead fraction is at least ``min_dead_ratio``.
+1. Flush, so the index reflects the whole log, and roll the log over to a fresh segment
+   unless the active segment is still small: victims are always sealed segments.
+2. Victims: sealed segments whose dead fraction is at least ``min_dead_ratio``, and sealed
+   segments smaller than a quarter of ``segment_bytes`` (merged, so that frequent
+   compactions or restarts never leave a growing number of small files).
 3. For each record of each victim, under the store's write lock: a PUT that is still the
    key's live version is copied to the log head (header restamped with a new LSN, payload
    copied byte for byte with its checksums); a DELETE is carried forward only if an older,
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 # victims are compacted (copied, applied, unlinked) in batches of at most this many bytes or segments
 BATCH_BYTES = 64 << 20
 BATCH_SEGMENTS = 16
+# sealed segments smaller than segment_bytes / SMALL_FRACTION are merged whatever their dead
+# fraction, and compaction rolls the log over only when the active segment is at least that big
+SMALL_FRACTION = 4
 
 
 def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[str, Any]:
@@ -46,9 +51,10 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
     index = store._index
     assert index is not None
     store._commit(force=True, sync=True)
+    small = log.segment_bytes // SMALL_FRACTION
     with store._write_lock:
         with log.append_lock:
-            if log.tail > fmt.SEGMENT_HEADER_SIZE:
+            if log.tail >= small:  # a small active segment stays open: the copies join it
                 log._rollover()
         active = log.active
     stats = index.segment_stats()
@@ -56,9 +62,10 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
     for seg in seglib.list_segments(io, store._seg_dir):
         if seg >= active:
             continue
-        size = os.path.getsize(store._files.path(seg)) - fmt.SEGMENT_HEADER_SIZE
+        file_size = os.path.getsize(store._files.path(seg))
+        size = file_size - fmt.SEGMENT_HEADER_SIZE
         dead = stats.get(seg, (0, 0))[0]
-        if size <= 0 or dead > 0 and dead / size >= min_dead_ratio:
+        if size <= 0 or file_size < small or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
     all_segs = seglib.list_segments(io, store._seg_dir)
     bytes_before = sum(os.path.getsize(store._files.path(s)) for s in victims)

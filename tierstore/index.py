@@ -265,8 +265,9 @@ class Index:
         """Apply log records in LSN order and record the new applied position, atomically.
 
         Dead-byte accounting per segment (for compaction) is updated in the same transaction:
-        a record becomes dead when a later PUT or DELETE of its key is applied.  DELETE records
-        themselves are never counted dead (compaction decides whether to carry them).
+        a PUT record becomes dead when a later PUT or DELETE of its key is applied; a DELETE
+        record is dead from the start (compaction drops it, or carries it forward while an
+        older segment may still hold a PUT it hides).
         """
         def fn(txn: lmdb.Transaction) -> None:
             deltas: dict[int, int] = {}
@@ -278,8 +279,10 @@ class Index:
                     deltas[oseg] = deltas.get(oseg, 0) + _record_len_of(old)
                 if op.location is not None:
                     txn.put(ik, encode_location(op.location), db=self.objects)
-                elif old is not None:
-                    txn.delete(ik, db=self.objects)
+                else:
+                    deltas[op.segment] = deltas.get(op.segment, 0) + op.record_len
+                    if old is not None:
+                        txn.delete(ik, db=self.objects)
             self._add_dead(txn, deltas)
             txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
         self._write(fn, durable=durable)

@@ -739,7 +739,7 @@ class Store:
             "segments": len(seg_ids),
             "segment_bytes": total,
             "live_bytes": total - dead,  # segment bytes not superseded (headers and padding included)
-            "dead_bytes": dead,  # bytes of overwritten and deleted objects' records
+            "dead_bytes": dead,  # overwritten and deleted objects' records, and DELETE records
             "applied_lsn": applied.lsn,
             "next_lsn": log.next_lsn if log else None,
             "durable_lsn": log.durable_lsn if log else None,
