@@ -40,3 +40,20 @@ def real_emb() -> np.ndarray:
 def segment_files(path: str) -> list[str]:
     seg = os.path.join(path, "segments")
     return sorted(os.path.join(seg, n) for n in os.listdir(seg) if n.endswith(".tseg"))
+
+
+def checked_state(path: str, *, deep: bool = True) -> dict:
+    """Open the store at ``path``: every object's bytes by key (default namespace), after
+    asserting that fsck finds nothing wrong."""
+    import tierstore
+    from tierstore import Blob, recovery
+    from tierstore.fileio import DEFAULT_IO
+
+    with tierstore.open(path) as s:
+        state = {}
+        for k in s.keys():
+            obj = s.get(k)
+            state[k] = obj.data if isinstance(obj, Blob) else obj.data.tobytes()
+        report = recovery.check_store(DEFAULT_IO, path, s._index, deep=deep)
+        assert report.ok, report.as_dict()
+    return state

@@ -31,6 +31,7 @@ from tierstore import Blob, KVCache, compaction, recovery
 from tierstore.fileio import DEFAULT_IO
 from tierstore.index import Index
 
+from .conftest import checked_state
 from .faultfs import FaultFS
 
 DEEP = os.environ.get("TIERSTORE_DEEP") == "1"
@@ -62,17 +63,6 @@ def _base(tmp: Path, segment_bytes: str) -> tuple[str, dict]:
         s.put("junk", Blob(b"j" * 20000))
         s.delete("junk")  # garbage for compaction to reclaim
     return root, {"k0": b"zero" * 100, "k1": b"one" * 3000, "kv": kv.tobytes()}
-
-
-def _read(path: str) -> dict:
-    with tierstore.open(path) as s:
-        state = {}
-        for k in s.keys():
-            obj = s.get(k)
-            state[k] = obj.data if isinstance(obj, Blob) else obj.data.tobytes()
-        rep = recovery.check_store(DEFAULT_IO, path, s._index, deep=False)
-        assert rep.ok, rep.as_dict()
-    return state
 
 
 class Explorer:
@@ -152,7 +142,7 @@ class Explorer:
             store.close()
 
     def check(self, image: str, ops: tuple[str, ...], acked: int, issued: int) -> None:
-        state = _read(image)
+        state = checked_state(image, deep=False)
         models = []
         model = dict(self.base)
         for m in range(len(ops) + 1):
@@ -161,9 +151,9 @@ class Explorer:
             models.append(dict(model))
         ok = [m for m in range(acked, issued + 1) if models[m] == state]
         assert ok, f"{image}: state {sorted(state)} is not the model after {acked}..{issued} of {ops}"
-        assert _read(image) == state  # recovering twice gives the same state
+        assert checked_state(image, deep=False) == state  # recovering twice gives the same state
         shutil.rmtree(os.path.join(image, "index"))
-        assert _read(image) == state  # the index rebuilt from segments agrees
+        assert checked_state(image, deep=False) == state  # the index rebuilt from segments agrees
 
 
 def workloads(max_len: int) -> list[tuple[str, ...]]:

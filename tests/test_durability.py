@@ -24,6 +24,7 @@ import tierstore
 from tierstore import Blob, recovery
 from tierstore.fileio import DEFAULT_IO
 
+from .conftest import checked_state
 from .faultfs import FaultFS
 
 
@@ -56,17 +57,9 @@ def apply_model(model: dict, op: tuple) -> None:
         model.pop(key, None)
 
 
-def read_state(path: str) -> dict:
-    with tierstore.open(path) as s:
-        state = {k: s.get(k).data for k in s.keys()}  # noqa: SIM118 (Store.keys is not a dict's)
-        report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
-        assert report.ok, report.as_dict()
-    return state
-
-
 def check_image(path: str, ops: list[tuple], acked: int, flushed: int) -> None:
     """The recovered state must equal the model after some prefix m of ops, flushed <= m <= acked+1."""
-    state = read_state(path)
+    state = checked_state(path)
     model: dict = {}
     candidates = []
     for m in range(len(ops) + 1):
@@ -76,9 +69,9 @@ def check_image(path: str, ops: list[tuple], acked: int, flushed: int) -> None:
             apply_model(model, ops[m])
     assert candidates, f"state {sorted(state)} is no prefix of the operations (acked {acked}, durable {flushed})"
     assert any(m <= acked + 1 for m in candidates), (candidates, acked)
-    assert read_state(path) == state  # recovering twice gives the same state
+    assert checked_state(path) == state  # recovering twice gives the same state
     shutil.rmtree(os.path.join(path, "index"))
-    assert read_state(path) == state  # the index rebuilt from segments agrees
+    assert checked_state(path) == state  # the index rebuilt from segments agrees
 
 
 @pytest.mark.parametrize("durability,seed", [("sync", 1), ("sync", 2), ("group", 3), ("none", 4)])

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob, KVCache
 
+from .conftest import checked_state
 from .faultfs import FaultFS
 
 METHODS = ["pwritev", "fdatasync", "fsync", "fsync_dir", "open", "ftruncate", "preadv", "pread", "unlink", "rename"]
@@ -51,17 +51,6 @@ def _torn(root: str, model: dict[str, bytes]) -> dict[str, bytes]:
     with open(seg, "ab") as f:
         f.write(b"\xd4TRC" + os.urandom(3000))  # a torn record after them
     return {**model, "t1": b"t1" * 900, "t2": b"t2" * 5}
-
-
-def _state(root: str) -> dict[str, bytes]:
-    with tierstore.open(root) as s:
-        out = {}
-        for k in s.keys():
-            obj = s.get(k)
-            out[k] = obj.data if isinstance(obj, Blob) else obj.data.tobytes()
-        rep = recovery.check_store(DEFAULT_IO, root, s._index, deep=True)
-        assert rep.ok, rep.as_dict()
-    return out
 
 
 OPS = {
@@ -104,7 +93,7 @@ def _run_case(work: Path, template: str, model: dict, op: str, method: str, n: i
     except tierstore.TierstoreError:
         store._closed = True
         store._teardown()
-    after = _state(root)  # reopened with the real file system
+    after = checked_state(root)  # reopened with the real file system
     want = dict(model)
     effect(want)
     where = (op, method, n, kind, persistent)
