@@ -6,6 +6,7 @@ other than the documented ones, a hang (-timeout) or excessive memory (-rss_limi
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,7 @@ def test_harness_runs_clean(name, tmp_path):
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Done 400 runs" in proc.stderr or "DONE" in proc.stderr, proc.stderr[-2000:]
+    # coverage feedback works: the harness's target is instrumented and the seeds load (an
+    # uninstrumented target reports no coverage and fuzzes blind)
+    cov = [int(c) for c in re.findall(r"INITED cov: (\d+)", proc.stderr)]
+    assert cov and cov[0] >= 20, proc.stderr[-2000:]
