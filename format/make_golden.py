@@ -29,7 +29,8 @@ from tierstore import Blob, KVCache, Vectors  # noqa: E402
 from tierstore import format as fmt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / f"v{fmt.FORMAT_MAJOR}"
+# format/v1/ holds the stores of 1.0; each minor version since has its own directory
+OUT = HERE / (f"v{fmt.FORMAT_MAJOR}" if fmt.FORMAT_MINOR == 0 else f"v{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}")
 
 
 def _torch() -> Any:
@@ -64,7 +65,25 @@ def objects(rng: np.random.Generator) -> list[tuple[str, str | bytes, Any, dict[
     return items
 
 
-def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False) -> None:
+def write_sessions(s: tierstore.Store, rng: np.random.Generator, *, torn: bool) -> None:
+    """Format 1.1: references and groups (SPEC.md §5.4, §7.7): de-duplicated puts, an anchored
+    object, a dropped session, a deleted referenced object, prefix-style chunk keys."""
+    hashes = tierstore.chunk_hashes(list(range(64)), chunk_tokens=16, salt="golden")
+    chunks = [KVCache(rng.standard_normal((2, 2, 2, 16, 8)).astype(np.float16)) for _ in hashes]
+    for sess, n in (("s-1", 4), ("s-2", 2), ("s-3", 3)):
+        for h, c in zip(hashes[:n], chunks[:n]):
+            s.put(h, c, namespace="prefix", session=sess)
+    s.put("system", Blob(b"a system prompt shared by every session"), namespace="prefix")
+    s.put("system", Blob(b"a system prompt shared by every session"), namespace="prefix", session="s-2")
+    s.drop_session("s-3", namespace="prefix")
+    s.put("scratch", Blob(b"deleted with its references"), namespace="prefix", session="s-1")
+    s.delete("scratch", namespace="prefix")
+    if torn:
+        s.put(hashes[3], chunks[3], namespace="prefix", session="s-2")  # only a reference: cut below
+
+
+def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,
+               sessions: bool = False) -> None:
     rng = np.random.default_rng(2026)
     root = OUT / name
     store_dir = root / "store"
@@ -74,12 +93,20 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
         s.put("to-delete", Blob(b"gone"))
         s.put("chunk-fp32", Blob(b"overwritten: a KV chunk replaced by a blob"), namespace="llama")
         s.delete("to-delete")
+        if sessions:
+            write_sessions(s, rng, torn=torn)
         if compact:
             s.compact()
             s.put("after-compaction", Blob(b"written after compaction"))
-        if torn:
+        if torn and sessions:
+            s.put("torn", Blob(b"a group cut after its object" * 200), session="s-9")
+        elif torn:
             s.put("torn", Blob(b"this record is cut by the torn tail" * 200))
-    if torn:
+    if torn and sessions:  # cut the group between its object and its reference
+        last = sorted((store_dir / "segments").iterdir())[-1]
+        with open(last, "r+b") as f:
+            f.truncate(last.stat().st_size - 4096)
+    elif torn:
         segs = sorted((store_dir / "segments").iterdir())
         last = segs[-1]
         size = last.stat().st_size
@@ -89,6 +116,26 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
     os.remove(store_dir / "LOCK")
     expected = describe_with_engine(store_dir, root)
     (root / "expected.json").write_text(json.dumps(expected, indent=2, ensure_ascii=False) + "\n")
+    if sessions:
+        (root / "references.json").write_text(json.dumps(references_with_engine(store_dir, root), indent=2) + "\n")
+
+
+def references_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
+    """Every object's sessions ("" is the anchor: it was also put without a session)."""
+    tmp = root / "tmp-open"
+    shutil.copytree(store_dir, tmp)
+    out = []
+    with tierstore.open(tmp) as s:
+        for ns in s.namespaces():
+            for key in s.keys(namespace=ns):
+                k = key.encode() if isinstance(key, str) else key
+                sessions = sorted("" if x == fmt.ANCHOR_SESSION else x.decode()
+                                  for x in s._sessions_of(ns.encode(), k))
+                if sessions:
+                    out.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
+                                "sessions": sessions})
+    shutil.rmtree(tmp)
+    return out
 
 
 def describe_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
@@ -149,6 +196,11 @@ CASES = {
     "torn_tail": {"torn": True},
     "compacted": {"segment_bytes": 64 << 10, "compact": True},
 }
+if fmt.FORMAT_MINOR >= 1:  # 1.1: references and groups
+    CASES.update({
+        "sessions": {"sessions": True, "segment_bytes": 64 << 10, "compact": True},
+        "torn_group": {"sessions": True, "torn": True},
+    })
 
 
 def main(argv: list[str]) -> int:

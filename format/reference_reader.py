@@ -12,6 +12,7 @@ If this reader and tierstore ever disagree on a store, SPEC.md is incomplete or 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -137,7 +138,8 @@ def _map(d: bytes, p: int, n: int, depth: int) -> tuple[dict[str, Any], int]:
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 RECORD_MAGIC = b"\xd4TRC"
 PAGE = 4096
-PUT, DELETE, PAD, HOLE, IGNORABLE = 1, 2, 3, 4, 0x8000
+PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP = 1, 2, 3, 4, 0x8000, 0x8005
+REF_NAMESPACE, REF_KIND = b"\x00ref", 4  # SPEC.md §5.4
 KINDS = {1: "kv", 2: "vectors", 3: "blob"}
 DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
           5: ("float8_e4m3fn", "u1"), 6: ("float8_e5m2", "u1"), 7: ("int8", "i1"), 8: ("uint8", "u1"),
@@ -168,6 +170,8 @@ class Record:
 def read_segment_header(data: bytes, name: str) -> dict[str, Any]:
     if data[:8] != SEGMENT_MAGIC:
         raise FormatError(f"{name}: not a segment")
+    if len(data) < 116:  # the fields and checksum of §3.1 (the header page may be cut short)
+        raise FormatError(f"{name}: segment header cut by end of file")
     major, minor, hsize, incompat, ro_compat, compat = struct.unpack_from("<HHIQQQ", data, 8)
     if major != 1:
         raise FormatError(f"{name}: format {major}.{minor} is not 1.x")
@@ -223,6 +227,11 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
     elif rtype == HOLE:
         if kind or ns_len or key_len or n_ext or lsn == 0 or type(meta.get("count")) is not int or meta["count"] < 1:
             raise FormatError("bad HOLE record")
+    elif rtype == GROUP:
+        count = meta.get("count")
+        if kind or ns_len or key_len or n_ext or lsn == 0 or record_len != header_len or type(count) is not int \
+                or not 1 <= count <= 4096:
+            raise FormatError("bad GROUP record")
     elif rtype == DELETE:
         if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
             raise FormatError("DELETE with content")
@@ -231,6 +240,15 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
             raise FormatError("PUT fields")
         if [e[1] for e in extents] != expected_lengths(kind, meta) or (pos if extents else header_len) != record_len:
             raise FormatError("extents do not match the metadata")
+        if (namespace == REF_NAMESPACE) != (kind == REF_KIND):
+            raise FormatError("ref records belong to the reserved namespace, and only they do")
+        if kind == REF_KIND:
+            target = meta["key"]
+            nl = key[0]
+            sl = key[1 + nl] if len(key) > 1 + nl else 0
+            if flags or not 1 <= nl <= 100 or not 1 <= sl <= 64 or len(key) != 2 + nl + sl + 16 \
+                    or key[2 + nl + sl :] != hashlib.blake2b(target, digest_size=16).digest():
+                raise FormatError("bad ref key")
     elif not rtype & IGNORABLE:
         raise FormatError(f"unknown record type {rtype}")
     if p + record_len > len(data):
@@ -260,6 +278,11 @@ def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
         rows = [min(rpe, n - s) for s in range(0, n, rpe)]
         out = [r * dim * np.dtype(DTYPES[dt][1]).itemsize for r in rows]
         return out + [r * 8 for r in rows] if meta["ids"] else out
+    if kind == REF_KIND:
+        t = meta.get("key")
+        if type(t) is not bytes or not 1 <= len(t) <= 400 or type(meta.get("key_str")) is not bool:
+            raise FormatError("ref metadata")
+        return []
     if kind == 3:
         if type(meta.get("size")) is not int or meta["size"] < 0 or not isinstance(meta.get("media_type"), str):
             raise FormatError("blob metadata")
@@ -275,6 +298,15 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
         raise FormatError("no segments")
     state: dict[tuple[bytes, bytes], Record] = {}
     files: dict[str, bytes] = {}
+    group: list[Record] | None = None
+    left = 0
+
+    def apply(r: Record) -> None:
+        if r.type == PUT:
+            state[(r.namespace, r.key)] = r
+        elif r.type == DELETE:
+            state.pop((r.namespace, r.key), None)
+
     lsn = None
     uuid = None
     for i, name in enumerate(names):
@@ -309,11 +341,24 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
                         raise FormatError(f"{name}@{p}: LSN {r.lsn}, expected {lsn}")
                     break
                 lsn += r.meta["count"] if r.type == HOLE else 1
-                if r.type == PUT:
-                    state[(r.namespace, r.key)] = r
-                elif r.type == DELETE:
-                    state.pop((r.namespace, r.key), None)
+                if r.type == GROUP:  # §7.7: the next `count` records apply together or not at all
+                    if group is not None:
+                        raise FormatError(f"{name}@{p}: a group inside a group")
+                    group, left = [], r.meta["count"]
+                elif group is not None:
+                    group.append(r)
+                    left -= 1
+                    if not left:
+                        for g in group:
+                            apply(g)
+                        group = None
+                else:
+                    apply(r)
             p = align_up(p + r.record_len, 8)
+        if group is not None:
+            if i != len(names) - 1:
+                raise FormatError(f"{name}: a sealed segment ends inside a group")
+            group = None  # a crash cut the group: none of it happened
     return state, files
 
 
@@ -342,6 +387,8 @@ def describe(store: str) -> list[dict[str, Any]]:
     state, files = scan(store)
     out = []
     for (ns, key), r in sorted(state.items()):
+        if ns.startswith(b"\x00"):
+            continue  # reserved for the engine (§5.4): references, not objects
         obj = decode(r, files[r.segment])
         item: dict[str, Any] = {"namespace": ns.decode(), "key": key.decode() if r.flags & 1 else "0x" + key.hex(),
                                 "kind": KINDS[r.kind], "lsn": r.lsn, "meta": r.meta.get("meta", {})}
@@ -357,6 +404,23 @@ def describe(store: str) -> list[dict[str, Any]]:
                 item["ids_crc32c"] = None if obj[1] is None else crc32c(obj[1].tobytes())
         out.append(item)
     return out
+
+
+def references(store: str) -> dict[tuple[str, str], list[str]]:
+    """SPEC.md §5.4: (namespace, key) -> the sessions holding a reference ("" is the anchor)."""
+    state, _ = scan(store)
+    out: dict[tuple[str, str], list[str]] = {}
+    for (ns, key), r in state.items():
+        if ns != REF_NAMESPACE:
+            continue
+        nl = key[0]
+        target_ns, session = key[1 : 1 + nl], key[2 + nl : 2 + nl + key[1 + nl]]
+        target = r.meta["key"]
+        if (target_ns, target) not in state:
+            raise FormatError(f"reference of session {session!r} on a missing object")
+        shown = target.decode() if r.meta["key_str"] else "0x" + target.hex()
+        out.setdefault((target_ns.decode(), shown), []).append("" if session == b"\x00" else session.decode())
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def main(argv: list[str]) -> int:

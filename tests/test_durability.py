@@ -199,6 +199,100 @@ def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
     print(f"\nkills: {kills}, keys tracked: {len(must)}, in-flight operations that landed: {landed_inflight}")
 
 
+def _chunk(key: str) -> bytes:
+    return f"{key}|".encode() * (50 + 997 * int(key[1:]))  # one content per key: repeat puts dedup
+
+
+def _session_writer(path: str, wfd: int, round_: int) -> None:
+    """The child: one thread of session puts, drops, deletes and compactions, acked on a pipe."""
+    store = tierstore.open(path, durability="sync", segment_bytes="256KiB", lock_timeout=5)
+    rnd = random.Random(round_)
+    for _ in range(10**9):
+        key, sess, r = f"c{rnd.randrange(6)}", f"s{rnd.randrange(4)}", rnd.random()
+        op = ("put", key, sess) if r < 0.6 else ("drop", "-", sess) if r < 0.8 else \
+            ("del", key, "-") if r < 0.95 else ("compact", "-", "-")
+        os.write(wfd, f"begin {' '.join(op)}\n".encode())
+        if op[0] == "put":
+            store.put(key, Blob(_chunk(key)), session=sess)
+        elif op[0] == "drop":
+            store.drop_session(sess)
+        elif op[0] == "del":
+            store.delete(key)
+        else:
+            store.compact()
+        os.write(wfd, f"ack {' '.join(op)}\n".encode())
+
+
+def _session_model(model: dict[str, set[str]], op: tuple[str, str, str]) -> dict[str, set[str]]:
+    """key -> sessions holding it, after ``op`` (SPEC.md §5.4; every put here has a session)."""
+    out = {k: set(v) for k, v in model.items()}
+    kind, key, sess = op
+    if kind == "put":
+        out.setdefault(key, set()).add(sess)
+    elif kind == "drop":
+        for k in [k for k, v in out.items() if sess in v]:
+            out[k].discard(sess)
+            if not out[k]:
+                del out[k]
+    elif kind == "del":
+        out.pop(key, None)
+    return out
+
+
+def test_sigkill_session_writer_keeps_reference_counts(tmp_path):
+    """Reference counts survive kill -9 (TIERSTORE_KILLS // 2 kills, default 100): after each, the
+    objects and their sessions are exactly the model after the acknowledged operations, or
+    after those plus the one in flight; no reference outlives its object, no object outlives
+    its last reference, every object's bytes are intact, and fsck is clean."""
+    path = str(tmp_path / "store")
+    kills = int(os.environ.get("TIERSTORE_KILLS", "200")) // 2
+    model: dict[str, set[str]] = {}
+    rnd = random.Random(11)
+    landed = ops_acked = 0
+    for round_ in range(kills):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            os.close(r)
+            try:
+                _session_writer(path, w, round_)
+            finally:
+                os._exit(0)
+        os.close(w)
+        time.sleep(rnd.uniform(0.005, 0.12))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        chunks = []
+        while data := os.read(r, 1 << 16):
+            chunks.append(data)
+        os.close(r)
+        inflight = None
+        for line in b"".join(chunks).decode().splitlines():
+            parts = line.split()
+            if len(parts) != 4:
+                continue  # the kill cut the last line
+            if parts[0] == "begin":
+                inflight = (parts[1], parts[2], parts[3])
+            else:
+                model = _session_model(model, inflight)
+                inflight = None
+                ops_acked += 1
+        with tierstore.open(path) as s:
+            seen = {k: {x.decode() for x in s._sessions_of(b"default", k.encode())} for k in s.keys()}
+            allowed = [model] + ([_session_model(model, inflight)] if inflight else [])
+            assert seen in allowed, (round_, inflight, seen, model)
+            landed += seen != model
+            model = seen
+            assert s._index.ref_count() == sum(len(v) for v in seen.values())
+            for k in seen:
+                assert s.get(k).data == _chunk(k)
+                assert set(seen[k]) and all(k in s.session_keys(x) for x in seen[k])
+            report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
+            assert report.ok, report.as_dict()
+    assert ops_acked >= kills
+    print(f"\nsession kills: {kills}, operations acknowledged: {ops_acked}, in-flight that landed: {landed}")
+
+
 def test_group_mode_flush_is_durable_across_kill(tmp_path):
     path = str(tmp_path / "store")
     src = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))

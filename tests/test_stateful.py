@@ -1,6 +1,6 @@
 """Model-based test: the Store against a plain dict, under random interleavings of put, get,
-partial get, delete, overwrite, reopen, compact and crash-and-recover (simulated power loss
-through tests/faultfs.py).  With durability="sync" every acknowledged operation survives a
+partial get, delete, overwrite, session puts and drops, reopen, compact and crash-and-recover
+(simulated power loss through tests/faultfs.py).  With durability="sync" every acknowledged operation survives a
 crash, so after recovery the store must equal the model exactly.
 
 TIERSTORE_STATEFUL_EXAMPLES scales the run (CI: 40 examples of up to 30 steps, derandomized).
@@ -37,6 +37,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.tmp = tempfile.mkdtemp(prefix="tierstore-stateful-")
         self.generation = 0
         self.model: dict[tuple[str, bytes], tuple] = {}
+        self.refs: dict[tuple[str, bytes], set[str]] = {}  # sessions per object ("" = the anchor), SPEC.md §5.4
         self._open(os.path.join(self.tmp, "s0"))
 
     def _open(self, root: str) -> None:
@@ -55,7 +56,7 @@ class StoreMachine(RuleBasedStateMachine):
         arr = np.random.default_rng(seed).standard_normal((layers, 2, 2, tokens, 8)).astype(dtype)
         note(f"put_kv {ns}/{key!r} {arr.shape} {dtype}")
         self.store.put(key, KVCache(arr, layer_start=start), namespace=ns)
-        self.model[(ns, _k(key))] = ("kv", arr, start)
+        self._put_model(ns, key, ("kv", arr, start), None)
 
     @rule(key=KEYS | BYTES_KEYS, ns=NAMESPACES, n=st.integers(1, 60), dim=st.integers(1, 24),
           with_ids=st.booleans(), seed=st.integers(0, 999))
@@ -65,15 +66,41 @@ class StoreMachine(RuleBasedStateMachine):
         ids = rng.integers(-(2**40), 2**40, n) if with_ids else None
         note(f"put_vectors {ns}/{key!r} {arr.shape} ids={with_ids}")
         self.store.put(key, Vectors(arr, ids=ids), namespace=ns)
-        self.model[(ns, _k(key))] = ("vectors", arr, ids)
+        self._put_model(ns, key, ("vectors", arr, ids), None)
 
     @rule(key=KEYS | BYTES_KEYS, ns=NAMESPACES, size=st.sampled_from([0, 1, 100, 4095, 4096, 9000]),
-          seed=st.integers(0, 255))
-    def put_blob(self, key, ns, size, seed):
+          seed=st.integers(0, 255), session=st.sampled_from([None, None, "s1", "s2"]))
+    def put_blob(self, key, ns, size, seed, session):
         data = bytes((seed + i) % 256 for i in range(size))
-        note(f"put_blob {ns}/{key!r} {size}")
-        self.store.put(key, Blob(data, media_type="x/y"), namespace=ns, meta={"seed": seed})
-        self.model[(ns, _k(key))] = ("blob", data, seed)
+        note(f"put_blob {ns}/{key!r} {size} session={session}")
+        self.store.put(key, Blob(data, media_type="x/y"), namespace=ns, meta={"seed": seed}, session=session)
+        self._put_model(ns, key, ("blob", data, seed), session)
+
+    def _put_model(self, ns, key, value, session) -> None:
+        k = (ns, _k(key))
+        existed = k in self.model
+        self.model[k] = value
+        refs = self.refs.setdefault(k, set())
+        if session is None:
+            if refs:
+                refs.add("")
+        else:
+            if existed and not refs:
+                refs.add("")
+            refs.add(session)
+        if not refs:
+            del self.refs[k]
+
+    @rule(session=st.sampled_from(["s1", "s2"]), ns=NAMESPACES)
+    def drop_session(self, session, ns):
+        note(f"drop_session {session} in {ns}")
+        gone = 0
+        for k in [k for k, r in self.refs.items() if k[0] == ns and session in r]:
+            self.refs[k].discard(session)
+            if not self.refs[k]:
+                del self.refs[k], self.model[k]
+                gone += 1
+        assert self.store.drop_session(session, namespace=ns) == gone
 
     @rule(key=KEYS | BYTES_KEYS, ns=NAMESPACES)
     def delete(self, key, ns):
@@ -81,6 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
         existed = self.store.delete(key, namespace=ns)
         assert existed == ((ns, _k(key)) in self.model)
         self.model.pop((ns, _k(key)), None)
+        self.refs.pop((ns, _k(key)), None)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -156,6 +184,12 @@ class StoreMachine(RuleBasedStateMachine):
         for ns in ("default", "tenant-b"):
             listed = sorted(_k(k) for k in self.store.keys(namespace=ns))
             assert listed == sorted(k for (n, k) in self.model if n == ns), ns
+            for sess in ("s1", "s2"):
+                got = sorted(_k(k) for k in self.store.session_keys(sess, namespace=ns))
+                assert got == sorted(k for (n, k), r in self.refs.items() if n == ns and sess in r), (ns, sess)
+        for (ns, k), r in self.refs.items():
+            got = {x.decode() if x != b"\x00" else "" for x in self.store._sessions_of(ns.encode(), k)}
+            assert got == r, (ns, k)
 
     def teardown(self) -> None:
         if not self.store.closed:

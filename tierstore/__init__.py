@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from .errors import (
+    AccessDenied,
     CorruptionError,
     FormatVersionError,
     InvalidObject,
@@ -29,13 +30,15 @@ from .errors import (
     TierstoreError,
 )
 from .objects import Blob, KVCache, ObjectInfo, Vectors
+from .prefix import chunk_hashes
+from .scoped import NamespaceHandle
 from .store import Store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "KVCache", "Vectors", "Blob", "ObjectInfo",
-    "TierstoreError", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
+    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes",
+    "TierstoreError", "AccessDenied", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
     "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
 ]
 

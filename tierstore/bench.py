@@ -537,11 +537,60 @@ def bench_blobs(root: str, *, n: int, peers: bool, say: Callable[..., None]) -> 
     return res
 
 
+def bench_prefix(root: str, *, sizes: tuple[int, ...], query: int, reps: int,
+                 say: Callable[..., None]) -> dict[str, Any]:
+    """match_prefix of ``query`` stored chunk hashes (a 256K-token context at 256 tokens a chunk),
+    in stores of several sizes, against the same lookups done with py-lmdb on a plain LMDB
+    environment holding the same keys (the raw-index baseline), in the same process."""
+    import lmdb
+
+    from .prefix import chunk_hashes
+    from .store import Store
+
+    out: dict[str, Any] = {"query_hashes": query, "stores": []}
+    for n in sizes:
+        d = os.path.join(root, f"p{n}")
+        hashes = chunk_hashes(np.arange(n * 4, dtype=np.int64), chunk_tokens=4, salt=f"bench{n}")
+        with Store(os.path.join(d, "ts"), durability="none") as s:
+            for h in hashes:
+                s.put(h, Blob(h), namespace="m")
+            s.flush()
+            env = lmdb.open(os.path.join(d, "raw"), map_size=1 << 32, lib_version=0)
+            with env.begin(write=True) as txn:
+                for h in hashes:
+                    txn.put(b"\x01m" + h, h)
+            q = hashes[n // 2 : n // 2 + query]  # stored, in the middle of the key space
+            ts_t, raw_t = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                matched = s.match_prefix(q, namespace="m")
+                ts_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                with env.begin() as txn:
+                    raw = 0
+                    for h in q:
+                        if txn.get(b"\x01m" + h) is None:
+                            break
+                        raw += 1
+                raw_t.append(time.perf_counter() - t0)
+            env.close()
+            assert matched == raw == len(q)
+            ts_us, raw_us = _median_ms(ts_t) * 1000 / len(q), _median_ms(raw_t) * 1000 / len(q)
+            out["stores"].append({"objects": n, "matched": matched, "us_per_hash": round(ts_us, 2),
+                                  "raw_lmdb_us_per_hash": round(raw_us, 2),
+                                  "ratio_vs_raw_lmdb": round(ts_us / raw_us, 2),
+                                  "ms_for_query": round(ts_us * len(q) / 1000, 3)})
+            say(f"  {n:,} objects: match_prefix of {len(q)} hashes {ts_us * len(q) / 1000:.2f} ms "
+                f"({ts_us:.2f} us/hash; raw LMDB gets {raw_us:.2f} us/hash)")
+        shutil.rmtree(d)
+    return out
+
+
 def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = True, out: str | None = None,
               quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
     say = (lambda *a: None) if quiet else print
     root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
-    sections = sections or ["chunk", "blobs"]
+    sections = sections or ["chunk", "blobs", "prefix"]
     result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
     try:
         if "chunk" in sections:
@@ -552,6 +601,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
         if "blobs" in sections:
             say("blobs: 4 KiB")
             result["blobs"] = bench_blobs(os.path.join(root, "blobs"), n=3000 if quick else 20000, peers=peers, say=say)
+        if "prefix" in sections:
+            say("prefix: match_prefix of 1,000 chunk hashes")
+            result["prefix"] = bench_prefix(os.path.join(root, "prefix"), query=1000, reps=5 if quick else 21,
+                                            sizes=(2000, 20000) if quick else (2000, 20000, 200000), say=say)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not quiet:
@@ -604,6 +657,14 @@ def markdown(result: dict[str, Any]) -> str:
         b = result["blobs"]
         lines += ["", f"4 KiB blobs, {b['n']} operations, ops/s:", "", "| measurement | ops/s |", "| --- | --- |"]
         lines += [f"| {k.removesuffix('_ops').replace('_', ' ')} | {v:,} |" for k, v in b.items() if k.endswith("_ops")]
+    if "prefix" in result:
+        p = result["prefix"]
+        lines += ["", f"match_prefix of {p['query_hashes']:,} stored chunk hashes (medians), against the same "
+                  "gets on a plain LMDB environment (py-lmdb, same process):", "",
+                  "| objects in the store | ms per query | us per hash | raw LMDB us per hash | ratio |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['objects']:,} | {r['ms_for_query']} | {r['us_per_hash']} | {r['raw_lmdb_us_per_hash']} | "
+                  f"{r['ratio_vs_raw_lmdb']}x |" for r in p["stores"]]
     return "\n".join(lines) + "\n"
 
 
@@ -627,6 +688,8 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"  skipped {k}: {why}")
     if "blobs" in result:
         print("\n4 KiB blobs (ops/s):", json.dumps({k: v for k, v in result["blobs"].items() if k.endswith("ops")}))
+    if "prefix" in result:
+        print("\nmatch_prefix:", json.dumps(result["prefix"]["stores"]))
 
 
 def plot(result: dict[str, Any], path: str) -> None:

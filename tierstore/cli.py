@@ -161,8 +161,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
             for r in sg.get("records", []):
                 if r["type"] == "pad":
                     continue
-                what = f"{r.get('namespace')}/{r.get('key')}"
-                extra = f" {r['kind']} {len(r['extents'])} extents" if r["type"] == "put" else ""
+                if r["type"] in ("group", "hole"):
+                    what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
+                elif "session" in r:
+                    what = f"{r['namespace']}/{r.get('key', r['ref_key'])}"
+                    extra = f" ref of session {r['session']}" if r["type"] == "put" else f" (session {r['session']})"
+                else:
+                    what = f"{r.get('namespace')}/{r.get('key')}"
+                    extra = f" {r['kind']} {len(r['extents'])} extents" if r["type"] == "put" else ""
                 print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
             if "end" in sg:
                 e = sg["end"]
@@ -273,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     sp.add_argument("--no-peers", action="store_true", help="skip safetensors / torch.save / h5py / LMDB")
     sp.add_argument("--out", default=None, help="write results.json and plots here")
-    sp.add_argument("--section", action="append", choices=["chunk", "blobs"], help="run only these sections")
+    sp.add_argument("--section", action="append", choices=["chunk", "blobs", "prefix"], help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
     sp.add_argument("path")

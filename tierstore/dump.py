@@ -23,10 +23,22 @@ def _key_text(key: bytes, flags: int) -> str:
 
 
 def describe_record(off: int, h: rec.RecordHeader) -> dict[str, Any]:
-    types = {fmt.REC_PUT: "put", fmt.REC_DELETE: "delete", fmt.REC_PAD: "pad"}
+    types = {fmt.REC_PUT: "put", fmt.REC_DELETE: "delete", fmt.REC_PAD: "pad", fmt.REC_HOLE: "hole",
+             fmt.REC_GROUP: "group"}
     out: dict[str, Any] = {"offset": off, "lsn": h.lsn, "type": types.get(h.type, f"unknown({h.type:#x})"),
                            "record_len": h.record_len, "header_len": h.header_len,
                            "header_crc": f"{h.header_crc:08x}"}
+    if h.type in (fmt.REC_GROUP, fmt.REC_HOLE):
+        out["count"] = h.meta["count"]
+    ref = rec.parse_ref_key(h.key) if h.namespace == fmt.REF_NAMESPACE else None
+    if ref is not None:  # a session's reference (SPEC.md §5.4): show what it points at
+        ns, session, _ = ref
+        out.update(namespace=ns.decode("utf-8", "replace"),
+                   session="(anchor)" if session == fmt.ANCHOR_SESSION else session.decode("utf-8", "replace"),
+                   ref_key="0x" + h.key.hex())
+        if h.type == fmt.REC_PUT:
+            out.update(kind="ref", key=_key_text(h.meta["key"], fmt.FLAG_KEY_STR if h.meta["key_str"] else 0))
+        return out
     if h.type in (fmt.REC_PUT, fmt.REC_DELETE):
         out.update(namespace=h.namespace.decode("utf-8", "replace"), key=_key_text(h.key, h.flags))
     if h.type == fmt.REC_PUT:

@@ -101,6 +101,12 @@ class InvalidObject(TierstoreError, ValueError):
     """Bad input: wrong shape or dtype, empty array, bad key/namespace, unknown option."""
 
 
+class AccessDenied(TierstoreError, PermissionError):
+    """A namespace-scoped handle named a namespace it was not granted (or wrote to a shared one)."""
+
+    hint = "use a handle of that namespace, or grant it with store.namespace(name, shared=[...])"
+
+
 class StoreFull(TierstoreError):
     """No space left: the disk returned ENOSPC, or a capacity limit was reached."""
 

@@ -19,7 +19,7 @@ RECORD_ALIGN = 8  # every record starts at a multiple of 8
 # --- SPEC.md §3 Segment header -----------------------------------------------------------
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: GROUP records, ref records (sessions); SPEC.md Changelog
 SEGMENT_HEADER_SIZE = PAGE
 # magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
 # base_lsn, created_ns, creator, header_crc
@@ -48,6 +48,8 @@ REC_DELETE = 2
 REC_PAD = 3
 REC_HOLE = 4  # written by repair: LSNs [lsn, lsn + count) were lost to damage (bytes quarantined)
 REC_TYPE_IGNORABLE = 0x8000  # an unknown type with this bit set may be skipped
+REC_GROUP = 0x8005  # 1.1: the next ``count`` records form one atomic group (ignorable for 1.0 readers)
+GROUP_MAX = 4096  # records in one group
 RETIRED_RECORD_TYPES: tuple[int, ...] = ()
 
 # Record flags (u16).
@@ -59,7 +61,9 @@ KIND_NONE = 0  # DELETE and PAD records
 KIND_KV = 1
 KIND_VECTORS = 2
 KIND_BLOB = 3
-KIND_NAMES = {KIND_KV: "kv", KIND_VECTORS: "vectors", KIND_BLOB: "blob"}
+KIND_REF = 4  # 1.1: a session's reference to an object; only in REF_NAMESPACE
+KIND_NAMES = {KIND_KV: "kv", KIND_VECTORS: "vectors", KIND_BLOB: "blob", KIND_REF: "ref"}
+OBJECT_KINDS = (KIND_KV, KIND_VECTORS, KIND_BLOB)
 RETIRED_KINDS: tuple[int, ...] = ()
 
 # Payload alignment (log2) a v1 writer uses; a reader accepts any value in the range.
@@ -108,6 +112,19 @@ META_MAX_BYTES = 1 << 20  # the msgpack metadata block of one record
 HEADER_MAX_BYTES = 2 << 20  # a whole record header (fixed part + key + meta + extents)
 MAX_EXTENTS = 1 << 16
 MAX_RANK = 8
+
+# --- SPEC.md §5.4 Session references ------------------------------------------------------
+# Namespaces whose first byte is 0x00 are reserved for the engine (user namespaces cannot
+# contain control characters).  Ref keys: ns_len:u8 ns session_len:u8 session blake2b-128(key).
+REF_NAMESPACE = b"\x00ref"
+SESSION_MAX_BYTES = 64
+ANCHOR_SESSION = b"\x00"  # the reference of "put without a session" on an object sessions also hold
+REF_KEY_HASH_BYTES = 16
+
+# --- SPEC.md §13 Chunk hashes ------------------------------------------------------------
+CHUNK_HASH_DOMAIN = b"tierstore/chunk/v1"
+CHUNK_HASH_BYTES = 32  # SHA-256
+CHUNK_TOKEN_MAX = (1 << 32) - 1  # token ids are encoded as u32le
 
 # --- SPEC.md §9 Index --------------------------------------------------------------------
 LMDB_LIB_VERSION = 0  # py-lmdb engine: LMDB 0.9.x, data format v1

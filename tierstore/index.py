@@ -11,10 +11,11 @@ process, so handles share it through ``Index.open`` (reference counted).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -128,6 +129,10 @@ class Index:
         self.objects = env.open_db(b"objects", create=False) if not writable else env.open_db(b"objects")
         self.meta = env.open_db(b"meta") if writable else env.open_db(b"meta", create=False)
         self.segments = env.open_db(b"segments") if writable else env.open_db(b"segments", create=False)
+        try:  # session references (format 1.1); a 1.0 index opened read-only has none
+            self.refs: Any = env.open_db(b"refs") if writable else env.open_db(b"refs", create=False)
+        except lmdb.NotFoundError:
+            self.refs = None
         self.closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -219,8 +224,17 @@ class Index:
             return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in txn.cursor(db=self.segments)}
 
     def count(self) -> int:
+        """Objects indexed (session references not counted)."""
         with self._read_txn() as txn, _reading(self.path):
-            return txn.stat(self.objects)["entries"]
+            return txn.stat(self.objects)["entries"] - self._ref_count(txn)
+
+    def ref_count(self) -> int:
+        """Session references indexed."""
+        with self._read_txn() as txn, _reading(self.path):
+            return self._ref_count(txn)
+
+    def _ref_count(self, txn: lmdb.Transaction) -> int:
+        return 0 if self.refs is None else txn.stat(self.refs)["entries"]
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -283,9 +297,23 @@ class Index:
                     deltas[op.segment] = deltas.get(op.segment, 0) + op.record_len
                     if old is not None:
                         txn.delete(ik, db=self.objects)
+                if op.namespace == fmt.REF_NAMESPACE:
+                    self._apply_ref(txn, op)
             self._add_dead(txn, deltas)
             txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
         self._write(fn, durable=durable)
+
+    def _apply_ref(self, txn: lmdb.Transaction, op: Op) -> None:
+        """Keep the derived ``refs`` table (target -> sessions) in step with ref records."""
+        parsed = rec.parse_ref_key(op.key)
+        if parsed is None:
+            raise CorruptionError("bad ref key in the log", segment=op.segment, offset=op.offset)
+        ns, session, digest = parsed
+        rk = bytes((len(ns),)) + ns + digest + session
+        if op.location is not None:
+            txn.put(rk, b"", db=self.refs)
+        else:
+            txn.delete(rk, db=self.refs)
 
     def _add_dead(self, txn: lmdb.Transaction, deltas: dict[int, int]) -> None:
         for seg, d in deltas.items():
@@ -336,14 +364,34 @@ class ReadView:
             raise CorruptionError("index has no valid applied position", path=self.index.path)
         return Applied(*_APPLIED.unpack(v))
 
+    def prefix_run(self, namespace: bytes, keys: Iterable[bytes], pending: dict[bytes, bool]) -> int:
+        """How many leading ``keys`` exist in ``namespace``; ``pending`` (key -> exists) overrides
+        the snapshot for records not yet applied.  One LMDB get per key, no decoding."""
+        prefix = bytes((len(namespace),)) + namespace
+        get, db = self.txn.get, self.index.objects
+        n = 0
+        with _reading(self.index.path):
+            for k in keys:
+                live = pending.get(k) if pending else None
+                if not (get(prefix + k, db=db) is not None if live is None else live):
+                    break
+                n += 1
+        return n
+
+    def contains(self, namespace: bytes, key: bytes) -> bool:
+        with _reading(self.index.path):
+            return self.txn.get(index_key(namespace, key), db=self.index.objects) is not None
+
     def get(self, namespace: bytes, key: bytes) -> Location | None:
         with _reading(self.index.path):
             v = self.txn.get(index_key(namespace, key), db=self.index.objects)
         return None if v is None else decode_location(v, namespace, key)
 
-    def keys(self, namespace: bytes) -> Iterator[tuple[bytes, int]]:
-        """(key, flags) of every object in ``namespace``, in key order."""
-        prefix = index_key(namespace, b"")
+    def keys(self, namespace: bytes, prefix: bytes = b"") -> Iterator[tuple[bytes, int]]:
+        """(key, flags) of every object in ``namespace`` (whose key starts with ``prefix``), in
+        key order."""
+        strip = len(index_key(namespace, b""))
+        prefix = index_key(namespace, prefix)
         with _reading(self.index.path):
             cur = self.txn.cursor(db=self.index.objects)
             if not cur.set_range(prefix):
@@ -352,7 +400,32 @@ class ReadView:
                 if not k.startswith(prefix):
                     return
                 flags = struct.unpack_from("<H", v, _LOC.size + 10)[0]
-                yield k[len(prefix) :], flags
+                yield k[strip:], flags
+
+    def sessions_of(self, namespace: bytes, key: bytes) -> list[bytes]:
+        """The sessions holding a reference on (namespace, key), from the derived refs table."""
+        if self.index.refs is None:
+            return []
+        prefix = (bytes((len(namespace),)) + namespace
+                  + hashlib.blake2b(key, digest_size=fmt.REF_KEY_HASH_BYTES).digest())
+        out = []
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.index.refs)
+            if cur.set_range(prefix):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(prefix):
+                        break
+                    out.append(k[len(prefix) :])
+        return out
+
+    def session_refs(self, namespace: bytes, session: bytes) -> list[tuple[bytes, bytes]]:
+        """(ref key, target key) of every reference ``session`` holds in ``namespace``."""
+        out = []
+        for rk, _flags in self.keys(fmt.REF_NAMESPACE, prefix=rec.ref_prefix(namespace, session)):
+            loc = self.get(fmt.REF_NAMESPACE, rk)
+            if loc is not None:
+                out.append((rk, loc.header.meta["key"]))
+        return out
 
     def namespaces(self) -> list[bytes]:
         out = []
@@ -362,7 +435,8 @@ class ReadView:
             while ok:
                 k = cur.key()
                 ns = k[1 : 1 + k[0]]
-                out.append(ns)
+                if not ns.startswith(b"\x00"):  # reserved for the engine (SPEC.md §5.4)
+                    out.append(ns)
                 # jump past this namespace: next key with a greater (len, ns) prefix
                 ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
         return out

@@ -158,3 +158,4 @@ class ObjectInfo:
     media_type: str | None = None
     has_ids: bool | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    sessions: tuple[str, ...] = ()  # sessions holding a reference on it (SPEC.md §5.4)

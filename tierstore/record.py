@@ -15,6 +15,7 @@ exact integer arithmetic.  It does no I/O and knows nothing about files or the i
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -250,6 +251,51 @@ def encode_delete(namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
     return EncodedRecord(header)
 
 
+def encode_group(count: int) -> EncodedRecord:
+    """Frame a GROUP record: the next ``count`` records are one atomic unit (SPEC.md §7.7)."""
+    if not 1 <= count <= fmt.GROUP_MAX:
+        raise ValueError(f"a group holds 1 to {fmt.GROUP_MAX} records")
+    meta = {"count": count}
+    meta_bytes = pack_meta(meta)
+    n = header_length(b"", b"", meta_bytes, 0)
+    raw = _pack_header(fmt.REC_GROUP, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
+                       b"", b"", meta_bytes, b"", 0, checksum=False)
+    header = RecordHeader(fmt.REC_GROUP, 0, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          b"", b"", meta, (), (), 0, raw, ())
+    return EncodedRecord(header)
+
+
+def ref_key(namespace: bytes, session: bytes, key: bytes) -> bytes:
+    """The key of the ref record of ``session`` on (namespace, key) (SPEC.md §5.4)."""
+    return (bytes((len(namespace),)) + namespace + bytes((len(session),)) + session
+            + hashlib.blake2b(key, digest_size=fmt.REF_KEY_HASH_BYTES).digest())
+
+
+def ref_prefix(namespace: bytes, session: bytes | None = None) -> bytes:
+    """Leading bytes shared by the ref keys of a namespace (and session)."""
+    p = bytes((len(namespace),)) + namespace
+    return p if session is None else p + bytes((len(session),)) + session
+
+
+def parse_ref_key(k: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(namespace, session, key hash) of a ref key, or None if it is not one."""
+    if len(k) < 2:
+        return None
+    nl = k[0]
+    if not 1 <= nl <= fmt.NAMESPACE_MAX_BYTES or len(k) < 2 + nl:
+        return None
+    sl = k[1 + nl]
+    if not 1 <= sl <= fmt.SESSION_MAX_BYTES or len(k) != 2 + nl + sl + fmt.REF_KEY_HASH_BYTES:
+        return None
+    return k[1 : 1 + nl], k[2 + nl : 2 + nl + sl], k[2 + nl + sl :]
+
+
+def encode_ref(namespace: bytes, session: bytes, key: bytes, key_is_str: bool) -> EncodedRecord:
+    """Frame the PUT of a ref record: ``session`` holds a reference on (namespace, key)."""
+    return encode_put(fmt.REF_NAMESPACE, ref_key(namespace, session, key), 0, fmt.KIND_REF,
+                      {"key": key, "key_str": key_is_str}, (), fmt.ALIGN_INLINE_LOG2)
+
+
 def lsn_span(h: RecordHeader) -> int:
     """How many LSNs a record accounts for: 0 for PAD, ``count`` for HOLE, 1 otherwise."""
     if h.type == fmt.REC_PAD:
@@ -399,6 +445,12 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
                 or not 1 <= count < 2**32):
             raise CorruptionError("bad HOLE record", **where)
         return
+    if h.type == fmt.REC_GROUP:
+        count = h.meta.get("count")
+        if (h.kind or h.namespace or h.key or h.extent_lengths or not h.lsn or h.record_len != h.header_len
+                or type(count) is not int or not 1 <= count <= fmt.GROUP_MAX):
+            raise CorruptionError("bad GROUP record", **where)
+        return
     if h.type & fmt.REC_TYPE_IGNORABLE:
         return  # unknown but ignorable: framing is all a v1 reader checks
     if not 1 <= len(h.namespace) <= fmt.NAMESPACE_MAX_BYTES or not 1 <= len(h.key) <= fmt.KEY_MAX_BYTES:
@@ -411,6 +463,15 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
         return
     if h.codec not in fmt.CODEC_NAMES:
         raise CorruptionError(f"unknown codec id {h.codec}", **where)
+    if (h.namespace == fmt.REF_NAMESPACE) != (h.kind == fmt.KIND_REF):
+        raise CorruptionError("ref records live in the reserved ref namespace, and only they do", **where)
+    if h.kind == fmt.KIND_REF:
+        target = h.meta.get("key")
+        parsed = parse_ref_key(h.key)
+        if (type(target) is not bytes or not 1 <= len(target) <= fmt.KEY_MAX_BYTES or parsed is None
+                or type(h.meta.get("key_str")) is not bool or h.flags
+                or parsed[2] != hashlib.blake2b(target, digest_size=fmt.REF_KEY_HASH_BYTES).digest()):
+            raise CorruptionError("bad ref record", **where)
     expected = expected_extent_lengths(h.kind, h.meta, **where)
     if tuple(expected) != h.extent_lengths:
         raise CorruptionError("extent lengths do not match the object's metadata", **where)
@@ -562,4 +623,6 @@ def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> li
         if not 0 <= size <= INT64_MAX:
             raise CorruptionError("bad blob size", **where)
         return [size]
+    if kind == fmt.KIND_REF:
+        return []
     raise CorruptionError(f"unknown object kind {kind}", **where)

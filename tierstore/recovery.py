@@ -65,6 +65,14 @@ class LogScan:
     bytes_scanned: int = 0
 
 
+@dataclass
+class _Group:
+    offset: int
+    header: rec.RecordHeader
+    left: int  # records still to come
+    ops: list[Op]
+
+
 def _op(seg: int, off: int, hdr: rec.RecordHeader) -> Op | None:
     """The index operation of a PUT or DELETE record (None for records that change nothing)."""
     if hdr.type == fmt.REC_PUT:
@@ -226,15 +234,38 @@ class _LogScanner:
             size = io.size(fd)
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
                                             verify_payload=is_last or self.verify_sealed, size=size)
+            group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
             while True:
                 for off, hdr in scanner.records():
+                    if hdr.type == fmt.REC_GROUP:
+                        if group is not None:  # never written: the open group is incomplete, apply none of it
+                            self._incomplete_group(fd, seg, path, group, "a group inside a group")
+                        group = _Group(off, hdr, hdr.meta["count"], [])
+                        continue
                     op = _op(seg, off, hdr)
-                    if op is not None:
+                    if group is not None:
+                        if op is not None:
+                            group.ops.append(op)
+                        group.left -= 1
+                        if group.left:
+                            continue
+                        r.ops.extend(group.ops)  # complete: all of it
+                        group = None
+                    elif op is not None:
                         r.ops.append(op)
                     if hdr.type != fmt.REC_HOLE:  # an applied position names a record with its own LSN
                         r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
                 stop = scanner.stop
                 assert stop is not None
+                if group is not None and (stop.reason == "end" or is_last):
+                    if is_last:  # a crash interrupted the group: the log ends where it began
+                        stop = seglib.ScanStop(group.offset, "torn", f"incomplete group ({group.left} of "
+                                               f"{group.header.meta['count']} records missing)",
+                                               valid_after=stop.reason != "end" and stop.valid_after)
+                        scanner.expect_lsn = group.header.lsn
+                        break
+                    self._incomplete_group(fd, seg, path, group, "incomplete group at the end of a sealed segment")
+                    group = None
                 if stop.reason == "end" or (is_last and not (self.repair and stop.valid_after)):
                     break  # the end of the log (a torn tail of the last segment is cut below)
                 # damage inside the log: corruption, or (repairing) quarantine it and go on
@@ -288,6 +319,15 @@ class _LogScanner:
         finally:
             if fd >= 0:
                 io.close(fd)
+
+    def _incomplete_group(self, fd: int, seg: int, path: str, group: "_Group", why: str) -> None:
+        """Damage, not a crash (a writer never leaves a group open mid-log): without repair,
+        CorruptionError; a repair replaces the GROUP record with a HOLE of one LSN (same
+        length), so the records that survive apply one by one, and reports it."""
+        g = group.header
+        self._sealed_damage(fd, seg, path, group.offset, None, why)
+        self._rewrite(fd, group.offset, group.offset + g.record_len, g.lsn, 1, None)
+        self.result.ops.extend(group.ops)
 
     def _rewrite(self, fd: int, start: int, end: int, lsn: int, count: int, bad: rec.RecordHeader | None) -> None:
         """Repair: replace quarantined bytes [start, end) so the log reads clean again and keeps
@@ -555,6 +595,7 @@ class Finding:
 class Report:
     findings: list[Finding] = field(default_factory=list)
     objects: int = 0
+    references: int = 0
     segments: int = 0
     bytes_verified: int = 0
 
@@ -566,7 +607,7 @@ class Report:
         self.findings.append(Finding("error", what, **where))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "objects": self.objects, "segments": self.segments,
+        return {"ok": self.ok, "objects": self.objects, "references": self.references, "segments": self.segments,
                 "bytes_verified": self.bytes_verified, "findings": [f.as_dict() for f in self.findings]}
 
 
@@ -601,6 +642,9 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         with index.read() as view:
             applied = view.applied()
             indexed = _check_index_to_log(io, view, fds, report, progress)
+            if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
+                report.error(f"the index's refs table holds {view.txn.stat(index.refs)['entries']} entries for "
+                             f"{report.references} references")
         _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):
@@ -630,7 +674,10 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
             report.error(f"bad index entry: {e.message}", namespace=_ns(ns), key=key)
             continue
         indexed[(ns, key)] = loc
-        report.objects += 1
+        if ns == fmt.REF_NAMESPACE:
+            _check_reference(view, key, loc, report)
+        else:
+            report.objects += 1
         shown = key.decode("utf-8", "replace") if loc.header.key_is_str else key
         where = {"segment": loc.segment, "offset": loc.offset, "namespace": _ns(ns), "key": shown}
         fd = fds.get(loc.segment)
@@ -648,6 +695,19 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
             if progress is not None:
                 progress(sum(loc.header.extent_lengths))
     return indexed
+
+
+def _check_reference(view: Any, key: bytes, loc: Location, report: Report) -> None:
+    """A session reference (SPEC.md §5.4) points at a live object and is in the derived refs table."""
+    report.references += 1
+    ns, session, digest = rec.parse_ref_key(key) or (b"", b"", b"")  # decode_location validated it
+    target = loc.header.meta["key"]
+    where = {"namespace": _ns(ns), "key": target, "segment": loc.segment, "offset": loc.offset}
+    if not view.contains(ns, target):
+        report.error(f"session {_ns(session)!r} holds a reference on a missing object", **where)
+    refs = view.index.refs
+    if refs is None or view.txn.get(bytes((len(ns),)) + ns + digest + session, db=refs) is None:
+        report.error("reference missing from the index's refs table", **where)
 
 
 def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[int, int], applied: Applied,

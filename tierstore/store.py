@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import arrays, recovery
 from . import block as blk
@@ -47,6 +47,9 @@ from .errors import (
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
 from .objects import Blob, KVCache, ObjectInfo, Vectors
+
+if TYPE_CHECKING:
+    from .scoped import NamespaceHandle
 
 DURABILITY = ("sync", "group", "none")
 
@@ -131,16 +134,23 @@ def _check_namespace(namespace: Any) -> bytes:
     b = namespace.encode("utf-8")
     if not 1 <= len(b) <= fmt.NAMESPACE_MAX_BYTES:
         raise InvalidObject(f"namespace must be 1 to {fmt.NAMESPACE_MAX_BYTES} bytes of UTF-8, got {len(b)}")
-    if any(c < 0x20 or c == 0x7F for c in b) or "/" in namespace or "\\" in namespace or namespace in (".", ".."):
+    if _bad_text(namespace):
         raise InvalidObject(f"namespace {namespace!r} contains a control character, a path separator, or is . / ..")
     return b
+
+
+def _bad_text(text: str) -> bool:
+    """Control characters (NUL included), path separators, or a name that is . or .."""
+    return (any(ord(c) < 0x20 or ord(c) == 0x7F for c in text) or "/" in text or "\\" in text
+            or text in (".", ".."))
 
 
 def _encode_key(key: Any) -> tuple[bytes, int]:
     if isinstance(key, str):
         b, flags = key.encode("utf-8"), fmt.FLAG_KEY_STR
-        if "\x00" in key:
-            raise InvalidObject("str keys must not contain NUL")
+        if _bad_text(key):
+            raise InvalidObject(f"str key {key!r} contains a control character (NUL included) or a path separator, "
+                                "or is . / ..", hint="bytes keys are opaque and may hold any byte")
     elif isinstance(key, (bytes, bytearray, memoryview)):
         b, flags = bytes(key), 0
     else:
@@ -149,6 +159,22 @@ def _encode_key(key: Any) -> tuple[bytes, int]:
         raise InvalidObject(f"key must be 1 to {fmt.KEY_MAX_BYTES} bytes, got {len(b)}",
                             hint="hash long identifiers (e.g. hashlib.sha256(x).digest())")
     return b, flags
+
+
+def _encode_session(session: Any) -> bytes:
+    if not isinstance(session, str):
+        raise InvalidObject(f"session must be a str, got {type(session).__name__}")
+    b = session.encode("utf-8")
+    if _bad_text(session) or not 1 <= len(b) <= fmt.SESSION_MAX_BYTES:
+        raise InvalidObject(f"session id {session!r} must be 1 to {fmt.SESSION_MAX_BYTES} bytes of UTF-8 without "
+                            "control characters or path separators, and not . / ..")
+    return b
+
+
+def _same_object(a: rec.RecordHeader, b: rec.RecordHeader) -> bool:
+    """Same stored bytes: kind, codec, key flags, metadata, extent lengths and checksums."""
+    return (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags and a.meta == b.meta
+            and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
 
 
 def _decode_key(b: bytes, flags: int) -> str | bytes:
@@ -235,6 +261,7 @@ class Store:
         self._index: Index | None = None
         self._log: seglib.Log | None = None
         self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
+        self._refs_seen = False  # the store holds (or held) session references: puts must consult them
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
         self._oldest_pending: float | None = None
@@ -245,7 +272,7 @@ class Store:
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0,
-                          "index_commits": 0, "syncs": 0}
+                          "index_commits": 0, "syncs": 0, "dedup_puts": 0}
         self.recovery: dict[str, Any] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                         thread_name_prefix="tierstore-io")
@@ -308,6 +335,7 @@ class Store:
             return
         if scan.ops:
             self._index.apply(scan.ops, scan.last, durable=True)
+        self._refs_seen = self._index.ref_count() > 0
         self._drop_dead_segments(keep=scan.active)
         self._log = seglib.Log(io, self._seg_dir, self._store_uuid, active=scan.active, tail=scan.tail,
                                next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
@@ -449,7 +477,7 @@ class Store:
     # -- writing ----------------------------------------------------------------------------
 
     def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
-            meta: dict[str, Any] | None = None) -> None:
+            meta: dict[str, Any] | None = None, session: str | None = None) -> None:
         """Store ``obj`` under ``key`` in ``namespace``, replacing any previous object.
 
         With durability="sync" the object survives a crash or power loss once put returns;
@@ -458,20 +486,41 @@ class Store:
         processes see it once the index batch commits (``index_commit_ms``) or after ``flush()``.
 
         ``meta`` is an optional dict of str -> (str, bytes, int, float, bool, None, list,
-        dict) stored with the object and returned by ``info``.  Raises InvalidObject on bad
-        input (nothing is written), ReadOnlyError, StoreFull, StoreIOError.
+        dict) stored with the object and returned by ``info``.
+
+        ``session`` tags the object with a session id: the session holds a reference on it
+        (``session_keys``, ``drop_session``).  If the key already holds the same object
+        (same metadata, extent lengths and checksums) only the reference is recorded: no second
+        copy of the bytes is written.  A new object and its reference are written as one
+        atomic group.  A put without ``session`` leaves existing references as they are.
+
+        Raises InvalidObject on bad input (nothing is written), ReadOnlyError, StoreFull,
+        StoreIOError.
         """
         log = self._check_writable()
         ns = _encode_namespace(namespace)
         k, kflags = _encode_key(key)
+        sess = _encode_session(session) if session is not None else None
         user_meta = rec.check_user_meta(meta) if meta is not None else None
         block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
         record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2)
-        with self._write_lock:
-            where = log.append(record, self._on_written)
         counters = self._counters
+        with self._write_lock:
+            if sess is None and not self._refs_seen:
+                records = [record]
+                where = log.append(record, self._on_written)
+            else:
+                records = self._put_records(ns, k, kflags, record, sess)
+                if records:
+                    where = log.append_group(records, self._on_written)[-1]
+                else:  # already stored and referenced: make sure it is durable, as a put would
+                    cur = self._lookup(ns, k)
+                    assert cur is not None
+                    where = seglib.Appended(cur.segment, cur.offset, cur.header.lsn,
+                                            cur.offset + cur.header.record_len)
         counters["puts"] += 1
-        counters["bytes_written"] += record.header.record_len
+        counters["dedup_puts"] += all(r is not record for r in records)
+        counters["bytes_written"] += sum(r.header.record_len for r in records)
         self._after_write(log, where)
 
     def delete(self, key: str | bytes, *, namespace: str = "default") -> bool:
@@ -485,10 +534,144 @@ class Store:
         with self._write_lock:
             if self._lookup(ns, k) is None:
                 return False
-            where = log.append(rec.encode_delete(ns, k, kflags), self._on_written)
+            records = [rec.encode_delete(ns, k, kflags)]
+            if self._refs_seen:  # the references go with the object, atomically
+                records += [rec.encode_delete(fmt.REF_NAMESPACE, rec.ref_key(ns, s, k), 0)
+                            for s in self._sessions_of(ns, k)]
+            where = log.append_group(records, self._on_written)[-1]
         self._counters["deletes"] += 1
         self._after_write(log, where)
         return True
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def _put_records(self, ns: bytes, k: bytes, kflags: int, record: rec.EncodedRecord,
+                     sess: bytes | None) -> list[rec.EncodedRecord]:
+        """What a put writes once references are involved (SPEC.md §5.4); caller holds the write lock.
+
+        An object with references is deleted when its last one goes; the anchor reference
+        (session id 0x00) stands for "also put without a session", which no session drop removes.
+        """
+        cur = self._lookup(ns, k)
+        refs = set(self._sessions_of(ns, k)) if cur is not None else set()
+        out = []
+        if cur is None or not _same_object(cur.header, record.header):
+            out.append(record)
+        if sess is None:
+            if refs and fmt.ANCHOR_SESSION not in refs:
+                out.append(rec.encode_ref(ns, fmt.ANCHOR_SESSION, k, bool(kflags)))
+            return out
+        if cur is not None and not refs:  # it was put without a session: keep it when sessions go
+            out.append(rec.encode_ref(ns, fmt.ANCHOR_SESSION, k, bool(kflags)))
+        if sess not in refs:
+            out.append(rec.encode_ref(ns, sess, k, bool(kflags)))
+        self._refs_seen = True
+        return out
+
+    def _memtable(self, ns: bytes, prefix: bytes = b"") -> dict[bytes, Op]:
+        """Unapplied records of namespace ``ns`` whose key starts with ``prefix``.  Take it
+        *before* the index snapshot (as ``_lookup`` does): the committer deletes entries once
+        applied, so an entry missing here is in any snapshot taken after."""
+        with self._pending_lock:
+            return {k: m for (n, k), m in self._mem.items() if n == ns and k.startswith(prefix)}
+
+    def _sessions_of(self, ns: bytes, k: bytes) -> list[bytes]:
+        """Sessions holding a reference on (ns, k): the index, then the memtable."""
+        assert self._index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
+        with self._index.read() as view:
+            applied = view.applied().lsn
+            sessions = set(view.sessions_of(ns, k))
+        for rk, m in pending.items():
+            if m.lsn <= applied:
+                continue
+            parsed = rec.parse_ref_key(rk)
+            if parsed is not None and rk == rec.ref_key(ns, parsed[1], k):
+                (sessions.add if m.location is not None else sessions.discard)(parsed[1])
+        return sorted(sessions)
+
+    def _session_refs(self, ns: bytes, sess: bytes) -> dict[bytes, bytes]:
+        """ref key -> target key of every reference ``sess`` holds in ``ns``."""
+        assert self._index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns, sess))
+        with self._index.read() as view:
+            applied = view.applied().lsn
+            refs = dict(view.session_refs(ns, sess))
+        for rk, m in pending.items():
+            parsed = rec.parse_ref_key(rk)
+            if m.lsn <= applied or parsed is None or parsed[1] != sess:
+                continue
+            if m.location is not None:
+                refs[rk] = m.location.header.meta["key"]
+            else:
+                refs.pop(rk, None)
+        return refs
+
+    def session_keys(self, session: str, *, namespace: str = "default") -> list[str | bytes]:
+        """Keys in ``namespace`` that ``session`` holds a reference on, sorted like ``keys``."""
+        self._check_open()
+        ns = _encode_namespace(namespace)
+        sess = _encode_session(session)
+        out = []
+        for target in self._session_refs(ns, sess).values():
+            loc = self._lookup(ns, target)
+            if loc is not None:
+                out.append((target, loc.header.flags))
+        return [_decode_key(k, flags) for k, flags in sorted(out)]
+
+    def drop_session(self, session: str, *, namespace: str = "default") -> int:
+        """Release every reference ``session`` holds in ``namespace`` and delete the objects
+        that nothing else references: no other session, and never put without a session.
+
+        Atomic per object (an object and its references change in one group; up to
+        4096 records per group): after a crash each object is either kept with its
+        references or gone with them, and calling ``drop_session`` again finishes the job.
+        Returns how many objects were deleted.  Durability follows the store's mode.
+        """
+        log = self._check_writable()
+        ns = _encode_namespace(namespace)
+        sess = _encode_session(session)
+        deleted = 0
+        where = None
+        with self._write_lock:
+            batch: list[rec.EncodedRecord] = []
+            for rk, target in sorted(self._session_refs(ns, sess).items()):
+                unit = [rec.encode_delete(fmt.REF_NAMESPACE, rk, 0)]
+                loc = self._lookup(ns, target)
+                if loc is not None and set(self._sessions_of(ns, target)) <= {sess}:
+                    unit.insert(0, rec.encode_delete(ns, target, loc.header.flags & fmt.FLAG_KEY_STR))
+                    deleted += 1
+                if len(batch) + len(unit) > fmt.GROUP_MAX:
+                    where = log.append_group(batch, self._on_written)[-1]
+                    batch = []
+                batch += unit
+            if batch:
+                where = log.append_group(batch, self._on_written)[-1]
+        self._counters["deletes"] += deleted
+        if where is not None:
+            self._after_write(log, where)
+        return deleted
+
+    def match_prefix(self, hashes: Any, *, namespace: str = "default") -> int:
+        """How many leading ``hashes`` (keys, e.g. from ``chunk_hashes``) are stored in
+        ``namespace``: the length of the longest stored prefix.  Costs one index lookup per
+        matched hash (plus one for the first miss), whatever the size of the store."""
+        self._check_open()
+        ns = _encode_namespace(namespace)
+        assert self._index is not None
+        keys = (h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else _encode_key(h)[0] for h in hashes)
+        mem = self._memtable(ns)  # before the snapshot (see _memtable)
+        with self._index.read() as view:
+            applied = view.applied().lsn
+            pending = {k: m.location is not None for k, m in mem.items() if m.lsn > applied}
+            return view.prefix_run(ns, keys, pending)
+
+    def namespace(self, name: str, *, shared: Any = (), readonly: bool = False) -> "NamespaceHandle":
+        """A handle scoped to namespace ``name`` (a tenant's view): it reads and writes ``name``,
+        reads the ``shared`` namespaces, and cannot name any other (``AccessDenied``)."""
+        from .scoped import NamespaceHandle
+        self._check_open()
+        return NamespaceHandle(self, name, shared=shared, readonly=readonly or self.readonly)
 
     def _on_written(self, where: seglib.Appended, hdr: rec.RecordHeader) -> None:
         """Runs under the log's append lock, in LSN order."""
@@ -694,14 +877,16 @@ class Store:
         with self._pending_lock:
             pending = list(self._mem.items())
         for (ns, _), m in pending:
-            if m.location is not None:
+            if m.location is not None and not ns.startswith(b"\x00"):
                 names.add(ns)
         return sorted(n.decode("utf-8") for n in names if self.keys(namespace=n.decode("utf-8")))
 
     def info(self, key: str | bytes, *, namespace: str = "default") -> ObjectInfo:
         """Describe a stored object without reading its payload."""
-        _, _, loc = self._locate(key, namespace)
+        ns, k, loc = self._locate(key, namespace)
         h = loc.header
+        sessions = tuple(x.decode("utf-8", "replace") for x in self._sessions_of(ns, k)
+                         if x != fmt.ANCHOR_SESSION) if self._refs_seen or self.readonly else ()
         meta = h.meta
         kind = fmt.KIND_NAMES[h.kind]
         dtype = fmt.DTYPES[meta["dtype"]][0] if "dtype" in meta else None
@@ -713,6 +898,7 @@ class Store:
             lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
             metric=meta.get("metric"), media_type=meta.get("media_type"),
             has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),
+            sessions=sessions,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -735,6 +921,7 @@ class Store:
             "readonly": self.readonly,
             "durability": self.durability,
             "objects_indexed": self._index.count(),
+            "session_refs_indexed": self._index.ref_count(),
             "pending_index_records": pending,
             "segments": len(seg_ids),
             "segment_bytes": total,

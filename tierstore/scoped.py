@@ -1,0 +1,93 @@
+"""Namespace-scoped handles: a tenant's view of a store (``Store.namespace``).
+
+A handle owns one namespace (read and write) and may be granted shared namespaces that it
+can only read (e.g. system prompts).  It can name no other namespace: every method checks
+the namespace it is asked for before touching the store.  This module holds no state of its
+own and never bypasses the Store's checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .errors import AccessDenied, ReadOnlyError
+from .objects import Blob, KVCache, ObjectInfo, Vectors
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+class NamespaceHandle:
+    """The part of a Store one tenant may use: its own namespace, plus read-only shared ones.
+
+    ``namespace=`` arguments default to the handle's own namespace; naming a shared one is
+    allowed for reads (``get``, ``contains``, ``keys``, ``info``, ``match_prefix``); any
+    other raises ``AccessDenied``.  Writes (``put``, ``delete``, ``drop_session``) go only to
+    the handle's own namespace (``readonly=True`` forbids them too).
+    """
+
+    def __init__(self, store: "Store", namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
+        from .store import _encode_namespace
+        _encode_namespace(namespace)  # validates
+        self._shared = frozenset(shared)
+        for name in self._shared:
+            _encode_namespace(name)
+        self._store = store
+        self.name = namespace
+        self.readonly = readonly
+
+    @property
+    def shared(self) -> frozenset[str]:
+        return self._shared
+
+    def __repr__(self) -> str:
+        return f"NamespaceHandle({self.name!r}, shared={sorted(self._shared)!r}, readonly={self.readonly})"
+
+    def _read_ns(self, namespace: str | None) -> str:
+        if namespace is None or namespace == self.name:
+            return self.name
+        if namespace in self._shared:
+            return namespace
+        raise AccessDenied(f"this handle may not read namespace {namespace!r}", namespace=namespace)
+
+    def _write_ns(self) -> str:
+        if self.readonly:
+            raise ReadOnlyError(f"this handle of namespace {self.name!r} is read-only", namespace=self.name)
+        return self.name
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, key: str | bytes, *, namespace: str | None = None, layers: Any = None, rows: Any = None,
+            device: str | None = None) -> KVCache | Vectors | Blob:
+        return self._store.get(key, namespace=self._read_ns(namespace), layers=layers, rows=rows, device=device)
+
+    def contains(self, key: str | bytes, *, namespace: str | None = None) -> bool:
+        return self._store.contains(key, namespace=self._read_ns(namespace))
+
+    def __contains__(self, key: str | bytes) -> bool:
+        return self.contains(key)
+
+    def keys(self, *, namespace: str | None = None) -> list[str | bytes]:
+        return self._store.keys(namespace=self._read_ns(namespace))
+
+    def info(self, key: str | bytes, *, namespace: str | None = None) -> ObjectInfo:
+        return self._store.info(key, namespace=self._read_ns(namespace))
+
+    def match_prefix(self, hashes: Any, *, namespace: str | None = None) -> int:
+        return self._store.match_prefix(hashes, namespace=self._read_ns(namespace))
+
+    def session_keys(self, session: str) -> list[str | bytes]:
+        return self._store.session_keys(session, namespace=self.name)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, meta: dict[str, Any] | None = None,
+            session: str | None = None) -> None:
+        self._store.put(key, obj, namespace=self._write_ns(), meta=meta, session=session)
+
+    def delete(self, key: str | bytes) -> bool:
+        return self._store.delete(key, namespace=self._write_ns())
+
+    def drop_session(self, session: str) -> int:
+        return self._store.drop_session(session, namespace=self._write_ns())
