@@ -82,8 +82,32 @@ def write_sessions(s: tierstore.Store, rng: np.random.Generator, *, torn: bool) 
         s.put(hashes[3], chunks[3], namespace="prefix", session="s-2")  # only a reference: cut below
 
 
+def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
+    """Format 1.2: every registered codec on every kind it applies to (SPEC.md §6)."""
+    from tierstore import codecs
+    kv = rng.standard_normal((2, 2, 2, 40, 24)).astype(np.float16)  # 40 tokens, 24 dims: partial groups
+    vec = rng.standard_normal((50, 20)).astype(np.float32)
+    torch = _torch()
+    for c in codecs.available():
+        for kind in c["kinds"]:
+            for spec in [c["name"]] + ([c["name"] + "+zstd"] if not c["lossless"] else []):
+                key = f"{kind}-{spec}"
+                if kind == "kv":
+                    s.put(key, KVCache(kv, layer_start=3), namespace="codecs", codec=spec)
+                    if not c["lossless"]:
+                        s.put(key + "-bf16", KVCache(torch.from_numpy(kv.astype(np.float32)).to(torch.bfloat16)),
+                              namespace="codecs", codec=spec)
+                elif kind == "vectors":
+                    s.put(key, Vectors(vec, ids=np.arange(50) * 3 - 7), namespace="codecs", codec=spec)
+                else:
+                    s.put(key, Blob(b"a compressible blob " * 300), namespace="codecs", codec=spec)
+    s.put("kv-int4-group8", KVCache(kv), namespace="codecs", codec="int4:group=8")
+    s.put("png-zstd", Blob(b"\x89PNG not recompressed" * 100, media_type="image/png"), namespace="codecs",
+          codec="zstd")
+
+
 def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,
-               sessions: bool = False) -> None:
+               sessions: bool = False, codecs: bool = False) -> None:
     rng = np.random.default_rng(2026)
     root = OUT / name
     store_dir = root / "store"
@@ -95,6 +119,8 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
         s.delete("to-delete")
         if sessions:
             write_sessions(s, rng, torn=torn)
+        if codecs:
+            write_codecs(s, rng)
         if compact:
             s.compact()
             s.put("after-compaction", Blob(b"written after compaction"))
@@ -156,6 +182,8 @@ def describe_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
                     "namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
                     "key_type": "str" if isinstance(key, str) else "bytes", "kind": info.kind, "meta": info.meta,
                 }
+                if info.codec != "raw":
+                    item["codec"] = info.codec
                 if isinstance(obj, Blob):
                     (root / "blobs" / f"{fname}.bin").write_bytes(obj.data)
                     item.update(media_type=obj.media_type, size=len(obj.data), file=f"blobs/{fname}.bin",
@@ -196,11 +224,13 @@ CASES = {
     "torn_tail": {"torn": True},
     "compacted": {"segment_bytes": 64 << 10, "compact": True},
 }
-if fmt.FORMAT_MINOR >= 1:  # 1.1: references and groups
+if fmt.FORMAT_MINOR == 1:  # 1.1: references and groups
     CASES.update({
         "sessions": {"sessions": True, "segment_bytes": 64 << 10, "compact": True},
         "torn_group": {"sessions": True, "torn": True},
     })
+if fmt.FORMAT_MINOR == 2:  # 1.2: codecs (the 1.1 cases are not written again)
+    CASES = {"kinds": {}, "codecs": {"codecs": True, "segment_bytes": 256 << 10, "compact": True}}
 
 
 def main(argv: list[str]) -> int:

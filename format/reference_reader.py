@@ -236,10 +236,14 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
         if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
             raise FormatError("DELETE with content")
     elif rtype == PUT:
-        if lsn == 0 or not 1 <= ns_len <= 100 or not 1 <= key_len <= 400 or codec != 0:
+        if lsn == 0 or not 1 <= ns_len <= 100 or not 1 <= key_len <= 400 or codec not in CODECS:
             raise FormatError("PUT fields")
-        if [e[1] for e in extents] != expected_lengths(kind, meta) or (pos if extents else header_len) != record_len:
+        lengths = expected_lengths(kind, meta)
+        if codec == 0 and [e[1] for e in extents] != lengths or len(extents) != len(lengths) \
+                or (pos if extents else header_len) != record_len:
             raise FormatError("extents do not match the metadata")
+        if codec and KINDS.get(kind) not in CODECS[codec][1]:
+            raise FormatError("codec does not apply to this kind")
         if (namespace == REF_NAMESPACE) != (kind == REF_KIND):
             raise FormatError("ref records belong to the reserved namespace, and only they do")
         if kind == REF_KIND:
@@ -362,14 +366,146 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
     return state, files
 
 
+# --- §6: codecs -------------------------------------------------------------------------------
+CODECS = {0: ("raw", ("kv", "vectors", "blob")), 1: ("zstd", ("kv", "vectors", "blob")),
+          2: ("shuffle+zstd", ("kv", "vectors")), 3: ("int8", ("kv",)), 4: ("int4", ("kv",)), 5: ("int2", ("kv",)),
+          6: ("fp8", ("kv",)), 7: ("fp16", ("vectors",)), 8: ("int8", ("vectors",)), 9: ("binary", ("vectors",))}
+
+
+def unzstd(b: bytes, size: int) -> bytes:
+    """§6.2: one frame declaring exactly `size` bytes (checked before decompressing)."""
+    import zstandard
+    try:
+        declared = zstandard.frame_content_size(b)
+        if declared != size:
+            raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
+        out = zstandard.ZstdDecompressor().decompress(b, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"zstd: {e}") from None
+    if len(out) != size:
+        raise FormatError("zstd frame size")
+    return out
+
+
+def f16_up_down(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, "<f2").astype(np.float32)
+
+
+E4M3 = np.array([(-1.0) ** (c >> 7) * ((c & 7) / 8 * 2.0**-6 if (c >> 3) & 15 == 0
+                                       else (1 + (c & 7) / 8) * 2.0 ** (((c >> 3) & 15) - 7)) for c in range(256)],
+                dtype=np.float32)  # every value is exact in binary32
+F32 = np.float32
+
+
+def unpack_bits(b: bytes, bits: int, n: int) -> np.ndarray:
+    a = np.frombuffer(b, np.uint8)
+    per = 8 // bits
+    return np.stack([(a >> (j * bits)) & ((1 << bits) - 1) for j in range(per)], axis=1).reshape(-1)[:n]
+
+
+def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str, Any]) -> np.ndarray:
+    """§6.3-6.4: one extent's float32 values."""
+    def take(n: int) -> bytes:
+        nonlocal b
+        if len(b) < n:
+            raise FormatError("coded extent too short")
+        out, b = b[:n], b[n:]
+        return out
+    if codec in (3, 4, 5, 6):
+        _, h, t, d = shape
+        if codec in (3, 6):
+            sk = f16_up_down(take(2 * h * d)).reshape(h, 1, d)
+            if codec == 3:  # the binary32 nearest to 2^((cv - 180) / 8)
+                sv = (2.0 ** ((np.frombuffer(take(h * t), np.uint8).astype(np.float64) - 180) / 8)).astype(F32)
+            else:
+                sv = f16_up_down(take(2 * h * t))
+            sv = sv.reshape(h, t, 1)
+            table = (lambda q: np.frombuffer(q, np.int8).astype(F32)) if codec == 3 else \
+                (lambda q: E4M3[np.frombuffer(q, np.uint8)])
+            k = table(take(h * t * d)).reshape(h, t, d) * sk
+            v = table(take(h * t * d)).reshape(h, t, d) * sv
+        else:
+            bits, g = (4 if codec == 4 else 2), params["group"]
+            gt, gd = -(-t // g), -(-d // g)
+            pk = f16_up_down(take(4 * h * d * gt)).reshape(h, d, gt, 2)
+            pv = f16_up_down(take(4 * h * t * gd)).reshape(h, t, gd, 2)
+            nbytes = -(-h * t * d // (8 // bits))
+            ck = unpack_bits(take(nbytes), bits, h * t * d).reshape(h, t, d).astype(F32)
+            cv = unpack_bits(take(nbytes), bits, h * t * d).reshape(h, t, d).astype(F32)
+            ti, di = np.arange(t) // g, np.arange(d) // g
+            k = pk[:, :, ti, 0].transpose(0, 2, 1) + ck * pk[:, :, ti, 1].transpose(0, 2, 1)
+            v = pv[:, :, di, 0] + cv * pv[:, :, di, 1]
+        x = np.stack([k, v])
+    else:
+        rows, n = shape
+        if codec == 7:
+            x = np.frombuffer(take(2 * rows * n), "<f2").astype(F32).reshape(rows, n)
+        elif codec == 8:
+            p = np.frombuffer(take(8 * rows), "<f4").reshape(rows, 2)
+            x = p[:, :1] + np.frombuffer(take(rows * n), np.uint8).reshape(rows, n).astype(F32) * p[:, 1:]
+        else:
+            m = np.frombuffer(take(4 * rows), "<f4").reshape(rows, 1)
+            bits = np.unpackbits(np.frombuffer(take(rows * -(-n // 8)), np.uint8).reshape(rows, -1), axis=1,
+                                 count=n, bitorder="little")
+            x = np.where(bits == 1, m, -m)
+    if b:
+        raise FormatError("coded extent too long")
+    return x.astype(np.float32)
+
+
+def to_stored(x: np.ndarray, dtype: int) -> bytes:
+    """§6.1: binary32 values -> the record's dtype, round to nearest even."""
+    name = DTYPES[dtype][0]
+    if name == "bfloat16":
+        u = x.view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    return x.astype({"float16": "<f2", "float32": "<f4", "float64": "<f8"}[name]).tobytes()
+
+
+def decode_extent(r: Record, i: int, b: bytes) -> bytes:
+    """§6: the logical bytes of extent i from its stored bytes."""
+    codec, m = r.codec, r.meta
+    params = m.get("codec_params", {})
+    logical = expected_lengths(r.kind, m)[i]
+    if codec == 0:
+        return b
+    n_data = len(r.extents) // 2 if r.kind == 2 and m["ids"] else len(r.extents)
+    if r.kind == 2 and i >= n_data:  # id extents: raw under a lossy codec (§6)
+        if codec >= 3:
+            return b
+        width = 8
+    else:
+        width = 1 if r.kind == 3 else np.dtype(DTYPES[m["dtype"]][1]).itemsize
+    if codec == 1:
+        return unzstd(b, logical)
+    if codec == 2:
+        s = np.frombuffer(unzstd(b, logical), np.uint8)
+        return s.reshape(width, -1).T.tobytes()
+    if r.kind == 1:
+        shape: tuple[int, ...] = tuple(m["shape"][1:])
+    else:
+        rpe = m["rows_per_extent"]
+        shape = (min(rpe, m["shape"][0] - i * rpe), m["shape"][1])
+    if "zstd" in params:  # §6.2: the codec's output in a zstd frame (decode_lossy checks its length)
+        import zstandard
+        try:
+            b = zstandard.ZstdDecompressor().decompress(b, max_output_size=logical * 2 + 8 * shape[0] + 4096)
+        except zstandard.ZstdError as e:
+            raise FormatError(f"zstd: {e}") from None
+    out = to_stored(decode_lossy(codec, b, shape, params), m["dtype"])
+    if len(out) != logical:
+        raise FormatError("decoded extent size")
+    return out
+
+
 def decode(r: Record, data: bytes) -> Any:
-    """The object of a PUT record, every extent checksum verified."""
+    """The object of a PUT record, every extent checksum verified and decoded (§6)."""
     parts = []
-    for off, length, ecrc in r.extents:
+    for i, (off, length, ecrc) in enumerate(r.extents):
         b = data[r.offset + off : r.offset + off + length]
         if len(b) != length or crc32c(b) != ecrc:
             raise FormatError(f"{r.segment}@{r.offset}: extent checksum")
-        parts.append(b)
+        parts.append(decode_extent(r, i, b))
     m = r.meta
     if r.kind == 3:
         return parts[0]

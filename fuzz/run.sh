@@ -11,7 +11,7 @@ secs="${1:-60}"; shift || true
 out="${FUZZ_OUT:-/tmp/tierstore-fuzz}"
 py="${PYTHON:-.venv/bin/python}"
 harnesses=("$@")
-[ ${#harnesses[@]} -gt 0 ] || harnesses=(record segment meta recover reader)
+[ ${#harnesses[@]} -gt 0 ] || harnesses=(record segment meta codec recover reader)
 status=0
 for h in "${harnesses[@]}"; do
   case "$h" in reader) seeds=fuzz/corpus/segment ;; *) seeds="fuzz/corpus/$h" ;; esac

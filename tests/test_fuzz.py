@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-HARNESSES = {"record": "record", "segment": "segment", "meta": "meta", "recover": "recover", "reader": "segment"}
+HARNESSES = {"record": "record", "segment": "segment", "meta": "meta", "codec": "codec", "recover": "recover",
+             "reader": "segment"}
 
 
 @pytest.mark.parametrize("name", sorted(HARNESSES))

@@ -27,6 +27,11 @@ CASES = sorted(p for p in FORMAT.glob("v*/*") if (p / "expected.json").exists())
 def test_golden_files_exist():
     assert {c.name for c in CASES if c.parent.name == "v1"} >= {"kinds", "multi_segment", "torn_tail", "compacted"}
     assert {c.name for c in CASES if c.parent.name == "v1.1"} >= {"kinds", "sessions", "torn_group"}
+    assert {c.name for c in CASES if c.parent.name == "v1.2"} >= {"kinds", "codecs"}
+    from tierstore import codecs
+    used = {e.get("codec", "raw").split(":")[0] for c in CASES for e in json.loads((c / "expected.json").read_text())}
+    used |= {u.removesuffix("+zstd") for u in used}
+    assert {c["name"] for c in codecs.available()} <= used  # every codec
 
 
 REF_CASES = [c for c in CASES if (c / "references.json").exists()]
@@ -80,7 +85,7 @@ def test_engine_reads_golden(case, tmp_path):
         assert got == {(e["namespace"], _key(e)) for e in expected}
         for e in expected:
             info = s.info(_key(e), namespace=e["namespace"])
-            assert info.kind == e["kind"] and info.meta == e["meta"]
+            assert info.kind == e["kind"] and info.meta == e["meta"] and info.codec == e.get("codec", "raw")
             if e["kind"] == "blob":
                 obj = s.get(_key(e), namespace=e["namespace"])
                 assert isinstance(obj, Blob) and obj.media_type == e["media_type"]

@@ -135,3 +135,31 @@ def test_reader_agrees_on_sessions_and_groups(store_path):
 def reader_view(path: str) -> list[dict]:
     return sorted(({k: v for k, v in i.items() if k in ("namespace", "key", "kind", "meta", "crc32c", "shape", "size")}
                    for i in reader.describe(path)), key=lambda i: (i["namespace"], i["key"]))
+
+
+def test_reader_decodes_every_codec_like_the_engine(store_path, real_kv, real_emb):
+    """Format 1.2: each codec of SPEC.md §6, decoded by the independent reader, gives the very
+    bytes the engine returns (lossy ones included: the decoders are specified exactly)."""
+    from tierstore import codecs
+    kv, emb = np.ascontiguousarray(real_kv[:3, :, :4, :40]), np.ascontiguousarray(real_emb[:200])
+    names = []
+    with tierstore.open(store_path, vector_extent_bytes=16 << 10) as s:
+        for c in codecs.available():
+            for kind in c["kinds"]:
+                for spec in [c["name"]] + ([c["name"] + "+zstd"] if not c["lossless"] else []):
+                    key = f"{kind}-{spec}"
+                    if kind == "kv":
+                        s.put(key, KVCache(kv), codec=spec)
+                        if HAS_TORCH and not c["lossless"]:
+                            s.put(key + "-bf16", KVCache(torch.from_numpy(kv.astype(np.float32)).to(torch.bfloat16)),
+                                  codec=spec)
+                            names.append(key + "-bf16")
+                    elif kind == "vectors":
+                        s.put(key, Vectors(emb.astype(np.float32), ids=np.arange(200) * 7), codec=spec)
+                    else:
+                        s.put(key, Blob(b"a blob " * 500), codec=spec)
+                    names.append(key)
+        s.put("kv-int4-g8", KVCache(kv), codec="int4:group=8")
+        names.append("kv-int4-g8")
+    assert reader_view(store_path) == engine_view(store_path)
+    assert len(names) >= 20

@@ -29,6 +29,7 @@ from .errors import (
     StoreNotFound,
     TierstoreError,
 )
+from . import codecs
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 from .prefix import chunk_hashes
 from .scoped import NamespaceHandle
@@ -37,7 +38,7 @@ from .store import Store
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes",
+    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes", "codecs",
     "TierstoreError", "AccessDenied", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
     "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
 ]

@@ -586,11 +586,76 @@ def bench_prefix(root: str, *, sizes: tuple[int, ...], query: int, reps: int,
     return out
 
 
+def _sample_paths() -> tuple[str, str]:
+    """The real K/V and embedding sample: the project's full one when present, else the slice
+    kept in tests/data (128 tokens, 1,024 embeddings)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.join(os.path.dirname(here), "shared", "data")
+    if os.path.exists(os.path.join(full, "minilm_qkv_sample.npz")):
+        return os.path.join(full, "minilm_qkv_sample.npz"), os.path.join(full, "minilm_embeddings_8k_fp16.npy")
+    return (os.path.join(here, "tests", "data", "minilm_qkv_128tok.npz"),
+            os.path.join(here, "tests", "data", "minilm_embeddings_1k_fp16.npy"))
+
+
+def bench_codecs(say: Callable[..., None]) -> dict[str, Any]:
+    """Every codec on the real sample: ratio, encode / decode MB/s (one thread, of fp16 bytes),
+    relative L2 error, attention-output error (KV) and recall@10 against exact search (vectors)."""
+    from . import codecs
+
+    kv_path, emb_path = _sample_paths()
+    npz = np.load(kv_path)
+    if "kv" in npz:  # the slice in tests/data: [layers, 2, H, T, D], no queries
+        pairs = [(npz["kv"], None)]
+    else:
+        docs = sorted({k.rsplit("_", 1)[0] for k in npz.files})
+        pairs = [(np.stack([npz[d + "_k"], npz[d + "_v"]], axis=1), npz[d + "_q"]) for d in docs]
+    out: dict[str, Any] = {"kv_sample": os.path.basename(kv_path), "kv_shape": list(pairs[0][0].shape),
+                           "kv": [], "vectors": []}
+    kv_specs = ["raw", "zstd", "shuffle+zstd", "fp8", "int8", "int8+zstd", "int4", "int4+zstd", "int2", "int2+zstd"]
+    for spec in kv_specs:
+        runs = [codecs.evaluate(spec, kv, queries=q) for kv, q in pairs]
+        row = {k: round(float(np.mean([r[k] for r in runs])), 1 if k.endswith("mb_s") else 5)
+               for k in ("ratio", "encode_mb_s", "decode_mb_s", "rel_l2", "attention_error")}
+        row["codec"] = runs[0]["codec"]
+        out["kv"].append(row)
+        say(f"  kv {row['codec']:>22}: {row['ratio']:.3f}x, enc {row['encode_mb_s']:.0f} / dec "
+            f"{row['decode_mb_s']:.0f} MB/s, attention error {row['attention_error'] * 100:.2f}%")
+    emb = np.load(emb_path)
+    nq = min(1000, len(emb) // 5)
+    q, db = emb[:nq].astype(np.float32), np.ascontiguousarray(emb[nq:])
+    exact_scores = q @ db.astype(np.float32).T
+    exact = np.argsort(-exact_scores, axis=1)[:, :10]
+
+    def recall(scores: np.ndarray, rescore: int = 0) -> float:
+        if rescore:
+            cand = np.argsort(-scores, axis=1)[:, : 10 * rescore]
+            got = np.take_along_axis(cand, np.argsort(-np.take_along_axis(exact_scores, cand, 1), 1)[:, :10], 1)
+        else:
+            got = np.argsort(-scores, axis=1)[:, :10]
+        return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, got)]))
+
+    for spec in ["raw", "shuffle+zstd", "int8", "int8+zstd", "binary"]:
+        r = codecs.evaluate(spec, db, kind="vectors")
+        ch = codecs.parse(spec, "vectors")
+        ext = codecs.Extent("vectors", db.shape, "float16")
+        dec = codecs.decode(ch.codec, codecs.encode(ch.codec, db.reshape(-1).view(np.uint8), ext, ch.params), ext,
+                            ch.params).view("<f2").reshape(db.shape).astype(np.float32)
+        scores = q @ dec.T
+        row = {"codec": r["codec"], "ratio": r["ratio"], "encode_mb_s": r["encode_mb_s"],
+               "decode_mb_s": r["decode_mb_s"], "recall_at_10": round(recall(scores), 4),
+               "recall_at_10_rescored_4x": round(recall(scores, 4), 4)}
+        out["vectors"].append(row)
+        say(f"  vectors {row['codec']:>16}: {row['ratio']:.3f}x, R@10 {row['recall_at_10']} "
+            f"(re-scored 4x: {row['recall_at_10_rescored_4x']})")
+    out["vectors_sample"] = {"database": int(len(db)), "queries": int(nq), "dim": int(db.shape[1])}
+    return out
+
+
 def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = True, out: str | None = None,
               quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
     say = (lambda *a: None) if quiet else print
     root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
-    sections = sections or ["chunk", "blobs", "prefix"]
+    sections = sections or ["chunk", "blobs", "prefix", "codecs"]
     result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
     try:
         if "chunk" in sections:
@@ -601,6 +666,9 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
         if "blobs" in sections:
             say("blobs: 4 KiB")
             result["blobs"] = bench_blobs(os.path.join(root, "blobs"), n=3000 if quick else 20000, peers=peers, say=say)
+        if "codecs" in sections:
+            say("codecs: the real K/V and embedding sample")
+            result["codecs"] = bench_codecs(say)
         if "prefix" in sections:
             say("prefix: match_prefix of 1,000 chunk hashes")
             result["prefix"] = bench_prefix(os.path.join(root, "prefix"), query=1000, reps=5 if quick else 21,
@@ -657,6 +725,22 @@ def markdown(result: dict[str, Any]) -> str:
         b = result["blobs"]
         lines += ["", f"4 KiB blobs, {b['n']} operations, ops/s:", "", "| measurement | ops/s |", "| --- | --- |"]
         lines += [f"| {k.removesuffix('_ops').replace('_', ' ')} | {v:,} |" for k, v in b.items() if k.endswith("_ops")]
+    if "codecs" in result:
+        c = result["codecs"]
+        lines += ["", f"Codecs on the real K/V sample ({c['kv_sample']}, {c['kv_shape']} per document, fp16; one "
+                  "thread; MB/s of fp16 bytes; attention error = |softmax(QK^T/sqrt d)V - exact| / |exact| with "
+                  "the captured queries):", "",
+                  "| codec | ratio vs fp16 | encode MB/s | decode MB/s | rel. L2 error | attention error |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['codec']} | {r['ratio']:.3f} | {r['encode_mb_s']:.0f} | {r['decode_mb_s']:.0f} | "
+                  f"{r['rel_l2'] * 100:.2f}% | {r['attention_error'] * 100:.2f}% |" for r in c["kv"]]
+        v = c["vectors_sample"]
+        lines += ["", f"Vector codecs on {v['database']:,} real embeddings ({v['dim']} dims, fp16), {v['queries']} "
+                  "held-out queries, recall@10 against exact search:", "",
+                  "| codec | ratio vs fp16 | encode MB/s | decode MB/s | recall@10 | re-scored 4x |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['codec']} | {r['ratio']:.3f} | {r['encode_mb_s']:.0f} | {r['decode_mb_s']:.0f} | "
+                  f"{r['recall_at_10']} | {r['recall_at_10_rescored_4x']} |" for r in c["vectors"]]
     if "prefix" in result:
         p = result["prefix"]
         lines += ["", f"match_prefix of {p['query_hashes']:,} stored chunk hashes (medians), against the same "
@@ -690,6 +774,8 @@ def print_report(result: dict[str, Any]) -> None:
         print("\n4 KiB blobs (ops/s):", json.dumps({k: v for k, v in result["blobs"].items() if k.endswith("ops")}))
     if "prefix" in result:
         print("\nmatch_prefix:", json.dumps(result["prefix"]["stores"]))
+    if "codecs" in result:
+        print("\ncodecs:", json.dumps(result["codecs"]["kv"]), json.dumps(result["codecs"]["vectors"]))
 
 
 def plot(result: dict[str, Any], path: str) -> None:

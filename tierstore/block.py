@@ -10,15 +10,17 @@ This module does no I/O: reading is delegated to an ``ExtentReader``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from . import arrays
+from . import codecs as cdc
 from . import format as fmt
 from . import record as rec
-from .errors import InvalidObject
+from .errors import CorruptionError, InvalidObject
 from .objects import Blob, KVCache, Vectors
 
 
@@ -29,6 +31,7 @@ class Block(NamedTuple):
     align_log2: int
     logical_bytes: int
     keepalive: Any  # the arrays the extent views point into
+    codec: int = fmt.CODEC_RAW
 
 
 def _mv(a: np.ndarray) -> memoryview:
@@ -81,6 +84,53 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
     if user_meta:
         meta["meta"] = user_meta
     return Block(kind, meta, extents, align, logical, keep)
+
+
+def extent_shapes(kind: int, meta: dict[str, Any]) -> list[cdc.Extent]:
+    """What each extent of a record holds (SPEC.md §5.3): the codecs' view of them."""
+    if kind == fmt.KIND_KV:
+        name = fmt.DTYPES[meta["dtype"]][0]
+        return [cdc.Extent("kv", tuple(meta["shape"][1:]), name)] * meta["shape"][0]
+    if kind == fmt.KIND_VECTORS:
+        n, dim = meta["shape"]
+        rpe = meta["rows_per_extent"]
+        name = fmt.DTYPES[meta["dtype"]][0]
+        rows = [min(rpe, n - i) for i in range(0, n, rpe)]
+        out = [cdc.Extent("vectors", (r, dim), name) for r in rows]
+        return out + ([cdc.Extent("ids", (r,), "int64") for r in rows] if meta["ids"] else [])
+    return [cdc.Extent("blob", (meta["size"],), None)]
+
+
+def extent_codec(codec: cdc.Codec, ext: cdc.Extent) -> cdc.Codec:
+    """The codec of one extent: the record's, except that id extents of a lossy codec are raw."""
+    return codec if codec.lossless or ext.kind != "ids" else cdc.BY_ID[fmt.CODEC_RAW]
+
+
+def apply_codec(block: Block, choice: cdc.Choice | None) -> Block:
+    """Encode the extents of ``block`` with ``choice`` (None or raw: the block as it is).
+
+    A blob whose media type is already compressed stays raw whatever the choice.
+    """
+    if choice is None or choice.codec.id == fmt.CODEC_RAW:
+        return block
+    kind = fmt.KIND_NAMES[block.kind]
+    if kind not in choice.codec.kinds:
+        raise InvalidObject(f"codec {choice.codec.name!r} does not apply to {kind}")
+    if block.kind == fmt.KIND_BLOB and block.meta["media_type"].startswith(cdc.COMPRESSED_MEDIA):
+        return block
+    if not choice.codec.lossless and fmt.DTYPES[block.meta["dtype"]][0] not in cdc.LOSSY_DTYPES:
+        raise InvalidObject(f"lossy codec {choice.codec.name!r} takes float16/bfloat16/float32/float64 data, "
+                            f"not {fmt.DTYPES[block.meta['dtype']][0]}", hint="use zstd or shuffle+zstd")
+    exts = extent_shapes(block.kind, block.meta)
+    encoded = tuple(memoryview(cdc.encode(extent_codec(choice.codec, e), np.frombuffer(v, np.uint8), e,
+                                          choice.params))
+                    for v, e in zip(block.extents, exts))
+    meta = dict(block.meta)
+    if choice.params:
+        meta["codec_params"] = dict(choice.params)
+    align = block.align_log2 if block.kind != fmt.KIND_BLOB or encoded[0].nbytes >= fmt.INLINE_BLOB_MAX \
+        else fmt.ALIGN_INLINE_LOG2
+    return Block(block.kind, meta, encoded, align, block.logical_bytes, encoded, choice.codec.id)
 
 
 def aligned_empty(nbytes: int, align: int = fmt.PAGE) -> np.ndarray:
@@ -143,16 +193,42 @@ def _select_rows(rows: Any, n: int) -> np.ndarray:
     return arr
 
 
+class _Decoding:
+    """An ExtentReader that reads encoded extents and decodes them into the destinations."""
+
+    def __init__(self, hdr: rec.RecordHeader, reader: ExtentReader) -> None:
+        self.reader = reader
+        self.codec = cdc.BY_ID[hdr.codec]
+        self.params = hdr.meta.get("codec_params", {})
+        self.exts = extent_shapes(hdr.kind, hdr.meta)
+
+    def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
+        for i, dest in wanted:
+            out = self.read_array(i)
+            if out.nbytes != dest.nbytes:
+                raise CorruptionError(f"extent {i} decodes to {out.nbytes} bytes, expected {dest.nbytes}")
+            dest[:] = memoryview(out).cast("B")
+
+    def read_array(self, i: int) -> np.ndarray:
+        ext = self.exts[i]
+        return cdc.decode(extent_codec(self.codec, ext), self.reader.read_bytes(i), ext, self.params)
+
+    def read_bytes(self, index: int) -> bytes:
+        return self.read_array(index).tobytes()
+
+
 def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
                 device: str | None = None) -> Any:
     """Read the object described by ``hdr`` (or the selected layers / rows of it)."""
     meta = hdr.meta
+    if hdr.codec != fmt.CODEC_RAW:
+        reader = _Decoding(hdr, reader)
     if hdr.kind == fmt.KIND_KV:
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
-        lb = hdr.extent_lengths[0]
+        lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
         out = aligned_empty(lb * len(idx))
         reader.read_into([(i, memoryview(out[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])

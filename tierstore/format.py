@@ -19,7 +19,7 @@ RECORD_ALIGN = 8  # every record starts at a multiple of 8
 # --- SPEC.md §3 Segment header -----------------------------------------------------------
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1  # 1.1: GROUP records, ref records (sessions); SPEC.md Changelog
+FORMAT_MINOR = 2  # 1.1: GROUP records, ref records (sessions); 1.2: codecs; SPEC.md Changelog
 SEGMENT_HEADER_SIZE = PAGE
 # magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
 # base_lsn, created_ns, creator, header_crc
@@ -102,7 +102,18 @@ METRICS = ("cosine", "l2", "ip")
 
 # --- SPEC.md §6 Codecs -------------------------------------------------------------------
 CODEC_RAW = 0
-CODEC_NAMES = {CODEC_RAW: "raw"}
+CODEC_ZSTD = 1  # 1.2: lossless, any kind
+CODEC_SHUFFLE_ZSTD = 2  # 1.2: lossless, byte planes then zstd
+CODEC_KV_INT8 = 3  # 1.2: lossy, KV: K per channel / V per token, float16 scales
+CODEC_KV_INT4 = 4  # 1.2: lossy, KV: KIVI groups
+CODEC_KV_INT2 = 5  # 1.2: lossy, KV: KIVI groups
+CODEC_KV_FP8 = 6  # 1.2: lossy, KV: e4m3 with K per channel / V per token float16 scales
+CODEC_VEC_FP16 = 7  # 1.2: lossy, vectors
+CODEC_VEC_INT8 = 8  # 1.2: lossy, vectors: per-vector float32 scale
+CODEC_VEC_BINARY = 9  # 1.2: lossy, vectors: sign bits and the mean magnitude
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_SHUFFLE_ZSTD: "shuffle+zstd", CODEC_KV_INT8: "int8",
+               CODEC_KV_INT4: "int4", CODEC_KV_INT2: "int2", CODEC_KV_FP8: "fp8", CODEC_VEC_FP16: "fp16",
+               CODEC_VEC_INT8: "int8", CODEC_VEC_BINARY: "binary"}
 RETIRED_CODECS: tuple[int, ...] = ()
 
 # --- SPEC.md §8 Limits -------------------------------------------------------------------

@@ -145,8 +145,9 @@ class ObjectInfo:
     dtype: str | None  # None for blobs
     logical_bytes: int  # bytes of the decoded object (array bytes; ids included for vectors)
     stored_bytes: int  # bytes the object occupies in its segment (header, padding, extents)
-    codec: str
+    codec: str  # name and parameters, e.g. "raw", "int8+zstd", "int4:group=32"
     lossless: bool
+    bound: str  # the codec's declared error bound ("exact" for lossless codecs)
     checksum: str  # "crc32c:<hex>" over the record header, which holds every extent's crc32c
     extent_checksums: tuple[int, ...]
     tiers: tuple[str, ...]

@@ -473,12 +473,46 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
                 or parsed[2] != hashlib.blake2b(target, digest_size=fmt.REF_KEY_HASH_BYTES).digest()):
             raise CorruptionError("bad ref record", **where)
     expected = expected_extent_lengths(h.kind, h.meta, **where)
-    if tuple(expected) != h.extent_lengths:
-        raise CorruptionError("extent lengths do not match the object's metadata", **where)
+    if h.codec == fmt.CODEC_RAW:
+        if "codec_params" in h.meta:
+            raise CorruptionError("codec parameters on a raw record", **where)
+        if tuple(expected) != h.extent_lengths:
+            raise CorruptionError("extent lengths do not match the object's metadata", **where)
+    else:
+        _check_coded_lengths(h, expected, **where)
     offsets = h.offsets
     end = offsets[-1] + h.extent_lengths[-1] if offsets else h.header_len
     if end != h.record_len:
         raise CorruptionError(f"record_len {h.record_len} does not match its extents ({end})", **where)
+
+
+def _check_coded_lengths(h: RecordHeader, logical: list[int], **where: Any) -> None:
+    """A record with a codec (SPEC.md §6): its kind, parameters and stored extent lengths."""
+    from . import block, codecs
+
+    codec = codecs.BY_ID[h.codec]
+    kind = fmt.KIND_NAMES.get(h.kind)
+    if kind not in codec.kinds:
+        raise CorruptionError(f"codec {codec.name!r} on a {kind} record", **where)
+    params = h.meta.get("codec_params", {})
+    try:
+        codecs.check_params(codec, params)
+    except CorruptionError as e:
+        raise CorruptionError(e.message, **where) from None
+    if len(logical) != len(h.extent_lengths):
+        raise CorruptionError("extent count does not match the object's metadata", **where)
+    if not codec.lossless and fmt.DTYPES[h.meta["dtype"]][0] not in codecs.LOSSY_DTYPES:
+        raise CorruptionError(f"lossy codec {codec.name!r} on {fmt.DTYPES[h.meta['dtype']][0]} data", **where)
+    for ext, n, stored in zip(block.extent_shapes(h.kind, h.meta), logical, h.extent_lengths):
+        c = block.extent_codec(codec, ext)
+        if c.id == fmt.CODEC_RAW:
+            ok = stored == n
+        elif c.lossless or "zstd" in params:
+            ok = stored <= codecs.zstd_bound(n if c.lossless else codecs.body_length(c, ext, params))
+        else:
+            ok = stored == codecs.body_length(c, ext, params)
+        if not ok:
+            raise CorruptionError(f"stored extent length {stored} impossible for {codec.name} of {n} bytes", **where)
 
 
 # --- metadata (SPEC.md §5) -----------------------------------------------------------------

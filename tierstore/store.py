@@ -1,7 +1,7 @@
 """The Store handle: the public API, and the only module that knows all the others.
 
-Write path:  Store.put -> encode_block -> record.encode_put -> Log.append -> (Log.sync)
-             -> memtable -> committer -> Index.apply
+Write path:  Store.put -> encode_block -> (apply_codec) -> record.encode_put -> Log.append
+             -> (Log.sync) -> memtable -> committer -> Index.apply
 Read path:   Store.get -> _lookup (memtable, then Index) -> block.read_object
              -> segment.read_extents (preadv into a preallocated buffer, checksums verified)
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import arrays, recovery
 from . import block as blk
+from . import codecs as cdc
 from . import format as fmt
 from . import record as rec
 from . import segment as seglib
@@ -177,6 +178,39 @@ def _same_object(a: rec.RecordHeader, b: rec.RecordHeader) -> bool:
             and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
 
 
+TIERS = ("ssd", "dram", "gpu")
+KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.OBJECT_KINDS}
+
+
+def _codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
+    """``codecs={(kind, tier): "int8", (namespace, kind, tier): "zstd", ...}`` -> parsed choices.
+
+    Only the "ssd" tier exists in this release (the log); DRAM and GPU tiers come with their
+    own issue, so naming them is an error rather than a setting that silently does nothing.
+    """
+    out: dict[tuple[str | None, str], cdc.Choice] = {}
+    if spec is None:
+        return out
+    if not isinstance(spec, dict):
+        raise InvalidObject("codecs= is a dict {(kind, tier): codec} or {(namespace, kind, tier): codec}")
+    for key, name in spec.items():
+        if not isinstance(key, tuple) or len(key) not in (2, 3):
+            raise InvalidObject(f"codecs= key {key!r}: expected (kind, tier) or (namespace, kind, tier)")
+        ns = key[0] if len(key) == 3 else None
+        kind, tier = key[-2], key[-1]
+        if ns is not None:
+            _check_namespace(ns)
+        if kind not in KIND_IDS:
+            raise InvalidObject(f"codecs= key {key!r}: kind must be one of {', '.join(KIND_IDS)}")
+        if tier not in TIERS:
+            raise InvalidObject(f"codecs= key {key!r}: tier must be one of {', '.join(TIERS)}")
+        if tier != "ssd":
+            raise InvalidObject(f"codecs= key {key!r}: the {tier} tier does not exist in this release "
+                                "(only the log, tier \"ssd\")")
+        out[(ns, kind)] = cdc.parse(name, kind)
+    return out
+
+
 def _decode_key(b: bytes, flags: int) -> str | bytes:
     return b.decode("utf-8") if flags & fmt.FLAG_KEY_STR else b
 
@@ -251,6 +285,7 @@ class Store:
                  durability: str = "sync", _io: PosixIO | None = None, **options: Any) -> None:
         if durability not in DURABILITY:
             raise InvalidObject(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        self.codecs = _codec_table(options.pop("codecs", None))
         self.options = Options.from_kwargs(options)
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
@@ -477,7 +512,7 @@ class Store:
     # -- writing ----------------------------------------------------------------------------
 
     def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
-            meta: dict[str, Any] | None = None, session: str | None = None) -> None:
+            meta: dict[str, Any] | None = None, session: str | None = None, codec: str | None = None) -> None:
         """Store ``obj`` under ``key`` in ``namespace``, replacing any previous object.
 
         With durability="sync" the object survives a crash or power loss once put returns;
@@ -494,6 +529,10 @@ class Store:
         copy of the bytes is written.  A new object and its reference are written as one
         atomic group.  A put without ``session`` leaves existing references as they are.
 
+        ``codec`` (e.g. "zstd", "int8", "int4:group=32", "int8+zstd"; ``tierstore.codecs.available()``)
+        overrides the store's ``codecs=`` setting for this put.  The default is lossless: data
+        is stored raw unless a codec was asked for; ``info(key)`` shows the codec and its bound.
+
         Raises InvalidObject on bad input (nothing is written), ReadOnlyError, StoreFull,
         StoreIOError.
         """
@@ -503,7 +542,10 @@ class Store:
         sess = _encode_session(session) if session is not None else None
         user_meta = rec.check_user_meta(meta) if meta is not None else None
         block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
-        record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2)
+        choice = self._codec_for(block.kind, namespace, codec)
+        if choice is not None:
+            block = blk.apply_codec(block, choice)
+        record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
         counters = self._counters
         with self._write_lock:
             if sess is None and not self._refs_seen:
@@ -542,6 +584,14 @@ class Store:
         self._counters["deletes"] += 1
         self._after_write(log, where)
         return True
+
+    def _codec_for(self, kind: int, namespace: str, codec: str | None) -> cdc.Choice | None:
+        name = fmt.KIND_NAMES[kind]
+        if codec is not None:
+            return cdc.parse(codec, name)
+        if not self.codecs:
+            return None
+        return self.codecs.get((namespace, name)) or self.codecs.get((None, name))
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -893,8 +943,10 @@ class Store:
         shape = tuple(meta["shape"]) if "shape" in meta else ()
         return ObjectInfo(
             namespace=namespace, key=_decode_key(h.key, h.flags), kind=kind, shape=shape, dtype=dtype,
-            logical_bytes=sum(h.extent_lengths), stored_bytes=h.record_len, codec=fmt.CODEC_NAMES[h.codec],
-            lossless=True, checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs, tiers=("ssd",),
+            logical_bytes=sum(rec.expected_extent_lengths(h.kind, meta)), stored_bytes=h.record_len,
+            codec=cdc.Choice(cdc.BY_ID[h.codec], meta.get("codec_params", {})).spec,
+            lossless=cdc.BY_ID[h.codec].lossless, bound=cdc.BY_ID[h.codec].bound,
+            checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs, tiers=("ssd",),
             lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
             metric=meta.get("metric"), media_type=meta.get("media_type"),
             has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),

@@ -1,0 +1,613 @@
+"""Codecs (SPEC.md §6): how one extent's bytes are transformed, with stable ids and declared bounds.
+
+A codec encodes one extent (a KV layer ``[2, kv_heads, tokens, head_dim]``, a row range of
+vectors ``[rows, dim]``, or a blob's bytes) into bytes and back.  Lossless codecs give back
+every bit; lossy ones declare a bound on the error of every element, which the tests check
+on every input they generate.  The byte layout of each codec is in SPEC.md §6, so other
+readers can decode it.
+
+This module is pure functions over numpy arrays and bytes: no I/O, nothing about records,
+files or the store.  Decoders validate every length against what the record header says
+before allocating, and raise CorruptionError on any inconsistency.  Lossy codecs never run
+unless asked for (per put, or per kind and tier when the store is opened).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from . import format as fmt
+from .errors import CorruptionError, InvalidObject
+
+FP16_MAX = 65504.0
+LOSSY_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclass(frozen=True)
+class Extent:
+    """What a codec knows about the extent it codes: its kind ("kv", "vectors", "ids", "blob"),
+    the logical shape of the extent, and the stored dtype name (None for bytes)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str | None
+
+    @property
+    def nbytes(self) -> int:
+        n = math.prod(self.shape)
+        return n * (fmt.DTYPES[fmt.DTYPE_IDS[self.dtype]][1] if self.dtype else 1)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A registered codec.  ``id`` is written to disk and permanent."""
+
+    id: int
+    name: str
+    lossless: bool
+    kinds: tuple[str, ...]
+    bound: str  # the declared error bound, per element
+    expected_ratio: str  # versus the raw bytes, on the project's real sample (docs/benchmarks.md)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "lossless": self.lossless, "kinds": list(self.kinds),
+                "bound": self.bound, "expected_ratio": self.expected_ratio, "defaults": dict(self.defaults)}
+
+
+# --- float conversions (SPEC.md §6.1) -------------------------------------------------------------
+
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored bytes (a little-endian view of ``dtype``) -> float32 values."""
+    if dtype == "float16":
+        return raw.view("<f2").astype(np.float32)
+    if dtype == "bfloat16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float32":
+        return raw.view("<f4").astype(np.float32, copy=False)
+    if dtype == "float64":
+        return raw.view("<f8").astype(np.float32)
+    raise InvalidObject(f"lossy codecs take float16, bfloat16, float32 or float64 data, not {dtype}")
+
+
+def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> the bytes of ``dtype`` (round to nearest even), as uint8."""
+    if dtype == "float16":
+        out = x.astype("<f2")
+    elif dtype == "bfloat16":
+        u = x.astype(np.float32).view(np.uint32)
+        out = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype("<u2")
+    elif dtype == "float32":
+        out = x.astype("<f4")
+    elif dtype == "float64":
+        out = x.astype("<f8")
+    else:
+        raise InvalidObject(f"cannot decode to {dtype}")
+    return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+
+
+def _finite_f32(raw: np.ndarray, ext: Extent, codec: str) -> np.ndarray:
+    assert ext.dtype is not None
+    x = to_float32(raw, ext.dtype).reshape(ext.shape)
+    if x.size and not (np.isfinite(x).all() and np.abs(x).max() <= FP16_MAX):
+        raise InvalidObject(f"codec {codec!r} needs finite values within +-65504; this data has others",
+                            hint="use a lossless codec (raw, zstd, shuffle+zstd) for it")
+    return x
+
+
+# --- zstd framing (SPEC.md §6.2) ------------------------------------------------------------------
+
+_ZC: dict[int, zstandard.ZstdCompressor] = {}
+_ZD = zstandard.ZstdDecompressor()
+
+
+def zstd_compress(data: Any, level: int) -> bytes:
+    c = _ZC.get(level)
+    if c is None:
+        c = _ZC[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c.compress(data)
+
+
+def zstd_bound(n: int) -> int:
+    """The largest zstd frame that can hold ``n`` bytes (ZSTD_compressBound, plus headers)."""
+    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
+
+
+def zstd_decompress(data: Any, expected: int) -> bytes:
+    """A single zstd frame that declares exactly ``expected`` content bytes (checked first)."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"bad zstd frame: {e}") from None
+    if declared != expected:
+        raise CorruptionError(f"zstd frame declares {declared} bytes, the record {expected}")
+    try:
+        out = _ZD.decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"bad zstd frame: {e}") from None
+    if len(out) != expected:
+        raise CorruptionError(f"zstd frame holds {len(out)} bytes, the record {expected}")
+    return out
+
+
+def _level(params: dict[str, Any], key: str = "level") -> int:
+    level = params.get(key)
+    if type(level) is not int or not 1 <= level <= 22:
+        raise CorruptionError(f"codec parameter {key!r} must be an int in 1..22, got {level!r}")
+    return level
+
+
+# --- lossless ---------------------------------------------------------------------------------------
+
+def _shuffle(b: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(b.reshape(-1, itemsize).T).reshape(-1)
+
+
+def _unshuffle(b: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(b.reshape(itemsize, -1).T).reshape(-1)
+
+
+def _itemsize(ext: Extent) -> int:
+    return fmt.DTYPES[fmt.DTYPE_IDS[ext.dtype]][1] if ext.dtype else 1
+
+
+# --- quantisers (SPEC.md §6.3-6.5) ----------------------------------------------------------------
+
+def _f16_up(s: np.ndarray) -> np.ndarray:
+    """float32 -> the smallest float16 >= it (so that scaled values never exceed their range)."""
+    h = s.astype(np.float16)
+    low = h.astype(np.float32) < s
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h
+
+
+def _absmax_int8(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 over ``axis``: float16 scales (absmax / 127, rounded up) and codes."""
+    s = _f16_up(np.abs(x).max(axis=axis, keepdims=True) / np.float32(127))
+    sf = s.astype(np.float32)
+    q = np.rint(np.divide(x, sf, out=np.zeros_like(x), where=sf > 0))
+    return s, np.clip(q, -127, 127).astype(np.int8)
+
+
+LOG_SCALE_BIAS = 180  # one-byte scales: s = 2^((c - 180) / 8), c in 0..255 (SPEC.md §6.3)
+
+
+def _log_scale(c: np.ndarray) -> np.ndarray:
+    """The binary32 nearest to 2^((c - 180) / 8) (computed in binary64, then rounded)."""
+    return np.exp2((c.astype(np.float64) - LOG_SCALE_BIAS) / 8).astype(np.float32)
+
+
+def _log_int8(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 over ``axis`` with one-byte log-scale codes: the smallest s = 2^((c-180)/8)
+    with s >= absmax / 127 (absmax 0: c = 0)."""
+    a = np.abs(x).max(axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        c = np.ceil(np.log2(a / np.float32(127)) * 8) + LOG_SCALE_BIAS
+    c = np.where(a > 0, np.clip(c, 0, 255), 0).astype(np.uint8)
+    low = (_log_scale(c) * 127 < a) & (c < 255)  # float rounding at a code boundary: one code up
+    c[low] += 1
+    s = _log_scale(c)
+    q = np.rint(np.divide(x, s, out=np.zeros_like(x), where=a > 0))
+    return c, np.clip(q, -127, 127).astype(np.int8)
+
+
+def _groups(n: int, g: int) -> int:
+    return -(-n // g)
+
+
+def _minmax_codes(x: np.ndarray, bits: int, group: int, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric quantisation in groups of ``group`` along ``axis`` (KIVI): per group a float16
+    minimum (rounded down) and step (rounded up), codes in [0, 2^bits - 1]."""
+    levels = (1 << bits) - 1
+    n = x.shape[axis]
+    pad = _groups(n, group) * group - n
+    xm = np.moveaxis(x, axis, -1)
+    if pad:  # pad with the group's own values (edge), so min/max are those of the real elements
+        xm = np.concatenate([xm, np.repeat(xm[..., -1:], pad, axis=-1)], axis=-1)
+    xg = xm.reshape(*xm.shape[:-1], -1, group)
+    lo = xg.min(axis=-1).astype(np.float16)
+    lo_f = lo.astype(np.float32)
+    too_high = lo_f > xg.min(axis=-1)
+    lo[too_high] = np.nextafter(lo[too_high], np.float16(-np.inf))
+    lo_f = lo.astype(np.float32)
+    step = _f16_up((xg.max(axis=-1) - lo_f) / np.float32(levels))
+    step_f = step.astype(np.float32)[..., None]
+    q = np.rint(np.divide(xg - lo_f[..., None], step_f, out=np.zeros_like(xg), where=step_f > 0))
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(*xm.shape[:-1], -1)[..., :n]
+    return lo, step, np.moveaxis(q, -1, axis)
+
+
+def _minmax_decode(lo: np.ndarray, step: np.ndarray, q: np.ndarray, group: int, axis: int) -> np.ndarray:
+    n = q.shape[axis]
+    qm = np.moveaxis(q, axis, -1).astype(np.float32)
+    idx = np.arange(n) // group
+    out = lo.astype(np.float32)[..., idx] + qm * step.astype(np.float32)[..., idx]
+    return np.moveaxis(out, -1, axis)
+
+
+def _pack(codes: np.ndarray, bits: int) -> bytes:
+    """Codes (uint8 < 2^bits) in C order, packed little-end first: element i in bits
+    [(i % per) * bits, ...) of byte i // per (per = 8 / bits)."""
+    per = 8 // bits
+    c = codes.reshape(-1)
+    pad = (-len(c)) % per
+    if pad:
+        c = np.concatenate([c, np.zeros(pad, np.uint8)])
+    c = c.reshape(-1, per).astype(np.uint8)
+    out = np.zeros(len(c), np.uint8)
+    for j in range(per):
+        out |= c[:, j] << np.uint8(j * bits)
+    return out.tobytes()
+
+
+def _unpack(b: np.ndarray, bits: int, n: int) -> np.ndarray:
+    per = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    out = np.empty((len(b), per), np.uint8)
+    for j in range(per):
+        out[:, j] = (b >> np.uint8(j * bits)) & mask
+    return out.reshape(-1)[:n]
+
+
+# fp8 e4m3fn (OCP): bias 7, 3 mantissa bits, max 448, no infinities
+_E4M3 = np.array([((-1) ** (i >> 7)) * (((i & 7) / 8) * 2.0 ** -6 if (i >> 3) & 15 == 0
+                                         else (1 + (i & 7) / 8) * 2.0 ** (((i >> 3) & 15) - 7))
+                  for i in range(256)], dtype=np.float32)
+_E4M3[[0x7F, 0xFF]] = np.nan
+
+
+def _to_e4m3(y: np.ndarray) -> np.ndarray:
+    """float32 in [-448, 448] -> e4m3fn bytes, round to nearest even."""
+    a = np.abs(y)
+    _, k = np.frexp(np.maximum(a, np.float32(2.0 ** -6)))
+    step = np.ldexp(np.float32(1), (k - 1 - 3).astype(np.int32))  # ulp of the binade (subnormals: 2^-9)
+    q = np.minimum(np.rint(a / step) * step, np.float32(448))
+    m, k2 = np.frexp(q)  # q = m * 2^k2, m in [0.5, 1)
+    normal = q >= np.float32(2.0 ** -6)
+    e_field = np.where(normal, k2 - 1 + 7, 0)
+    mant = np.where(normal, np.rint((m * 2 - 1) * 8), np.rint(q / np.float32(2.0 ** -9)))
+    bits = (e_field.astype(np.uint8) << 3) | mant.astype(np.uint8)
+    return bits | (np.signbit(y) & (q > 0)).astype(np.uint8) << 7
+
+
+# --- the codecs ----------------------------------------------------------------------------------------
+
+def _kv_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return x[0], x[1]  # K [H, T, D], V [H, T, D]
+
+
+def encode(codec: Codec, raw: np.ndarray, ext: Extent, params: dict[str, Any]) -> bytes:
+    """Encode one extent given as its stored bytes (uint8, C order)."""
+    cid = codec.id
+    if cid == fmt.CODEC_RAW:
+        return raw.tobytes()
+    if cid == fmt.CODEC_ZSTD:
+        return zstd_compress(raw, _level(params))
+    if cid == fmt.CODEC_SHUFFLE_ZSTD:
+        return zstd_compress(_shuffle(raw, _itemsize(ext)), _level(params))
+    x = _finite_f32(raw, ext, codec.name)
+    if cid == fmt.CODEC_KV_INT8:
+        k, v = _kv_split(x)
+        sk, qk = _absmax_int8(k, axis=1)  # K: per channel (head, dim), over the tokens
+        cv, qv = _log_int8(v, axis=2)  # V: per token (head, token), over the dims; one-byte scales
+        body = b"".join([sk.astype("<f2").tobytes(), cv.tobytes(), qk.tobytes(), qv.tobytes()])
+    elif cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+        bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
+        g = params.get("group", 32)
+        k, v = _kv_split(x)
+        lk, stk, qk = _minmax_codes(k, bits, g, axis=1)  # K per channel, groups of g tokens
+        lv, stv, qv = _minmax_codes(v, bits, g, axis=2)  # V per token, groups of g dims
+        body = b"".join([np.stack([lk, stk], -1).astype("<f2").tobytes(),
+                         np.stack([lv, stv], -1).astype("<f2").tobytes(), _pack(qk, bits), _pack(qv, bits)])
+    elif cid == fmt.CODEC_KV_FP8:
+        k, v = _kv_split(x)
+        sk = _f16_up(np.abs(k).max(axis=1, keepdims=True) / np.float32(448))
+        sv = _f16_up(np.abs(v).max(axis=2, keepdims=True) / np.float32(448))
+        yk = np.divide(k, sk.astype(np.float32), out=np.zeros_like(k), where=sk > 0)
+        yv = np.divide(v, sv.astype(np.float32), out=np.zeros_like(v), where=sv > 0)
+        body = b"".join([sk.astype("<f2").tobytes(), sv.astype("<f2").tobytes(),
+                         _to_e4m3(yk).tobytes(), _to_e4m3(yv).tobytes()])
+    elif cid == fmt.CODEC_VEC_FP16:
+        body = x.astype("<f2").tobytes()
+    elif cid == fmt.CODEC_VEC_INT8:  # per vector: float32 minimum and step, uint8 codes
+        lo = x.min(axis=1, keepdims=True)
+        step = (x.max(axis=1, keepdims=True) - lo) / np.float32(255)
+        q = np.clip(np.rint(np.divide(x - lo, step, out=np.zeros_like(x), where=step > 0)), 0, 255).astype(np.uint8)
+        body = np.concatenate([lo, step], axis=1).astype("<f4").tobytes() + q.tobytes()
+    elif cid == fmt.CODEC_VEC_BINARY:
+        s = np.abs(x).mean(axis=1, dtype=np.float64).astype("<f4")
+        body = s.tobytes() + np.packbits(~np.signbit(x), axis=1, bitorder="little").tobytes()
+    else:
+        raise InvalidObject(f"codec {codec.name!r} cannot encode")
+    if "zstd" in params:
+        return zstd_compress(body, _level(params, "zstd"))
+    return body
+
+
+def body_length(codec: Codec, ext: Extent, params: dict[str, Any]) -> int:
+    """The exact byte length of a fixed-size codec's output for ``ext`` (before any zstd stage)."""
+    cid = codec.id
+    if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8, fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+        if len(ext.shape) != 4 or ext.shape[0] != 2:
+            raise CorruptionError("KV codec on an extent that is not one layer")
+        _, h, t, d = ext.shape
+        if cid == fmt.CODEC_KV_INT8:
+            return 2 * h * d + h * t + 2 * h * t * d
+        if cid == fmt.CODEC_KV_FP8:
+            return 2 * (h * d + h * t) + 2 * h * t * d
+        bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
+        g = _group(params)
+        per = 8 // bits
+        return 4 * h * (_groups(t, g) * d + t * _groups(d, g)) + 2 * (-(-h * t * d // per))
+    rows, dim = ext.shape
+    if cid == fmt.CODEC_VEC_FP16:
+        return 2 * rows * dim
+    if cid == fmt.CODEC_VEC_INT8:
+        return 8 * rows + rows * dim
+    if cid == fmt.CODEC_VEC_BINARY:
+        return 4 * rows + rows * -(-dim // 8)
+    raise CorruptionError(f"codec {codec.name!r} has no fixed length")
+
+
+def _group(params: dict[str, Any]) -> int:
+    g = params.get("group", 32)
+    if type(g) is not int or not 1 <= g <= 1 << 16:
+        raise CorruptionError(f"codec parameter 'group' must be an int in 1..65536, got {g!r}")
+    return g
+
+
+def decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+    """Decode one extent to its stored bytes (uint8, C order, ``ext.nbytes`` long).
+
+    Every length is checked against ``ext`` (from the record header) before anything is
+    allocated; any inconsistency is CorruptionError.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _decode(codec, data, ext, params)
+
+
+def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+    cid = codec.id
+    want = ext.nbytes
+    if cid == fmt.CODEC_RAW:
+        if len(data) != want:
+            raise CorruptionError(f"raw extent of {len(data)} bytes, expected {want}")
+        return np.frombuffer(data, np.uint8)
+    if cid == fmt.CODEC_ZSTD:
+        return np.frombuffer(zstd_decompress(data, want), np.uint8)
+    if cid == fmt.CODEC_SHUFFLE_ZSTD:
+        isz = _itemsize(ext)
+        return _unshuffle(np.frombuffer(zstd_decompress(data, want), np.uint8), isz)
+    n = body_length(codec, ext, params)
+    if "zstd" in params:
+        _level(params, "zstd")
+        data = zstd_decompress(data, n)
+    if len(data) != n:
+        raise CorruptionError(f"{codec.name} extent of {len(data)} bytes, expected {n}")
+    b = np.frombuffer(data, np.uint8)
+    if ext.dtype is None:
+        raise CorruptionError("lossy codec on an extent without a dtype")
+    if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8):
+        _, h, t, d = ext.shape
+        p = 0
+        sk = b[p : p + 2 * h * d].view("<f2").astype(np.float32).reshape(h, 1, d)
+        p += 2 * h * d
+        if cid == fmt.CODEC_KV_INT8:
+            sv = _log_scale(b[p : p + h * t]).reshape(h, t, 1)
+            p += h * t
+        else:
+            sv = b[p : p + 2 * h * t].view("<f2").astype(np.float32).reshape(h, t, 1)
+            p += 2 * h * t
+        if cid == fmt.CODEC_KV_INT8:
+            qk = b[p : p + h * t * d].view(np.int8).reshape(h, t, d).astype(np.float32)
+            qv = b[p + h * t * d :].view(np.int8).reshape(h, t, d).astype(np.float32)
+        else:
+            qk = _E4M3[b[p : p + h * t * d]].reshape(h, t, d)
+            qv = _E4M3[b[p + h * t * d :]].reshape(h, t, d)
+            if np.isnan(qk).any() or np.isnan(qv).any():
+                raise CorruptionError("fp8 extent holds a NaN code (never written)")
+        x = np.stack([qk * sk, qv * sv])
+    elif cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+        bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
+        g = _group(params)
+        _, h, t, d = ext.shape
+        nk = 4 * h * _groups(t, g) * d
+        nv = 4 * h * t * _groups(d, g)
+        pk = b[:nk].view("<f2").reshape(h, d, _groups(t, g), 2)  # K: (head, channel, token group)
+        pv = b[nk : nk + nv].view("<f2").reshape(h, t, _groups(d, g), 2)
+        per = 8 // bits
+        codes = b[nk + nv :]
+        half = -(-h * t * d // per)
+        qk = _unpack(codes[:half], bits, h * t * d).reshape(h, t, d)
+        qv = _unpack(codes[half:], bits, h * t * d).reshape(h, t, d)
+        k = _minmax_decode(pk[..., 0], pk[..., 1], qk, g, axis=1)
+        v = _minmax_decode(pv[..., 0], pv[..., 1], qv, g, axis=2)
+        x = np.stack([k, v])
+    elif cid == fmt.CODEC_VEC_FP16:
+        x = b.view("<f2").astype(np.float32).reshape(ext.shape)
+    elif cid == fmt.CODEC_VEC_INT8:
+        rows, dim = ext.shape
+        p = b[: 8 * rows].view("<f4").reshape(rows, 2)
+        x = p[:, :1] + b[8 * rows :].reshape(rows, dim).astype(np.float32) * p[:, 1:]
+    elif cid == fmt.CODEC_VEC_BINARY:
+        rows, dim = ext.shape
+        s = b[: 4 * rows].view("<f4").reshape(rows, 1)
+        bits_ = np.unpackbits(b[4 * rows :].reshape(rows, -1), axis=1, count=dim, bitorder="little")
+        x = np.where(bits_ == 1, s, -s).astype(np.float32)
+    else:
+        raise CorruptionError(f"codec {codec.name!r} cannot decode")
+    with np.errstate(invalid="ignore"):
+        out_of_range = x.size and not (np.abs(x).max() <= 66000)  # NaN compares false
+    if out_of_range:  # encoders take |x| <= 65504: anything else was damaged
+        raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
+    return from_float32(x, ext.dtype)
+
+
+# --- the registry ---------------------------------------------------------------------------------------
+
+_ALL = [
+    Codec(fmt.CODEC_RAW, "raw", True, ("kv", "vectors", "blob"), "exact", "1.0"),
+    Codec(fmt.CODEC_ZSTD, "zstd", True, ("kv", "vectors", "blob"), "exact", "1.08 (fp16 KV)", {"level": 3}),
+    Codec(fmt.CODEC_SHUFFLE_ZSTD, "shuffle+zstd", True, ("kv", "vectors"), "exact", "1.17 (fp16 KV)", {"level": 1}),
+    Codec(fmt.CODEC_KV_INT8, "int8", False, ("kv",),
+          "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = absmax / 127 per channel over the chunk's tokens "
+          "(float16, rounded up); V: s <= 1.0906 * absmax / 127 per token (one-byte log scale, >= 2^-22.5)",
+          "1.96 (head_dim 32), 1.99 (128)"),
+    Codec(fmt.CODEC_KV_INT4, "int4", False, ("kv",),
+          "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 15 (float16, rounded up) per group of 32: "
+          "K tokens of one channel, V dims of one token", "3.2", {"group": 32}),
+    Codec(fmt.CODEC_KV_INT2, "int2", False, ("kv",),
+          "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 3 per group of 32 (as int4)", "5.3",
+          {"group": 32}),
+    Codec(fmt.CODEC_KV_FP8, "fp8", False, ("kv",),
+          "|x - x'| <= |x| / 16 + s / 1024 + stored-dtype rounding, s = absmax / 448 (float16, rounded up) per K "
+          "channel and per V token", "1.94"),
+    Codec(fmt.CODEC_VEC_FP16, "fp16", False, ("vectors",),
+          "float16 rounding: |x - x'| <= |x| / 2048 (+ 2^-25 for subnormals)", "2.0 (fp32 input)"),
+    Codec(fmt.CODEC_VEC_INT8, "int8", False, ("vectors",),
+          "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 255 per vector (float32)",
+          "1.96 (fp16 input, dim 384)"),
+    Codec(fmt.CODEC_VEC_BINARY, "binary", False, ("vectors",),
+          "sign only: x' = +m where x >= 0, -m elsewhere, m = mean |x| of the vector (a coarse first pass; "
+          "re-score with exact vectors)", "16 (fp16 input)"),
+]
+BY_ID: dict[int, Codec] = {c.id: c for c in _ALL}
+_BY_NAME: dict[tuple[str, str], Codec] = {(c.name, k): c for c in _ALL for k in c.kinds}
+POST_ZSTD = frozenset({fmt.CODEC_KV_INT8, fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2, fmt.CODEC_KV_FP8,
+                       fmt.CODEC_VEC_FP16, fmt.CODEC_VEC_INT8, fmt.CODEC_VEC_BINARY})
+# blobs of these media types are already compressed: a blob codec stores them raw
+COMPRESSED_MEDIA = ("image/png", "image/jpeg", "image/webp", "image/gif", "video/", "audio/", "application/zstd",
+                    "application/gzip", "application/zip", "application/x-xz", "application/x-bzip2")
+
+
+def available() -> list[dict[str, Any]]:
+    """Every registered codec: id, name, lossless, kinds, declared bound, expected ratio, defaults."""
+    return [c.describe() for c in _ALL]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A codec with its parameters, as chosen for one put."""
+
+    codec: Codec
+    params: dict[str, Any]
+
+    @property
+    def spec(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()) if k != "zstd")
+        name = self.codec.name + ("+zstd" if "zstd" in self.params else "")
+        return name + (f":{extra}" if extra else "")
+
+
+def parse(spec: str | Choice, kind: str) -> Choice:
+    """``"int8"``, ``"int8+zstd"``, ``"zstd:level=9"``, ``"int4:group=64"`` -> a Choice for ``kind``."""
+    if isinstance(spec, Choice):
+        if kind not in spec.codec.kinds:
+            raise InvalidObject(f"codec {spec.codec.name!r} does not apply to {kind}")
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise InvalidObject(f"a codec is named by a string such as 'int8' or 'zstd:level=9', got {spec!r}")
+    name, _, args = spec.partition(":")
+    params: dict[str, Any] = {}
+    base = name
+    if name.endswith("+zstd") and name != "shuffle+zstd":
+        base = name[: -len("+zstd")]
+    codec = _BY_NAME.get((base, kind))
+    if codec is None:
+        names = sorted({c.name for c in _ALL if kind in c.kinds})
+        raise InvalidObject(f"no codec {name!r} for {kind}; available: {', '.join(names)}")
+    params.update(codec.defaults)
+    if base != name:
+        if codec.id not in POST_ZSTD:
+            raise InvalidObject(f"{base}+zstd is not a codec")
+        params["zstd"] = 3
+    for item in filter(None, args.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or not v.lstrip("-").isdigit():
+            raise InvalidObject(f"codec parameter {item!r}: expected name=integer")
+        key = "zstd" if k == "level" and "zstd" in params and codec.id in POST_ZSTD else k
+        if key not in params:
+            raise InvalidObject(f"codec {codec.name!r} has no parameter {k!r}")
+        params[key] = int(v)
+    for key in ("level", "zstd"):
+        if key in params and not 1 <= params[key] <= 22:
+            raise InvalidObject(f"zstd level must be 1..22, got {params[key]}")
+    if "group" in params and not 1 <= params["group"] <= 1 << 16:
+        raise InvalidObject(f"group must be 1..65536, got {params['group']}")
+    return Choice(codec, params)
+
+
+def check_params(codec: Codec, params: Any) -> None:
+    """Validate stored parameters (a decoded record): the names a codec knows, sane values."""
+    if not isinstance(params, dict):
+        raise CorruptionError("codec parameters are not a map")
+    allowed = set(codec.defaults) | ({"zstd"} if codec.id in POST_ZSTD else set())
+    if set(params) - allowed:
+        raise CorruptionError(f"unknown parameters {sorted(set(params) - allowed)} for codec {codec.name}")
+    if "level" in params:
+        _level(params)
+    if "zstd" in params:
+        _level(params, "zstd")
+    if "group" in params:
+        _group(params)
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+
+def evaluate(spec: str, sample: Any, *, kind: str | None = None, queries: Any = None) -> dict[str, Any]:
+    """Encode and decode ``sample`` (a KV chunk ``[layers, 2, H, T, D]`` or vectors ``[n, dim]``,
+    numpy, float16/bfloat16/float32) with codec ``spec``: ratio to the raw bytes, encode and
+    decode MB/s (of raw bytes, one thread), relative L2 error, max error over the declared
+    bound, and for KV the attention-output error ``|softmax(QK^T/sqrt d)V - exact| / |exact|``
+    (with ``queries`` ``[layers, H, T, D]``, else K as queries)."""
+    arr = np.asarray(sample)
+    kind = kind or ("kv" if arr.ndim == 5 else "vectors")
+    choice = parse(spec, kind)
+    dtype = {np.dtype("float16"): "float16", np.dtype("float32"): "float32",
+             np.dtype("float64"): "float64"}.get(arr.dtype)
+    if dtype is None:
+        raise InvalidObject(f"evaluate takes float16/32/64 numpy samples, got {arr.dtype}")
+    parts = [arr[i] for i in range(arr.shape[0])] if kind == "kv" else [arr]
+    exts = [Extent(kind, p.shape, dtype) for p in parts]
+    raws = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts]
+    t0 = time.perf_counter()
+    enc = [encode(choice.codec, r, e, choice.params) for r, e in zip(raws, exts)]
+    t1 = time.perf_counter()
+    dec = [decode(choice.codec, b, e, choice.params) for b, e in zip(enc, exts)]
+    t2 = time.perf_counter()
+    raw_bytes = sum(r.nbytes for r in raws)
+    x = np.concatenate([to_float32(r, dtype) for r in raws]).astype(np.float64)
+    y = np.concatenate([to_float32(d, dtype) for d in dec]).astype(np.float64)
+    out: dict[str, Any] = {
+        "codec": choice.spec, "id": choice.codec.id, "lossless": choice.codec.lossless,
+        "ratio": round(raw_bytes / max(1, sum(len(b) for b in enc)), 3),
+        "encode_mb_s": round(raw_bytes / 1e6 / max(t1 - t0, 1e-9), 1),
+        "decode_mb_s": round(raw_bytes / 1e6 / max(t2 - t1, 1e-9), 1),
+        "rel_l2": float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)),
+        "bit_exact": bool(all(np.array_equal(r, d) for r, d in zip(raws, dec))),
+    }
+    if kind == "kv":
+        dk = np.stack([to_float32(d, dtype).reshape(e.shape) for d, e in zip(dec, exts)])
+        xk = arr.astype(np.float32)
+        q = np.asarray(queries, dtype=np.float32) if queries is not None else xk[:, 0]
+        out["attention_error"] = attention_error(q, xk, dk)
+    return out
+
+
+def attention_error(q: np.ndarray, kv: np.ndarray, kv_hat: np.ndarray) -> float:
+    """Mean over layers of |softmax(Q K^T / sqrt d) V - same with decoded K, V| / |exact|."""
+    errs = []
+    for layer in range(kv.shape[0]):
+        outs = []
+        for k, v in ((kv[layer, 0], kv[layer, 1]), (kv_hat[layer, 0], kv_hat[layer, 1])):
+            s = np.einsum("htd,hsd->hts", q[layer], k) / math.sqrt(k.shape[-1])
+            s = np.exp(s - s.max(-1, keepdims=True))
+            outs.append(np.einsum("hts,hsd->htd", s / s.sum(-1, keepdims=True), v))
+        errs.append(float(np.linalg.norm(outs[0] - outs[1]) / max(np.linalg.norm(outs[0]), 1e-30)))
+    return float(np.mean(errs))
