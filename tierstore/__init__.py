@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import codecs
 from .errors import (
     AccessDenied,
     CorruptionError,
@@ -29,7 +30,6 @@ from .errors import (
     StoreNotFound,
     TierstoreError,
 )
-from . import codecs
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 from .prefix import chunk_hashes
 from .scoped import NamespaceHandle
