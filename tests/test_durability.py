@@ -146,6 +146,28 @@ def _kill_value(key: str, round_: int, i: int) -> bytes:
     return f"{key}/{round_}/{i}|".encode() * (1 + (i * 37) % 500)
 
 
+def _run_and_kill(writer, path: str, round_: int, rnd: random.Random) -> list[str]:
+    """Fork ``writer(path, pipe_fd, round_)``, SIGKILL it after a random moment, and return the
+    lines it wrote to the pipe (the last one possibly cut)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            writer(path, w, round_)
+        finally:
+            os._exit(0)
+    os.close(w)
+    time.sleep(rnd.uniform(0.005, 0.12))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    chunks = []
+    while data := os.read(r, 1 << 16):
+        chunks.append(data)
+    os.close(r)
+    return b"".join(chunks).decode().splitlines()
+
+
 def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
     """Hundreds of SIGKILLs at random moments (TIERSTORE_KILLS, default 200): after each, every
     acknowledged put and delete holds, in-flight ones landed entirely or not at all, and fsck
@@ -156,24 +178,8 @@ def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
     rnd = random.Random(7)
     landed_inflight = 0
     for round_ in range(kills):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child
-            os.close(r)
-            try:
-                _writer(path, w, round_)
-            finally:
-                os._exit(0)
-        os.close(w)
-        time.sleep(rnd.uniform(0.005, 0.12))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        chunks = []
-        while data := os.read(r, 1 << 16):
-            chunks.append(data)
-        os.close(r)
         inflight: dict[str, bytes | None] = {}
-        for line in b"".join(chunks).decode().splitlines():
+        for line in _run_and_kill(_writer, path, round_, rnd):
             parts = line.split()
             if len(parts) != 5:
                 continue  # the kill cut the last line
@@ -250,24 +256,8 @@ def test_sigkill_session_writer_keeps_reference_counts(tmp_path):
     rnd = random.Random(11)
     landed = ops_acked = 0
     for round_ in range(kills):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child
-            os.close(r)
-            try:
-                _session_writer(path, w, round_)
-            finally:
-                os._exit(0)
-        os.close(w)
-        time.sleep(rnd.uniform(0.005, 0.12))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        chunks = []
-        while data := os.read(r, 1 << 16):
-            chunks.append(data)
-        os.close(r)
         inflight = None
-        for line in b"".join(chunks).decode().splitlines():
+        for line in _run_and_kill(_session_writer, path, round_, rnd):
             parts = line.split()
             if len(parts) != 4:
                 continue  # the kill cut the last line
