@@ -1,7 +1,8 @@
 """An independent reader of tierstore stores, written from SPEC.md alone.
 
 It does not import tierstore, nor LMDB: it scans the segments (SPEC.md §12), which is also
-the format's recovery path.  Dependencies: the standard library and numpy.  It carries its
+the format's recovery path.  Dependencies: the standard library, numpy, and zstandard (for the
+zstd codecs of SPEC.md §6, imported only when a store uses them).  It carries its
 own CRC-32C (Appendix A) and a decoder for the msgpack subset of SPEC.md §5.2.
 
     python format/reference_reader.py STORE_DIR          # lists every live object
