@@ -90,7 +90,7 @@ def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
     torch = _torch()
     for c in codecs.available():
         for kind in c["kinds"]:
-            for spec in [c["name"]] + ([c["name"] + "+zstd"] if not c["lossless"] else []):
+            for spec in [c["name"]] + ([c["name"] + "+zstd"] if c["id"] in codecs.POST_ZSTD else []):
                 key = f"{kind}-{spec}"
                 if kind == "kv":
                     s.put(key, KVCache(kv, layer_start=3), namespace="codecs", codec=spec)

@@ -370,7 +370,41 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
 # --- §6: codecs -------------------------------------------------------------------------------
 CODECS = {0: ("raw", ("kv", "vectors", "blob")), 1: ("zstd", ("kv", "vectors", "blob")),
           2: ("shuffle+zstd", ("kv", "vectors")), 3: ("int8", ("kv",)), 4: ("int4", ("kv",)), 5: ("int2", ("kv",)),
-          6: ("fp8", ("kv",)), 7: ("fp16", ("vectors",)), 8: ("int8", ("vectors",)), 9: ("binary", ("vectors",))}
+          6: ("fp8", ("kv",)), 7: ("fp16", ("vectors",)), 8: ("int8", ("vectors",)), 9: ("binary", ("vectors",)),
+          10: ("kvq-ans", ("kv",))}
+
+
+def rans_decode(b: bytes, f: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+    """§6.5: the n symbols of the rANS stream at the start of b, and the stream's length."""
+    if int(f.sum()) != 4096:
+        raise FormatError("rANS table does not sum to 4096")
+    lanes = min(256, n)
+    steps = -(-n // lanes)
+    if len(b) < 4 * lanes + 4:
+        raise FormatError("rANS stream cut")
+    x = np.frombuffer(b, "<u4", lanes).astype(np.int64)
+    n_words = struct.unpack_from("<I", b, 4 * lanes)[0]
+    start = 4 * lanes + 4
+    if len(b) < start + 2 * n_words or (x < 1 << 16).any():
+        raise FormatError("rANS stream cut or bad state")
+    words = np.frombuffer(b, "<u2", n_words, start).astype(np.int64)
+    cum = np.concatenate([[0], np.cumsum(f)])
+    symbol_of_slot = np.searchsorted(cum, np.arange(4096), side="right") - 1
+    out = np.empty((steps, lanes), np.int64)
+    used = 0
+    for i in range(steps):
+        slot = x % 4096
+        s = symbol_of_slot[slot]
+        out[i] = s
+        x = f[s] * (x // 4096) + slot - cum[s]
+        need = np.nonzero(x < 1 << 16)[0]  # increasing lane order
+        if used + len(need) > n_words:
+            raise FormatError("rANS stream ends early")
+        x[need] = x[need] * 65536 + words[used : used + len(need)]
+        used += len(need)
+    if used != n_words or (x != 1 << 16).any():
+        raise FormatError("rANS stream does not end cleanly")
+    return out.reshape(-1)[:n], start + 2 * n_words
 
 
 def unzstd(b: bytes, size: int) -> bytes:
@@ -404,7 +438,7 @@ def unpack_bits(b: bytes, bits: int, n: int) -> np.ndarray:
     return np.stack([(a >> (j * bits)) & ((1 << bits) - 1) for j in range(per)], axis=1).reshape(-1)[:n]
 
 
-def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str, Any]) -> np.ndarray:
+def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str, Any], layer: int = 0) -> np.ndarray:
     """§6.3-6.4: one extent's float32 values."""
     def take(n: int) -> bytes:
         nonlocal b
@@ -412,7 +446,26 @@ def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str,
             raise FormatError("coded extent too short")
         out, b = b[:n], b[n:]
         return out
-    if codec in (3, 4, 5, 6):
+    if codec == 10:
+        _, h, t, d = shape
+        bins, shallow = params["bins"], params["shallow"]
+        nb = bins[0] if layer < shallow else bins[1]
+        p = f16_up_down(take(4 * h * d)).reshape(h, d, 2)
+        mm = nb // 2 - 1
+        sv = (2.0 ** ((np.frombuffer(take(h * t), np.uint8).astype(np.float64) - 180) / 8) * (127 / mm)).astype(F32)
+        fk = np.frombuffer(take(2 * nb), "<u2").astype(np.int64)
+        fv = np.frombuffer(take(2 * nb), "<u2").astype(np.int64)
+        if fv[nb - 1]:
+            raise FormatError("kvq-ans V table")
+        ck, used = rans_decode(b, fk, h * t * d)
+        take(used)
+        cv, used = rans_decode(b, fv, h * t * d)
+        take(used)
+        lo, st = p[:, :, 0][:, None, :], p[:, :, 1][:, None, :]  # [h, 1, d]
+        k = lo + ck.reshape(h, t, d).astype(F32) * st
+        v = (cv.reshape(h, t, d) - (nb // 2 - 1)).astype(F32) * sv.reshape(h, t, 1)
+        x = np.stack([k, v])
+    elif codec in (3, 4, 5, 6):
         _, h, t, d = shape
         if codec in (3, 6):
             sk = f16_up_down(take(2 * h * d)).reshape(h, 1, d)
@@ -493,7 +546,8 @@ def decode_extent(r: Record, i: int, b: bytes) -> bytes:
             b = zstandard.ZstdDecompressor().decompress(b, max_output_size=logical * 2 + 8 * shape[0] + 4096)
         except zstandard.ZstdError as e:
             raise FormatError(f"zstd: {e}") from None
-    out = to_stored(decode_lossy(codec, b, shape, params), m["dtype"])
+    layer = m["layer_start"] + i if r.kind == 1 else 0
+    out = to_stored(decode_lossy(codec, b, shape, params, layer), m["dtype"])
     if len(out) != logical:
         raise FormatError("decoded extent size")
     return out

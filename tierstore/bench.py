@@ -611,7 +611,8 @@ def bench_codecs(say: Callable[..., None]) -> dict[str, Any]:
         pairs = [(np.stack([npz[d + "_k"], npz[d + "_v"]], axis=1), npz[d + "_q"]) for d in docs]
     out: dict[str, Any] = {"kv_sample": os.path.basename(kv_path), "kv_shape": list(pairs[0][0].shape),
                            "kv": [], "vectors": []}
-    kv_specs = ["raw", "zstd", "shuffle+zstd", "fp8", "int8", "int8+zstd", "int4", "int4+zstd", "int2", "int2+zstd"]
+    kv_specs = ["raw", "zstd", "shuffle+zstd", "fp8", "int8", "int8+zstd", "int4", "int4+zstd", "int2", "int2+zstd",
+                "kvq-ans:bins=64/32", "kvq-ans", "kvq-ans:bins=12/12"]
     for spec in kv_specs:
         runs = [codecs.evaluate(spec, kv, queries=q) for kv, q in pairs]
         row = {k: round(float(np.mean([r[k] for r in runs])), 1 if k.endswith("mb_s") else 5)

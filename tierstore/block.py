@@ -90,7 +90,8 @@ def extent_shapes(kind: int, meta: dict[str, Any]) -> list[cdc.Extent]:
     """What each extent of a record holds (SPEC.md §5.3): the codecs' view of them."""
     if kind == fmt.KIND_KV:
         name = fmt.DTYPES[meta["dtype"]][0]
-        return [cdc.Extent("kv", tuple(meta["shape"][1:]), name)] * meta["shape"][0]
+        return [cdc.Extent("kv", tuple(meta["shape"][1:]), name, meta["layer_start"] + i)
+                for i in range(meta["shape"][0])]
     if kind == fmt.KIND_VECTORS:
         n, dim = meta["shape"]
         rpe = meta["rows_per_extent"]

@@ -23,6 +23,7 @@ import numpy as np
 import zstandard
 
 from . import format as fmt
+from . import rans
 from .errors import CorruptionError, InvalidObject
 
 FP16_MAX = 65504.0
@@ -37,6 +38,7 @@ class Extent:
     kind: str
     shape: tuple[int, ...]
     dtype: str | None
+    index: int = 0  # KV: the model layer of this extent (layer_start + position)
 
     @property
     def nbytes(self) -> int:
@@ -178,33 +180,35 @@ def _absmax_int8(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 LOG_SCALE_BIAS = 180  # one-byte scales: s = 2^((c - 180) / 8), c in 0..255 (SPEC.md §6.3)
 
 
-def _log_scale(c: np.ndarray) -> np.ndarray:
-    """The binary32 nearest to 2^((c - 180) / 8) (computed in binary64, then rounded)."""
-    return np.exp2((c.astype(np.float64) - LOG_SCALE_BIAS) / 8).astype(np.float32)
+def _log_scale(c: np.ndarray, m: int = 127) -> np.ndarray:
+    """The binary32 nearest to 2^((c - 180) / 8) * 127 / m (computed in binary64, then rounded):
+    with codes in [-m, m] the largest magnitude is 127 * 2^((c - 180) / 8) whatever m is."""
+    return (np.exp2((c.astype(np.float64) - LOG_SCALE_BIAS) / 8) * (127 / m)).astype(np.float32)
 
 
-def _log_int8(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 over ``axis`` with one-byte log-scale codes: the smallest s = 2^((c-180)/8)
-    with s >= absmax / 127 (absmax 0: c = 0)."""
+def _log_int8(x: np.ndarray, axis: int, m: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric quantisation to [-m, m] over ``axis`` with one-byte log-scale codes: the
+    smallest c with m * s(c) >= absmax, s(c) = 2^((c-180)/8) * 127 / m (absmax 0: c = 0)."""
     a = np.abs(x).max(axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):
         c = np.ceil(np.log2(a / np.float32(127)) * 8) + LOG_SCALE_BIAS
     c = np.where(a > 0, np.clip(c, 0, 255), 0).astype(np.uint8)
-    low = (_log_scale(c) * 127 < a) & (c < 255)  # float rounding at a code boundary: one code up
+    low = (_log_scale(c, m) * m < a) & (c < 255)  # float rounding at a code boundary: one code up
     c[low] += 1
-    s = _log_scale(c)
+    s = _log_scale(c, m)
     q = np.rint(np.divide(x, s, out=np.zeros_like(x), where=a > 0))
-    return c, np.clip(q, -127, 127).astype(np.int8)
+    return c, np.clip(q, -m, m).astype(np.int8 if m <= 127 else np.int16)
 
 
 def _groups(n: int, g: int) -> int:
     return -(-n // g)
 
 
-def _minmax_codes(x: np.ndarray, bits: int, group: int, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _minmax_codes(x: np.ndarray, bits: int, group: int, axis: int,
+                  levels: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric quantisation in groups of ``group`` along ``axis`` (KIVI): per group a float16
-    minimum (rounded down) and step (rounded up), codes in [0, 2^bits - 1]."""
-    levels = (1 << bits) - 1
+    minimum (rounded down) and step (rounded up), codes in [0, levels] (levels = 2^bits - 1)."""
+    levels = (1 << bits) - 1 if levels is None else levels
     n = x.shape[axis]
     pad = _groups(n, group) * group - n
     xm = np.moveaxis(x, axis, -1)
@@ -305,6 +309,8 @@ def encode(codec: Codec, raw: np.ndarray, ext: Extent, params: dict[str, Any]) -
         lv, stv, qv = _minmax_codes(v, bits, g, axis=2)  # V per token, groups of g dims
         body = b"".join([np.stack([lk, stk], -1).astype("<f2").tobytes(),
                          np.stack([lv, stv], -1).astype("<f2").tobytes(), _pack(qk, bits), _pack(qv, bits)])
+    elif cid == fmt.CODEC_KV_ANS:
+        return _kvq_ans_encode(x, ext, params)
     elif cid == fmt.CODEC_KV_FP8:
         k, v = _kv_split(x)
         sk = _f16_up(np.abs(k).max(axis=1, keepdims=True) / np.float32(448))
@@ -330,12 +336,77 @@ def encode(codec: Codec, raw: np.ndarray, ext: Extent, params: dict[str, Any]) -
     return body
 
 
+def kvq_bins(params: dict[str, Any], layer: int) -> int:
+    """The number of bins of ``layer`` (SPEC.md §6.6): the first for shallow layers."""
+    bins, shallow = params.get("bins"), params.get("shallow")
+    if (not isinstance(bins, list) or len(bins) != 2 or not all(type(b) is int and 4 <= b <= 256 and b % 2 == 0
+                                                                for b in bins)):
+        raise CorruptionError(f"codec parameter 'bins' must be two even ints in 4..256, got {bins!r}")
+    if type(shallow) is not int or not 0 <= shallow <= 1 << 16:
+        raise CorruptionError(f"codec parameter 'shallow' must be an int in 0..65536, got {shallow!r}")
+    return bins[0] if layer < shallow else bins[1]
+
+
+def _kvq_ans_encode(x: np.ndarray, ext: Extent, params: dict[str, Any]) -> bytes:
+    """kvq-ans: K per channel (asymmetric, B levels), V per token (symmetric, B - 1 levels,
+    one-byte log scales), each half entropy-coded with its own frequency table (rANS)."""
+    b = kvq_bins(params, ext.index)
+    k, v = _kv_split(x)
+    _, h, t, d = ext.shape
+    lo, st, ck = _minmax_codes(k, 8, t, axis=1, levels=b - 1)  # K: one group = all tokens of a channel
+    m = b // 2 - 1
+    cv, qv = _log_int8(v, axis=2, m=m)
+    sk = ck.reshape(-1).astype(np.int64)
+    sv = qv.reshape(-1).astype(np.int64) + m
+    fk = rans.normalize(np.bincount(sk, minlength=b))
+    fv = rans.normalize(np.bincount(sv, minlength=b))
+    return b"".join([np.stack([lo[..., 0], st[..., 0]], -1).astype("<f2").tobytes(), cv.tobytes(),
+                     fk.astype("<u2").tobytes(), fv.astype("<u2").tobytes(), rans.encode(sk, fk), rans.encode(sv, fv)])
+
+
+def _kvq_ans_decode(data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+    b = kvq_bins(params, ext.index)
+    _, h, t, d = ext.shape
+    fixed = 4 * h * d + h * t + 4 * b
+    mv = memoryview(data)
+    if len(mv) < fixed:
+        raise CorruptionError(f"kvq-ans extent of {len(mv)} bytes, shorter than its tables ({fixed})")
+    pk = np.frombuffer(mv, "<f2", 2 * h * d).reshape(h, d, 1, 2)
+    cv = np.frombuffer(mv, np.uint8, h * t, 4 * h * d).reshape(h, t, 1)
+    fk = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t).astype(np.int64)
+    fv = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t + 2 * b).astype(np.int64)
+    if fv[b - 1] != 0:
+        raise CorruptionError("kvq-ans V table gives a frequency to a symbol outside [-m, m]")
+    n = h * t * d
+    ck, used_k = rans.decode(mv[fixed:], fk, n)
+    qv, used_v = rans.decode(mv[fixed + used_k :], fv, n)
+    if fixed + used_k + used_v != len(mv):
+        raise CorruptionError("kvq-ans extent has bytes after its streams")
+    k = _minmax_decode(pk[..., 0], pk[..., 1], ck.reshape(h, t, d).astype(np.uint8), t, axis=1)
+    v = (qv.reshape(h, t, d) - (b // 2 - 1)).astype(np.float32) * _log_scale(cv, b // 2 - 1)
+    return np.stack([k, v])
+
+
+def max_length(codec: Codec, ext: Extent, params: dict[str, Any]) -> int:
+    """An upper bound of a variable-length codec's stored extent (for validation)."""
+    if codec.id == fmt.CODEC_KV_ANS:
+        _, h, t, d = ext.shape
+        n = h * t * d
+        stream = 4 * rans.lanes_for(n) + 4 + 2 * (n + rans.lanes_for(n))
+        return 4 * h * d + h * t + 4 * kvq_bins(params, ext.index) + 2 * stream
+    if codec.lossless or "zstd" in params:
+        return zstd_bound(ext.nbytes if codec.lossless else body_length(codec, ext, params))
+    return body_length(codec, ext, params)
+
+
 def body_length(codec: Codec, ext: Extent, params: dict[str, Any]) -> int:
     """The exact byte length of a fixed-size codec's output for ``ext`` (before any zstd stage)."""
     cid = codec.id
-    if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8, fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+    if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8, fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2, fmt.CODEC_KV_ANS):
         if len(ext.shape) != 4 or ext.shape[0] != 2:
             raise CorruptionError("KV codec on an extent that is not one layer")
+        if cid == fmt.CODEC_KV_ANS:
+            raise CorruptionError("kvq-ans has no fixed length")
         _, h, t, d = ext.shape
         if cid == fmt.CODEC_KV_INT8:
             return 2 * h * d + h * t + 2 * h * t * d
@@ -384,6 +455,11 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.
     if cid == fmt.CODEC_SHUFFLE_ZSTD:
         isz = _itemsize(ext)
         return _unshuffle(np.frombuffer(zstd_decompress(data, want), np.uint8), isz)
+    if cid == fmt.CODEC_KV_ANS:
+        if ext.dtype is None or len(ext.shape) != 4 or ext.shape[0] != 2:
+            raise CorruptionError("kvq-ans on an extent that is not one KV layer")
+        x = _kvq_ans_decode(data, ext, params)
+        return _checked_out(codec, x, ext.dtype)
     n = body_length(codec, ext, params)
     if "zstd" in params:
         _level(params, "zstd")
@@ -442,11 +518,15 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.
         x = np.where(bits_ == 1, s, -s).astype(np.float32)
     else:
         raise CorruptionError(f"codec {codec.name!r} cannot decode")
+    return _checked_out(codec, x, ext.dtype)
+
+
+def _checked_out(codec: Codec, x: np.ndarray, dtype: str) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         out_of_range = x.size and not (np.abs(x).max() <= 66000)  # NaN compares false
     if out_of_range:  # encoders take |x| <= 65504: anything else was damaged
         raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
-    return from_float32(x, ext.dtype)
+    return from_float32(x, dtype)
 
 
 # --- the registry ---------------------------------------------------------------------------------------
@@ -468,6 +548,11 @@ _ALL = [
     Codec(fmt.CODEC_KV_FP8, "fp8", False, ("kv",),
           "|x - x'| <= |x| / 16 + s / 1024 + stored-dtype rounding, s = absmax / 448 (float16, rounded up) per K "
           "channel and per V token", "1.94"),
+    Codec(fmt.CODEC_KV_ANS, "kvq-ans", False, ("kv",),
+          "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = (max - min) / (B - 1) per channel over the chunk's "
+          "tokens (float16: min rounded down, s up); V: s <= 1.0906 * absmax / (B/2 - 1) per token; B = bins of the "
+          "layer", "3.5 at 6% attention error (bins=32/26, the default); 4.9 (bins=12/12)",
+          {"bins": [32, 26], "shallow": 2}),
     Codec(fmt.CODEC_VEC_FP16, "fp16", False, ("vectors",),
           "float16 rounding: |x - x'| <= |x| / 2048 (+ 2^-25 for subnormals)", "2.0 (fp32 input)"),
     Codec(fmt.CODEC_VEC_INT8, "int8", False, ("vectors",),
@@ -500,7 +585,8 @@ class Choice:
 
     @property
     def spec(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()) if k != "zstd")
+        extra = ",".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, list) else v}"
+                         for k, v in sorted(self.params.items()) if k != "zstd")
         name = self.codec.name + ("+zstd" if "zstd" in self.params else "")
         return name + (f":{extra}" if extra else "")
 
@@ -529,6 +615,12 @@ def parse(spec: str | Choice, kind: str) -> Choice:
         params["zstd"] = 3
     for item in filter(None, args.split(",")):
         k, eq, v = item.partition("=")
+        if k == "bins" and "bins" in params:  # kvq-ans: bins=SHALLOW/DEEP
+            parts = v.split("/")
+            if len(parts) != 2 or not all(p.isdigit() and 4 <= int(p) <= 256 and int(p) % 2 == 0 for p in parts):
+                raise InvalidObject(f"codec parameter {item!r}: expected bins=SHALLOW/DEEP, even numbers in 4..256")
+            params["bins"] = [int(parts[0]), int(parts[1])]
+            continue
         if not eq or not v.lstrip("-").isdigit():
             raise InvalidObject(f"codec parameter {item!r}: expected name=integer")
         key = "zstd" if k == "level" and "zstd" in params and codec.id in POST_ZSTD else k
@@ -556,6 +648,8 @@ def check_params(codec: Codec, params: Any) -> None:
         _level(params, "zstd")
     if "group" in params:
         _group(params)
+    if "bins" in params or codec.id == fmt.CODEC_KV_ANS:
+        kvq_bins(params, 0)
 
 
 # --- evaluation ------------------------------------------------------------------------------------------
@@ -574,7 +668,7 @@ def evaluate(spec: str, sample: Any, *, kind: str | None = None, queries: Any = 
     if dtype is None:
         raise InvalidObject(f"evaluate takes float16/32/64 numpy samples, got {arr.dtype}")
     parts = [arr[i] for i in range(arr.shape[0])] if kind == "kv" else [arr]
-    exts = [Extent(kind, p.shape, dtype) for p in parts]
+    exts = [Extent(kind, p.shape, dtype, i) for i, p in enumerate(parts)]
     raws = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts]
     t0 = time.perf_counter()
     enc = [encode(choice.codec, r, e, choice.params) for r, e in zip(raws, exts)]

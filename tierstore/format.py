@@ -111,9 +111,10 @@ CODEC_KV_FP8 = 6  # 1.2: lossy, KV: e4m3 with K per channel / V per token float1
 CODEC_VEC_FP16 = 7  # 1.2: lossy, vectors
 CODEC_VEC_INT8 = 8  # 1.2: lossy, vectors: per-vector float32 scale
 CODEC_VEC_BINARY = 9  # 1.2: lossy, vectors: sign bits and the mean magnitude
+CODEC_KV_ANS = 10  # 1.2: lossy, KV: quantised with per-layer bins, then rANS-coded
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_SHUFFLE_ZSTD: "shuffle+zstd", CODEC_KV_INT8: "int8",
                CODEC_KV_INT4: "int4", CODEC_KV_INT2: "int2", CODEC_KV_FP8: "fp8", CODEC_VEC_FP16: "fp16",
-               CODEC_VEC_INT8: "int8", CODEC_VEC_BINARY: "binary"}
+               CODEC_VEC_INT8: "int8", CODEC_VEC_BINARY: "binary", CODEC_KV_ANS: "kvq-ans"}
 RETIRED_CODECS: tuple[int, ...] = ()
 
 # --- SPEC.md §8 Limits -------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Interleaved rANS entropy coding with static frequency tables (SPEC.md §6.6).
+
+One job: symbols <-> bytes, given a frequency table that sums to 2^12.  The coder is the
+textbook byte-exact rANS with a 32-bit state and 16-bit renormalisation, run on many lanes
+at once (symbol j goes to lane j mod lanes) so that numpy can vectorise it; all lanes share
+one word stream.  Every step is integer arithmetic, so any reader that follows SPEC.md
+decodes the same symbols.  No I/O; decoders validate everything and raise CorruptionError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CorruptionError
+
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS
+STATE_LOW = 1 << 16  # states live in [2^16, 2^32)
+MAX_LANES = 256
+
+
+def lanes_for(n: int) -> int:
+    return max(1, min(MAX_LANES, n))
+
+
+def normalize(counts: np.ndarray) -> np.ndarray:
+    """Symbol counts -> uint16 frequencies summing to 2^12, nonzero wherever a count is."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        raise ValueError("no symbols")
+    f = counts * PROB_SCALE // total
+    f[(counts > 0) & (f == 0)] = 1
+    f[int(np.argmax(counts))] += PROB_SCALE - int(f.sum())
+    if f.min() < 0 or (f[counts > 0] < 1).any():
+        raise ValueError("cannot normalise these counts")  # (more than 2^11 rare symbols)
+    return f.astype(np.uint16)
+
+
+def pad_symbol(freqs: np.ndarray) -> int:
+    """The symbol that fills the last step of lanes: the most frequent (lowest on ties)."""
+    return int(np.argmax(freqs))
+
+
+def encode(symbols: np.ndarray, freqs: np.ndarray) -> bytes:
+    """``symbols`` (ints < len(freqs), each with a nonzero frequency) -> the stream:
+    ``state u32[lanes]``, ``n_words u32``, ``words u16[n_words]``."""
+    n = len(symbols)
+    lanes = lanes_for(n)
+    steps = -(-n // lanes)
+    sym = np.full(steps * lanes, pad_symbol(freqs), dtype=np.int64)
+    sym[:n] = symbols
+    sym = sym.reshape(steps, lanes)
+    f_all = freqs.astype(np.uint64)
+    cum = np.concatenate([[0], np.cumsum(f_all)[:-1]]).astype(np.uint64)
+    x = np.full(lanes, STATE_LOW, dtype=np.uint64)
+    chunks: list[np.ndarray] = []
+    for i in range(steps - 1, -1, -1):
+        s = sym[i]
+        f = f_all[s]
+        c = cum[s]
+        out = x >= (f << np.uint64(20))  # renormalise first: the next state must stay < 2^32
+        if out.any():
+            chunks.append((x[out] & np.uint64(0xFFFF)).astype(np.uint16)[::-1])
+            x[out] >>= np.uint64(16)
+        x = (x // f << np.uint64(PROB_BITS)) + x % f + c
+    words = np.concatenate(chunks)[::-1] if chunks else np.zeros(0, np.uint16)
+    return b"".join([x.astype("<u4").tobytes(), np.uint32(len(words)).astype("<u4").tobytes(),
+                     words.astype("<u2").tobytes()])
+
+
+def decode(data: memoryview | bytes, freqs: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+    """The first ``n`` symbols of the stream at the start of ``data``, and the stream's length."""
+    if freqs.ndim != 1 or int(freqs.astype(np.int64).sum()) != PROB_SCALE:
+        raise CorruptionError("rANS frequency table does not sum to 2^12")
+    lanes = lanes_for(n)
+    steps = -(-n // lanes)
+    head = 4 * lanes + 4
+    if len(data) < head:
+        raise CorruptionError("rANS stream truncated")
+    x = np.frombuffer(data, "<u4", lanes).astype(np.uint64)
+    n_words = int(np.frombuffer(data, "<u4", 1, 4 * lanes)[0])
+    end = head + 2 * n_words
+    if len(data) < end or (x < STATE_LOW).any():
+        raise CorruptionError("rANS stream truncated or with a bad state")
+    words = np.frombuffer(data, "<u2", n_words, head).astype(np.uint64)
+    f_all = freqs.astype(np.uint64)
+    cum = np.concatenate([[0], np.cumsum(f_all)[:-1]]).astype(np.uint64)
+    slot_sym = np.repeat(np.arange(len(freqs)), freqs.astype(np.int64))
+    out = np.empty((steps, lanes), dtype=np.int64)
+    pos = 0
+    mask = np.uint64(PROB_SCALE - 1)
+    for i in range(steps):
+        slot = x & mask
+        s = slot_sym[slot.astype(np.int64)]
+        out[i] = s
+        x = f_all[s] * (x >> np.uint64(PROB_BITS)) + slot - cum[s]
+        low = x < STATE_LOW
+        k = int(low.sum())
+        if k:
+            if pos + k > n_words:
+                raise CorruptionError("rANS stream ends early")
+            x[low] = (x[low] << np.uint64(16)) | words[pos : pos + k]
+            pos += k
+    if pos != n_words or (x != STATE_LOW).any():
+        raise CorruptionError("rANS stream does not end where it should")
+    return out.reshape(-1)[:n], end
