@@ -102,6 +102,12 @@ def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
                 else:
                     s.put(key, Blob(b"a compressible blob " * 300), namespace="codecs", codec=spec)
     s.put("kv-int4-group8", KVCache(kv), namespace="codecs", codec="int4:group=8")
+    samples = [json.dumps({"turn": i, "role": ("user", "assistant")[i % 2],
+                           "text": f"message {i * 7919 % 1000}"}).encode() for i in range(400)]
+    did = s.train_dictionary(samples[:300], namespace="codecs", size=2048)
+    for i in (300, 301, 399):
+        s.put(f"blob-zstd-dict-{i}", Blob(samples[i], media_type="application/json"), namespace="codecs",
+              codec=f"zstd:dict={did}")
     s.put("png-zstd", Blob(b"\x89PNG not recompressed" * 100, media_type="image/png"), namespace="codecs",
           codec="zstd")
 

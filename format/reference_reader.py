@@ -407,14 +407,18 @@ def rans_decode(b: bytes, f: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     return out.reshape(-1)[:n], start + 2 * n_words
 
 
-def unzstd(b: bytes, size: int) -> bytes:
+def unzstd(b: bytes, size: int, dictionary: bytes | None = None) -> bytes:
     """§6.2: one frame declaring exactly `size` bytes (checked before decompressing)."""
     import zstandard
     try:
         declared = zstandard.frame_content_size(b)
         if declared != size:
             raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
-        out = zstandard.ZstdDecompressor().decompress(b, max_output_size=size)
+        if dictionary is None:
+            dec = zstandard.ZstdDecompressor()
+        else:
+            dec = zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(dictionary))
+        out = dec.decompress(b, max_output_size=size)
     except zstandard.ZstdError as e:
         raise FormatError(f"zstd: {e}") from None
     if len(out) != size:
@@ -516,7 +520,7 @@ def to_stored(x: np.ndarray, dtype: int) -> bytes:
     return x.astype({"float16": "<f2", "float32": "<f4", "float64": "<f8"}[name]).tobytes()
 
 
-def decode_extent(r: Record, i: int, b: bytes) -> bytes:
+def decode_extent(r: Record, i: int, b: bytes, dictionary: bytes | None = None) -> bytes:
     """§6: the logical bytes of extent i from its stored bytes."""
     codec, m = r.codec, r.meta
     params = m.get("codec_params", {})
@@ -531,7 +535,9 @@ def decode_extent(r: Record, i: int, b: bytes) -> bytes:
     else:
         width = 1 if r.kind == 3 else np.dtype(DTYPES[m["dtype"]][1]).itemsize
     if codec == 1:
-        return unzstd(b, logical)
+        if ("dict" in params) != (dictionary is not None):
+            raise FormatError("zstd dictionary missing")
+        return unzstd(b, logical, dictionary)
     if codec == 2:
         s = np.frombuffer(unzstd(b, logical), np.uint8)
         return s.reshape(width, -1).T.tobytes()
@@ -553,14 +559,15 @@ def decode_extent(r: Record, i: int, b: bytes) -> bytes:
     return out
 
 
-def decode(r: Record, data: bytes) -> Any:
-    """The object of a PUT record, every extent checksum verified and decoded (§6)."""
+def decode(r: Record, data: bytes, dictionary: bytes | None = None) -> Any:
+    """The object of a PUT record, every extent checksum verified and decoded (§6);
+    ``dictionary``: the zstd dictionary its `codec_params.dict` names (see `dictionary_for`)."""
     parts = []
     for i, (off, length, ecrc) in enumerate(r.extents):
         b = data[r.offset + off : r.offset + off + length]
         if len(b) != length or crc32c(b) != ecrc:
             raise FormatError(f"{r.segment}@{r.offset}: extent checksum")
-        parts.append(decode_extent(r, i, b))
+        parts.append(decode_extent(r, i, b, dictionary))
     m = r.meta
     if r.kind == 3:
         return parts[0]
@@ -574,13 +581,25 @@ def decode(r: Record, data: bytes) -> Any:
     return arr, ids
 
 
+def dictionary_for(r: Record, state: dict[tuple[bytes, bytes], Record], files: dict[str, bytes]) -> bytes | None:
+    """§6.2: the zstd dictionary a record names: a blob in namespace "\\x00dict" whose key is
+    ns_len ns dict_id:u32be."""
+    did = r.meta.get("codec_params", {}).get("dict")
+    if did is None:
+        return None
+    d = state.get((b"\x00dict", bytes((len(r.namespace),)) + r.namespace + struct.pack(">I", did)))
+    if d is None:
+        raise FormatError(f"zstd dictionary {did} missing")
+    return decode(d, files[d.segment])
+
+
 def describe(store: str) -> list[dict[str, Any]]:
     state, files = scan(store)
     out = []
     for (ns, key), r in sorted(state.items()):
         if ns.startswith(b"\x00"):
-            continue  # reserved for the engine (§5.4): references, not objects
-        obj = decode(r, files[r.segment])
+            continue  # reserved for the engine (§5.4, §6.2): references and dictionaries, not objects
+        obj = decode(r, files[r.segment], dictionary_for(r, state, files))
         item: dict[str, Any] = {"namespace": ns.decode(), "key": key.decode() if r.flags & 1 else "0x" + key.hex(),
                                 "kind": KINDS[r.kind], "lsn": r.lsn, "meta": r.meta.get("meta", {})}
         if r.kind == 3:

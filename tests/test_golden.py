@@ -111,7 +111,8 @@ def test_engine_reads_golden(case, tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.name}" for c in CASES])
 def test_reference_reader_reads_golden(case):
     expected = {(e["namespace"], e["key"]): e for e in json.loads((case / "expected.json").read_text())}
-    state, files = reader.scan(str(case / "store"))
+    full_state, files = reader.scan(str(case / "store"))
+    state = full_state
     def name(ns: bytes, k: bytes, flags: int) -> tuple[str, str]:
         return ns.decode(), k.decode() if flags & 1 else "0x" + k.hex()
 
@@ -119,7 +120,7 @@ def test_reference_reader_reads_golden(case):
     assert {name(ns, k, r.flags) for (ns, k), r in state.items()} == set(expected)
     for (ns, k), r in state.items():
         e = expected[name(ns, k, r.flags)]
-        obj = reader.decode(r, files[r.segment])
+        obj = reader.decode(r, files[r.segment], reader.dictionary_for(r, full_state, files))
         if e["kind"] == "blob":
             assert hashlib.sha256(obj).hexdigest() == e["sha256"]
         else:

@@ -161,5 +161,8 @@ def test_reader_decodes_every_codec_like_the_engine(store_path, real_kv, real_em
                     names.append(key)
         s.put("kv-int4-g8", KVCache(kv), codec="int4:group=8")
         names.append("kv-int4-g8")
+        samples = [f"message {i} from the chat of user {i % 7}".encode() for i in range(300)]
+        did = s.train_dictionary(samples, size=1024)
+        s.put("blob-dict", Blob(samples[5]), codec=f"zstd:dict={did}")
     assert reader_view(store_path) == engine_view(store_path)
     assert len(names) >= 20

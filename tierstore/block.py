@@ -11,7 +11,7 @@ This module does no I/O: reading is delegated to an ``ExtentReader``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -107,10 +107,11 @@ def extent_codec(codec: cdc.Codec, ext: cdc.Extent) -> cdc.Codec:
     return codec if codec.lossless or ext.kind != "ids" else cdc.BY_ID[fmt.CODEC_RAW]
 
 
-def apply_codec(block: Block, choice: cdc.Choice | None) -> Block:
+def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | None = None) -> Block:
     """Encode the extents of ``block`` with ``choice`` (None or raw: the block as it is).
 
     A blob whose media type is already compressed stays raw whatever the choice.
+    ``dictionary``: the zstd dictionary a ``zstd:dict=N`` choice names.
     """
     if choice is None or choice.codec.id == fmt.CODEC_RAW:
         return block
@@ -124,7 +125,7 @@ def apply_codec(block: Block, choice: cdc.Choice | None) -> Block:
                             f"not {fmt.DTYPES[block.meta['dtype']][0]}", hint="use zstd or shuffle+zstd")
     exts = extent_shapes(block.kind, block.meta)
     encoded = tuple(memoryview(cdc.encode(extent_codec(choice.codec, e), np.frombuffer(v, np.uint8), e,
-                                          choice.params))
+                                          choice.params, dictionary))
                     for v, e in zip(block.extents, exts))
     meta = dict(block.meta)
     if choice.params:
@@ -197,11 +198,16 @@ def _select_rows(rows: Any, n: int) -> np.ndarray:
 class _Decoding:
     """An ExtentReader that reads encoded extents and decodes them into the destinations."""
 
-    def __init__(self, hdr: rec.RecordHeader, reader: ExtentReader) -> None:
+    def __init__(self, hdr: rec.RecordHeader, reader: ExtentReader,
+                 dictionaries: Callable[[int], bytes] | None) -> None:
         self.reader = reader
         self.codec = cdc.BY_ID[hdr.codec]
         self.params = hdr.meta.get("codec_params", {})
         self.exts = extent_shapes(hdr.kind, hdr.meta)
+        did = self.params.get("dict")
+        if did is not None and dictionaries is None:
+            raise CorruptionError(f"record needs zstd dictionary {did} and none can be looked up")
+        self.dictionary = dictionaries(did) if did is not None and dictionaries is not None else None
 
     def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
         for i, dest in wanted:
@@ -212,18 +218,19 @@ class _Decoding:
 
     def read_array(self, i: int) -> np.ndarray:
         ext = self.exts[i]
-        return cdc.decode(extent_codec(self.codec, ext), self.reader.read_bytes(i), ext, self.params)
+        return cdc.decode(extent_codec(self.codec, ext), self.reader.read_bytes(i), ext, self.params, self.dictionary)
 
     def read_bytes(self, index: int) -> bytes:
         return self.read_array(index).tobytes()
 
 
 def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
-                device: str | None = None) -> Any:
-    """Read the object described by ``hdr`` (or the selected layers / rows of it)."""
+                device: str | None = None, dictionaries: Callable[[int], bytes] | None = None) -> Any:
+    """Read the object described by ``hdr`` (or the selected layers / rows of it).
+    ``dictionaries(id)`` gives the zstd dictionary a record may name."""
     meta = hdr.meta
     if hdr.codec != fmt.CODEC_RAW:
-        reader = _Decoding(hdr, reader)
+        reader = _Decoding(hdr, reader, dictionaries)
     if hdr.kind == fmt.KIND_KV:
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")

@@ -109,11 +109,33 @@ _ZC: dict[int, zstandard.ZstdCompressor] = {}
 _ZD = zstandard.ZstdDecompressor()
 
 
-def zstd_compress(data: Any, level: int) -> bytes:
+def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> bytes:
+    if dictionary is not None:
+        zd = zstandard.ZstdCompressionDict(dictionary)
+        return zstandard.ZstdCompressor(level=level, write_content_size=True, dict_data=zd).compress(data)
     c = _ZC.get(level)
     if c is None:
         c = _ZC[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return c.compress(data)
+
+
+def dictionary_id(dictionary: bytes) -> int:
+    """The id a zstd dictionary declares (nonzero for a trained one), or CorruptionError."""
+    if len(dictionary) < 8 or dictionary[:4] != b"\x37\xa4\x30\xec":
+        raise CorruptionError("not a zstd dictionary (magic)")
+    did = int.from_bytes(dictionary[4:8], "little")
+    if did == 0:
+        raise CorruptionError("zstd dictionary without an id")
+    return did
+
+
+def train_dictionary(samples: list[bytes], size: int = 16 << 10) -> bytes:
+    """A zstd dictionary trained on ``samples`` (many small, similar blobs)."""
+    try:
+        return zstandard.train_dictionary(size, list(samples)).as_bytes()
+    except zstandard.ZstdError as e:
+        raise InvalidObject(f"cannot train a dictionary on these samples: {e}",
+                            hint="give a few hundred samples of the kind of blob to compress") from None
 
 
 def zstd_bound(n: int) -> int:
@@ -121,16 +143,23 @@ def zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
 
 
-def zstd_decompress(data: Any, expected: int) -> bytes:
-    """A single zstd frame that declares exactly ``expected`` content bytes (checked first)."""
+def zstd_decompress(data: Any, expected: int, dictionary: bytes | None = None) -> bytes:
+    """A single zstd frame that declares exactly ``expected`` content bytes (checked first),
+    and the dictionary id of ``dictionary`` (or none)."""
     try:
         declared = zstandard.frame_content_size(data)
+        frame_dict = zstandard.get_frame_parameters(data).dict_id
     except zstandard.ZstdError as e:
         raise CorruptionError(f"bad zstd frame: {e}") from None
     if declared != expected:
         raise CorruptionError(f"zstd frame declares {declared} bytes, the record {expected}")
+    want_dict = dictionary_id(dictionary) if dictionary is not None else 0
+    if frame_dict != want_dict:
+        raise CorruptionError(f"zstd frame names dictionary {frame_dict}, the record {want_dict}")
     try:
-        out = _ZD.decompress(data, max_output_size=expected)
+        d = _ZD if dictionary is None else zstandard.ZstdDecompressor(
+            dict_data=zstandard.ZstdCompressionDict(dictionary))
+        out = d.decompress(data, max_output_size=expected)
     except zstandard.ZstdError as e:
         raise CorruptionError(f"bad zstd frame: {e}") from None
     if len(out) != expected:
@@ -286,13 +315,15 @@ def _kv_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x[0], x[1]  # K [H, T, D], V [H, T, D]
 
 
-def encode(codec: Codec, raw: np.ndarray, ext: Extent, params: dict[str, Any]) -> bytes:
-    """Encode one extent given as its stored bytes (uint8, C order)."""
+def encode(codec: Codec, raw: np.ndarray, ext: Extent, params: dict[str, Any],
+           dictionary: bytes | None = None) -> bytes:
+    """Encode one extent given as its stored bytes (uint8, C order).  ``dictionary``: the zstd
+    dictionary named by ``params["dict"]`` (zstd on blobs only)."""
     cid = codec.id
     if cid == fmt.CODEC_RAW:
         return raw.tobytes()
     if cid == fmt.CODEC_ZSTD:
-        return zstd_compress(raw, _level(params))
+        return zstd_compress(raw, _level(params), _dict_for(params, dictionary))
     if cid == fmt.CODEC_SHUFFLE_ZSTD:
         return zstd_compress(_shuffle(raw, _itemsize(ext)), _level(params))
     x = _finite_f32(raw, ext, codec.name)
@@ -433,17 +464,26 @@ def _group(params: dict[str, Any]) -> int:
     return g
 
 
-def decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+def _dict_for(params: dict[str, Any], dictionary: bytes | None) -> bytes | None:
+    if "dict" not in params:
+        return None
+    if dictionary is None or dictionary_id(dictionary) != params["dict"]:
+        raise CorruptionError(f"zstd dictionary {params['dict']} is missing")
+    return dictionary
+
+
+def decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any],
+           dictionary: bytes | None = None) -> np.ndarray:
     """Decode one extent to its stored bytes (uint8, C order, ``ext.nbytes`` long).
 
     Every length is checked against ``ext`` (from the record header) before anything is
     allocated; any inconsistency is CorruptionError.
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        return _decode(codec, data, ext, params)
+        return _decode(codec, data, ext, params, dictionary)
 
 
-def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], dictionary: bytes | None) -> np.ndarray:
     cid = codec.id
     want = ext.nbytes
     if cid == fmt.CODEC_RAW:
@@ -451,7 +491,7 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> np.
             raise CorruptionError(f"raw extent of {len(data)} bytes, expected {want}")
         return np.frombuffer(data, np.uint8)
     if cid == fmt.CODEC_ZSTD:
-        return np.frombuffer(zstd_decompress(data, want), np.uint8)
+        return np.frombuffer(zstd_decompress(data, want, _dict_for(params, dictionary)), np.uint8)
     if cid == fmt.CODEC_SHUFFLE_ZSTD:
         isz = _itemsize(ext)
         return _unshuffle(np.frombuffer(zstd_decompress(data, want), np.uint8), isz)
@@ -624,6 +664,11 @@ def parse(spec: str | Choice, kind: str) -> Choice:
         if not eq or not v.lstrip("-").isdigit():
             raise InvalidObject(f"codec parameter {item!r}: expected name=integer")
         key = "zstd" if k == "level" and "zstd" in params and codec.id in POST_ZSTD else k
+        if key == "dict" and codec.id == fmt.CODEC_ZSTD and kind == "blob":
+            if not 1 <= int(v) < 1 << 32:
+                raise InvalidObject(f"dictionary id must be 1..2^32-1, got {v}")
+            params["dict"] = int(v)
+            continue
         if key not in params:
             raise InvalidObject(f"codec {codec.name!r} has no parameter {k!r}")
         params[key] = int(v)
@@ -639,7 +684,8 @@ def check_params(codec: Codec, params: Any) -> None:
     """Validate stored parameters (a decoded record): the names a codec knows, sane values."""
     if not isinstance(params, dict):
         raise CorruptionError("codec parameters are not a map")
-    allowed = set(codec.defaults) | ({"zstd"} if codec.id in POST_ZSTD else set())
+    allowed = set(codec.defaults) | ({"zstd"} if codec.id in POST_ZSTD else set()) | \
+        ({"dict"} if codec.id == fmt.CODEC_ZSTD else set())
     if set(params) - allowed:
         raise CorruptionError(f"unknown parameters {sorted(set(params) - allowed)} for codec {codec.name}")
     if "level" in params:
@@ -648,6 +694,8 @@ def check_params(codec: Codec, params: Any) -> None:
         _level(params, "zstd")
     if "group" in params:
         _group(params)
+    if "dict" in params and (type(params["dict"]) is not int or not 1 <= params["dict"] < 1 << 32):
+        raise CorruptionError(f"codec parameter 'dict' must be an int in 1..2^32-1, got {params['dict']!r}")
     if "bins" in params or codec.id == fmt.CODEC_KV_ANS:
         kvq_bins(params, 0)
 

@@ -129,6 +129,8 @@ MAX_RANK = 8
 # Namespaces whose first byte is 0x00 are reserved for the engine (user namespaces cannot
 # contain control characters).  Ref keys: ns_len:u8 ns session_len:u8 session blake2b-128(key).
 REF_NAMESPACE = b"\x00ref"
+DICT_NAMESPACE = b"\x00dict"  # 1.2: zstd dictionaries; key ns_len:u8 ns dict_id:u32be (SPEC.md §6.2)
+DICT_MEDIA_TYPE = "application/zstd-dictionary"
 SESSION_MAX_BYTES = 64
 ANCHOR_SESSION = b"\x00"  # the reference of "put without a session" on an object sessions also hold
 REF_KEY_HASH_BYTES = 16

@@ -501,6 +501,8 @@ def _check_coded_lengths(h: RecordHeader, logical: list[int], **where: Any) -> N
         raise CorruptionError(e.message, **where) from None
     if len(logical) != len(h.extent_lengths):
         raise CorruptionError("extent count does not match the object's metadata", **where)
+    if "dict" in params and kind != "blob":
+        raise CorruptionError("a zstd dictionary on a record that is not a blob", **where)
     if not codec.lossless and fmt.DTYPES[h.meta["dtype"]][0] not in codecs.LOSSY_DTYPES:
         raise CorruptionError(f"lossy codec {codec.name!r} on {fmt.DTYPES[h.meta['dtype']][0]} data", **where)
     for ext, n, stored in zip(block.extent_shapes(h.kind, h.meta), logical, h.extent_lengths):

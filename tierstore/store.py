@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import re
 import threading
@@ -297,6 +298,7 @@ class Store:
         self._log: seglib.Log | None = None
         self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
         self._refs_seen = False  # the store holds (or held) session references: puts must consult them
+        self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
         self._oldest_pending: float | None = None
@@ -544,7 +546,9 @@ class Store:
         block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
         choice = self._codec_for(block.kind, namespace, codec)
         if choice is not None:
-            block = blk.apply_codec(block, choice)
+            did = choice.params.get("dict")
+            dictionary = self._dictionary(ns, did, missing=InvalidObject) if did is not None else None
+            block = blk.apply_codec(block, choice, dictionary)
         record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
         counters = self._counters
         with self._write_lock:
@@ -584,6 +588,41 @@ class Store:
         self._counters["deletes"] += 1
         self._after_write(log, where)
         return True
+
+    def train_dictionary(self, samples: Any, *, namespace: str = "default", size: int = 16 << 10) -> int:
+        """Train a zstd dictionary on ``samples`` (bytes of many small, similar blobs), store it
+        in ``namespace`` and return its id: then ``put(..., codec=f"zstd:dict={id}")`` (or the
+        same in ``codecs=``) compresses blobs with it.  A dictionary is kept for good."""
+        log = self._check_writable()
+        ns = _encode_namespace(namespace)
+        data = cdc.train_dictionary([bytes(x) for x in samples], size)
+        did = cdc.dictionary_id(data)
+        key = bytes((len(ns),)) + ns + did.to_bytes(4, "big")
+        with self._write_lock:
+            if self._lookup(fmt.DICT_NAMESPACE, key) is None:
+                block = blk.encode_block(Blob(data, media_type=fmt.DICT_MEDIA_TYPE), None,
+                                         vector_extent_bytes=self.options.vector_extent_bytes)
+                record = rec.encode_put(fmt.DICT_NAMESPACE, key, 0, block.kind, block.meta, block.extents,
+                                        block.align_log2)
+                where = log.append(record, self._on_written)
+                self._after_write(log, where)
+        return did
+
+    def _dictionary(self, ns: bytes, did: int, missing: type[TierstoreError] = CorruptionError) -> bytes:
+        """The zstd dictionary ``did`` of namespace ``ns`` (dictionaries never change: cached)."""
+        key = bytes((len(ns),)) + ns + did.to_bytes(4, "big")
+        data = self._dicts.get(key)
+        if data is None:
+            loc = self._lookup(fmt.DICT_NAMESPACE, key)
+            if loc is None:
+                raise missing(f"no zstd dictionary {did} in namespace {ns.decode('utf-8', 'replace')!r}",
+                              hint="train one with store.train_dictionary(samples, namespace=...)")
+            where = {"segment": loc.segment, "offset": loc.offset}
+            data = blk.read_object(loc.header, _Reader(self, loc, where)).data
+            if cdc.dictionary_id(data) != did:
+                raise CorruptionError(f"dictionary record {did} holds dictionary {cdc.dictionary_id(data)}", **where)
+            self._dicts[key] = data
+        return data
 
     def _codec_for(self, kind: int, namespace: str, codec: str | None) -> cdc.Choice | None:
         name = fmt.KIND_NAMES[kind]
@@ -873,7 +912,8 @@ class Store:
             ns, k, loc = self._locate(key, namespace)
             where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
-                obj = blk.read_object(loc.header, _Reader(self, loc, where), layers=layers, rows=rows, device=device)
+                obj = blk.read_object(loc.header, _Reader(self, loc, where), layers=layers, rows=rows, device=device,
+                                      dictionaries=functools.partial(self._dictionary, ns))
             except FileNotFoundError:
                 if attempt == 2:
                     raise CorruptionError("segment file missing", path=self._files.path(loc.segment),
