@@ -21,7 +21,7 @@ from tierstore.codecs import Extent
 from tierstore.errors import CorruptionError, InvalidObject
 from tierstore.fileio import DEFAULT_IO
 
-from .conftest import checked_state
+from .conftest import HAS_TORCH, checked_state
 
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 STORE = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float64": "<f8"}
@@ -394,3 +394,30 @@ def test_a_zstd_dictionary_compresses_small_similar_blobs(store_path):
     shutil.rmtree(os.path.join(store_path, "index"))
     with tierstore.open(store_path) as s:
         assert all(s.get(f"d{i}", namespace="chat").data == x for i, x in enumerate(samples[400:]))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("spec", [s for s in LOSSY_KV] + ["vec:" + s for s in LOSSY_VEC])
+def test_device_decode_gives_the_same_bits_as_the_cpu_decoder(store_path, real_kv, real_emb, spec):
+    """get(device=...) of a lossy object dequantises with torch on that device (codes and scales
+    cross, not values): the bits equal the numpy decoder's.  Run here on device "cpu"; on a GPU
+    the same torch code runs there (SPEC.md §6.1 fixes the arithmetic)."""
+    import torch
+    with tierstore.open(store_path, vector_extent_bytes=8 << 10) as s:
+        if spec.startswith("vec:"):
+            s.put("o", Vectors(real_emb[:100].astype(np.float32), ids=np.arange(100) * 5), codec=spec[4:])
+            want, got = s.get("o"), s.get("o", device="cpu")
+            assert isinstance(got.data, torch.Tensor) and got.data.dtype == torch.float32
+            assert np.array_equal(got.data.numpy().view(np.uint32), want.data.view(np.uint32))
+            np.testing.assert_array_equal(got.ids.numpy(), want.ids)
+            part, want_part = s.get("o", rows=[99, 3, 50], device="cpu"), s.get("o", rows=[99, 3, 50])
+            assert np.array_equal(part.data.numpy().view(np.uint32), want_part.data.view(np.uint32))
+            np.testing.assert_array_equal(part.ids.numpy(), [495, 15, 250])
+        else:
+            kv = torch.from_numpy(np.ascontiguousarray(real_kv[:3]).astype(np.float32)).to(torch.bfloat16)
+            s.put("o", KVCache(kv, layer_start=1), codec=spec)
+            want = s.get("o").data  # torch-stored: the CPU decoder's bytes, wrapped
+            got = s.get("o", device="cpu").data
+            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+            one = s.get("o", layers=2, device="cpu")
+            assert one.layer_start == 2 and torch.equal(one.data.view(torch.int16), want[1:2].view(torch.int16))

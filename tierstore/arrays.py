@@ -60,6 +60,11 @@ _TORCH_NAMES = {
 _NUMPY_NATIVE = {"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"}
 
 
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a format dtype name (torch must be installed)."""
+    return getattr(torch_module(), _TORCH_NAMES[name])
+
+
 def dtype_name(x: Any) -> str:
     """The format dtype name of a numpy array or torch tensor; InvalidObject if unsupported."""
     if is_torch_tensor(x):

@@ -223,6 +223,51 @@ class _Decoding:
     def read_bytes(self, index: int) -> bytes:
         return self.read_array(index).tobytes()
 
+    def read_tensor(self, i: int, device: str) -> Any:
+        """Extent ``i`` decoded with torch on ``device`` (lossy codecs: SPEC.md §6, bit for bit)."""
+        ext = self.exts[i]
+        return cdc.decode_torch(self.codec, self.reader.read_bytes(i), ext, self.params, device)
+
+
+def _on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers: Any, rows: Any) -> Any:
+    """A lossy object headed for ``device``: codes and scales go there, values are computed
+    there (the CPU never materialises the decoded array)."""
+    torch = arrays.torch_module()
+    meta = hdr.meta
+    if hdr.kind == fmt.KIND_KV:
+        if rows is not None:
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+        count = meta["shape"][0]
+        idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
+        data = torch.stack([reader.read_tensor(i, device) for i in idx])
+        return KVCache(data, layer_start=meta["layer_start"] + idx[0])
+    if layers is not None:
+        raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+    n, dim = meta["shape"]
+    rpe, n_ext = meta["rows_per_extent"], -(-n // meta["rows_per_extent"])
+    sel = None if rows is None else _select_rows(rows, n)
+    wanted = range(n_ext) if sel is None else sorted({int(e) for e in sel // rpe})
+    parts = {e: reader.read_tensor(e, device) for e in wanted}
+    ids = None
+    if meta["ids"]:
+        id_parts = {e: torch.from_numpy(np.frombuffer(reader.read_bytes(n_ext + e), "<i8").copy()) for e in wanted}
+    if sel is None:
+        data = torch.cat([parts[e] for e in range(n_ext)])
+        if meta["ids"]:
+            ids = torch.cat([id_parts[e] for e in range(n_ext)]).to(device)
+    else:
+        order = {e: j for j, e in enumerate(wanted)}
+        flat = torch.from_numpy(np.array([order[int(e)] for e in sel // rpe], dtype=np.int64) * rpe + sel % rpe)
+        stacked = torch.cat([torch.nn.functional.pad(parts[e], (0, 0, 0, rpe - parts[e].shape[0])) for e in wanted])
+        data = stacked[flat.to(stacked.device)]
+        if meta["ids"]:
+            id_stack = torch.cat([torch.nn.functional.pad(id_parts[e], (0, rpe - id_parts[e].shape[0]))
+                                  for e in wanted])
+            ids = id_stack[flat].to(device)
+    v = Vectors.__new__(Vectors)
+    v.data, v.ids, v.metric = data, ids, meta["metric"]
+    return v
+
 
 def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
                 device: str | None = None, dictionaries: Callable[[int], bytes] | None = None) -> Any:
@@ -231,6 +276,8 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
     meta = hdr.meta
     if hdr.codec != fmt.CODEC_RAW:
         reader = _Decoding(hdr, reader, dictionaries)
+        if device is not None and not reader.codec.lossless:
+            return _on_device(hdr, reader, device, layers, rows)
     if hdr.kind == fmt.KIND_KV:
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")

@@ -561,6 +561,103 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], dictio
     return _checked_out(codec, x, ext.dtype)
 
 
+def decode_torch(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], device: str) -> Any:
+    """Decode one lossy extent with the arithmetic on ``device`` (torch): only the codes and
+    scales cross to the device, where the values are computed and rounded to the stored
+    dtype, bit for bit as ``decode`` does (one binary32 operation at a time, SPEC.md §6.1).
+    Returns a tensor of the stored dtype shaped like the extent.  (kvq-ans entropy-decodes
+    its symbols on the CPU first.)"""
+    import torch
+
+    from .arrays import torch_dtype
+
+    cid = codec.id
+    dev = torch.device(device)
+    f32 = torch.float32
+
+    def t(a: np.ndarray) -> Any:
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
+
+    if ext.dtype is None or codec.lossless:
+        raise InvalidObject("decode_torch is for lossy array codecs")
+    if cid == fmt.CODEC_KV_ANS:
+        _, h, t_, d = ext.shape
+        b = kvq_bins(params, ext.index)
+        mv = memoryview(data)
+        fixed = 4 * h * d + h * t_ + 4 * b
+        if len(mv) < fixed:
+            raise CorruptionError("kvq-ans extent shorter than its tables")
+        fk = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t_).astype(np.int64)
+        fv = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t_ + 2 * b).astype(np.int64)
+        if fv[b - 1] != 0:
+            raise CorruptionError("kvq-ans V table gives a frequency to a symbol outside [-m, m]")
+        ck, used_k = rans.decode(mv[fixed:], fk, h * t_ * d)
+        qv, used_v = rans.decode(mv[fixed + used_k :], fv, h * t_ * d)
+        if fixed + used_k + used_v != len(mv):
+            raise CorruptionError("kvq-ans extent has bytes after its streams")
+        pk = t(np.frombuffer(mv, "<f2", 2 * h * d).reshape(h, 1, d, 2)).to(f32)
+        sv = t(_log_scale(np.frombuffer(mv, np.uint8, h * t_, 4 * h * d), b // 2 - 1).reshape(h, t_, 1))
+        k = pk[..., 0] + t(ck.reshape(h, t_, d).astype(np.float32)) * pk[..., 1]
+        v = t((qv.reshape(h, t_, d) - (b // 2 - 1)).astype(np.float32)) * sv
+        x = torch.stack([k, v])
+    else:
+        n = body_length(codec, ext, params)
+        if "zstd" in params:
+            data = zstd_decompress(data, n)
+        if len(data) != n:
+            raise CorruptionError(f"{codec.name} extent of {len(data)} bytes, expected {n}")
+        b = np.frombuffer(data, np.uint8)
+        if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8):
+            _, h, t_, d = ext.shape
+            sk = t(b[: 2 * h * d].view("<f2").reshape(h, 1, d)).to(f32)
+            p = 2 * h * d
+            if cid == fmt.CODEC_KV_INT8:
+                sv, p = t(_log_scale(b[p : p + h * t_]).reshape(h, t_, 1)), p + h * t_
+                qk = t(b[p : p + h * t_ * d].view(np.int8).reshape(h, t_, d)).to(f32)
+                qv = t(b[p + h * t_ * d :].view(np.int8).reshape(h, t_, d)).to(f32)
+            else:
+                sv, p = t(b[p : p + 2 * h * t_].view("<f2").reshape(h, t_, 1)).to(f32), p + 2 * h * t_
+                table = t(_E4M3)
+                qk = table[t(b[p : p + h * t_ * d].reshape(h, t_, d)).long()]
+                qv = table[t(b[p + h * t_ * d :].reshape(h, t_, d)).long()]
+                if bool(torch.isnan(qk).any() or torch.isnan(qv).any()):
+                    raise CorruptionError("fp8 extent holds a NaN code (never written)")
+            x = torch.stack([qk * sk, qv * sv])
+        elif cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+            bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
+            g = _group(params)
+            _, h, t_, d = ext.shape
+            nk, nv = 4 * h * _groups(t_, g) * d, 4 * h * t_ * _groups(d, g)
+            pk = t(b[:nk].view("<f2").reshape(h, d, _groups(t_, g), 2)).to(f32)
+            pv = t(b[nk : nk + nv].view("<f2").reshape(h, t_, _groups(d, g), 2)).to(f32)
+            half = -(-h * t_ * d // (8 // bits))
+            codes = b[nk + nv :]
+            ck = t(_unpack(codes[:half], bits, h * t_ * d).reshape(h, t_, d)).to(f32)
+            cv = t(_unpack(codes[half:], bits, h * t_ * d).reshape(h, t_, d)).to(f32)
+            ti = torch.arange(t_, device=dev) // g
+            di = torch.arange(d, device=dev) // g
+            k = pk[:, :, ti, 0].transpose(1, 2) + ck * pk[:, :, ti, 1].transpose(1, 2)
+            v = pv[:, :, di, 0] + cv * pv[:, :, di, 1]
+            x = torch.stack([k, v])
+        elif cid == fmt.CODEC_VEC_FP16:
+            x = t(b.view("<f2").reshape(ext.shape)).to(f32)
+        elif cid == fmt.CODEC_VEC_INT8:
+            rows, dim = ext.shape
+            p = t(b[: 8 * rows].view("<f4").reshape(rows, 2))
+            x = p[:, :1] + t(b[8 * rows :].reshape(rows, dim)).to(f32) * p[:, 1:]
+        elif cid == fmt.CODEC_VEC_BINARY:
+            rows, dim = ext.shape
+            m = t(b[: 4 * rows].view("<f4").reshape(rows, 1))
+            bits_ = t(np.unpackbits(b[4 * rows :].reshape(rows, -1), axis=1, count=dim, bitorder="little"))
+            x = torch.where(bits_ == 1, m, -m)
+        else:
+            raise CorruptionError(f"codec {codec.name!r} cannot decode on a device")
+    if x.numel() and not bool((x.abs().max() <= 66000).item()):
+        raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
+    return x.to(torch_dtype(ext.dtype))
+
+
 def _checked_out(codec: Codec, x: np.ndarray, dtype: str) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         out_of_range = x.size and not (np.abs(x).max() <= 66000)  # NaN compares false
