@@ -67,7 +67,9 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
         dead = stats.get(seg, (0, 0))[0]
         if size <= 0 or file_size < small or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
-    all_segs = seglib.list_segments(io, store._seg_dir)
+    victim_set = set(victims)
+    # the oldest segment that survives: a DELETE must be carried forward from any victim newer than it
+    oldest_survivor = min((s for s in seglib.list_segments(io, store._seg_dir) if s not in victim_set), default=None)
     bytes_before = sum(os.path.getsize(store._files.path(s)) for s in victims)
     counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
@@ -76,12 +78,12 @@ def compact(store: "Store", log: seglib.Log, *, min_dead_ratio: float) -> dict[s
         batch.append(seg)
         batch_bytes += os.path.getsize(store._files.path(seg))
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
-            _compact_batch(store, log, batch, victims, all_segs, counts)
+            _compact_batch(store, log, batch, oldest_survivor, counts)
             batch, batch_bytes = [], 0
     return {"victims": victims, **counts, "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
 
 
-def _compact_batch(store: "Store", log: seglib.Log, batch: list[int], victims: list[int], all_segs: list[int],
+def _compact_batch(store: "Store", log: seglib.Log, batch: list[int], oldest_survivor: int | None,
                    counts: dict[str, int]) -> None:
     """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, unlink."""
     io = store._io
@@ -89,7 +91,7 @@ def _compact_batch(store: "Store", log: seglib.Log, batch: list[int], victims: l
     assert index is not None
     moved: list[tuple[bytes, bytes]] = []
     for seg in batch:
-        older_survivor = any(s < seg and s not in victims for s in all_segs)
+        older_survivor = oldest_survivor is not None and oldest_survivor < seg
         path = store._files.path(seg)
         with store._segment_fd(seg) as (fd, _):
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
