@@ -194,7 +194,7 @@ def test_user_meta_validation():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ns=st.binary(min_size=1, max_size=100),
+    ns=st.binary(min_size=1, max_size=100).filter(lambda n: n != fmt.REF_NAMESPACE),  # (only refs live there)
     key=st.binary(min_size=1, max_size=400),
     lsn=st.integers(min_value=1, max_value=2**63),
     sizes=st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=4),
@@ -239,3 +239,22 @@ def test_fuzz_corpus_replays():
                     rec.decode_header(data[:cut], verify=verify)
                 except CorruptionError:
                     pass
+
+
+def test_reserved_namespace_rules():
+    """(1.1) A ref record decodes; a blob in the ref namespace, or a ref elsewhere, does not."""
+    ok = rec.encode_ref(b"ns", b"s-1", b"key", True).header.stamped(5).raw
+    h = rec.decode_header(ok)
+    assert h.kind == fmt.KIND_REF and h.meta == {"key": b"key", "key_str": True}
+    blob = rec.encode_put(fmt.REF_NAMESPACE, rec.ref_key(b"ns", b"s", b"k"), 0, fmt.KIND_BLOB,
+                          {"size": 1, "media_type": "x"}, (memoryview(b"x"),), 3)
+    with pytest.raises(CorruptionError, match="reserved"):
+        rec.decode_header(blob.header.stamped(5).raw)
+    elsewhere = rec.encode_put(b"ns", rec.ref_key(b"ns", b"s", b"k"), 0, fmt.KIND_REF, {"key": b"k", "key_str": False},
+                               (), 3)
+    with pytest.raises(CorruptionError, match="reserved"):
+        rec.decode_header(elsewhere.header.stamped(5).raw)
+    wrong_hash = rec.encode_put(fmt.REF_NAMESPACE, rec.ref_key(b"ns", b"s", b"k"), 0, fmt.KIND_REF,
+                                {"key": b"other", "key_str": False}, (), 3)
+    with pytest.raises(CorruptionError, match="bad ref record"):
+        rec.decode_header(wrong_hash.header.stamped(5).raw)
