@@ -395,14 +395,14 @@ def _kvq_ans_encode(x: np.ndarray, ext: Extent, params: dict[str, Any]) -> bytes
                      fk.astype("<u2").tobytes(), fv.astype("<u2").tobytes(), rans.encode(sk, fk), rans.encode(sv, fv)])
 
 
-def _kvq_ans_decode(data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarray:
+def _kvq_ans_parts(data: Any, ext: Extent, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     b = kvq_bins(params, ext.index)
     _, h, t, d = ext.shape
     fixed = 4 * h * d + h * t + 4 * b
     mv = memoryview(data)
     if len(mv) < fixed:
         raise CorruptionError(f"kvq-ans extent of {len(mv)} bytes, shorter than its tables ({fixed})")
-    pk = np.frombuffer(mv, "<f2", 2 * h * d).reshape(h, d, 1, 2)
+    pk = np.frombuffer(mv, "<f2", 2 * h * d).astype(np.float32).reshape(h, d, 1, 2)
     cv = np.frombuffer(mv, np.uint8, h * t, 4 * h * d).reshape(h, t, 1)
     fk = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t).astype(np.int64)
     fv = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t + 2 * b).astype(np.int64)
@@ -413,9 +413,9 @@ def _kvq_ans_decode(data: Any, ext: Extent, params: dict[str, Any]) -> np.ndarra
     qv, used_v = rans.decode(mv[fixed + used_k :], fv, n)
     if fixed + used_k + used_v != len(mv):
         raise CorruptionError("kvq-ans extent has bytes after its streams")
-    k = _minmax_decode(pk[..., 0], pk[..., 1], ck.reshape(h, t, d).astype(np.uint8), t, axis=1)
-    v = (qv.reshape(h, t, d) - (b // 2 - 1)).astype(np.float32) * _log_scale(cv, b // 2 - 1)
-    return np.stack([k, v])
+    m = b // 2 - 1
+    return [("minmax", pk[..., 0], pk[..., 1], ck.reshape(h, t, d).astype(np.uint8), t, 1),
+            ("scaled", (qv.reshape(h, t, d) - m).astype(np.float32), _log_scale(cv, m))]
 
 
 def max_length(codec: Codec, ext: Extent, params: dict[str, Any]) -> int:
@@ -495,11 +495,25 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], dictio
     if cid == fmt.CODEC_SHUFFLE_ZSTD:
         isz = _itemsize(ext)
         return _unshuffle(np.frombuffer(zstd_decompress(data, want), np.uint8), isz)
+    x = _assemble_numpy(_lossy_parts(codec, data, ext, params))
+    return _checked_out(codec, x, ext.dtype)
+
+
+# A lossy extent decodes in two steps: its bytes are parsed and checked into parts (codes and
+# scales, numpy, on the CPU), then the parts are assembled into values with numpy or, for an
+# object headed for a device, with torch there.  Each half of a KV layer (or a vectors block) is
+# one of: ("scaled", q, s): x = q * s; ("minmax", lo, st, c, group, axis): x = lo + c * st of
+# the element's group; ("plain", x); ("sign", m, bits): x = m where the bit is 1, else -m.
+
+
+def _lossy_parts(codec: Codec, data: Any, ext: Extent, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    cid = codec.id
+    if ext.dtype is None:
+        raise CorruptionError("lossy codec on an extent without a dtype")
     if cid == fmt.CODEC_KV_ANS:
-        if ext.dtype is None or len(ext.shape) != 4 or ext.shape[0] != 2:
+        if len(ext.shape) != 4 or ext.shape[0] != 2:
             raise CorruptionError("kvq-ans on an extent that is not one KV layer")
-        x = _kvq_ans_decode(data, ext, params)
-        return _checked_out(codec, x, ext.dtype)
+        return _kvq_ans_parts(data, ext, params)
     n = body_length(codec, ext, params)
     if "zstd" in params:
         _level(params, "zstd")
@@ -507,58 +521,86 @@ def _decode(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], dictio
     if len(data) != n:
         raise CorruptionError(f"{codec.name} extent of {len(data)} bytes, expected {n}")
     b = np.frombuffer(data, np.uint8)
-    if ext.dtype is None:
-        raise CorruptionError("lossy codec on an extent without a dtype")
     if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8):
         _, h, t, d = ext.shape
-        p = 0
-        sk = b[p : p + 2 * h * d].view("<f2").astype(np.float32).reshape(h, 1, d)
-        p += 2 * h * d
+        sk = b[: 2 * h * d].view("<f2").astype(np.float32).reshape(h, 1, d)
+        p = 2 * h * d
         if cid == fmt.CODEC_KV_INT8:
-            sv = _log_scale(b[p : p + h * t]).reshape(h, t, 1)
-            p += h * t
-        else:
-            sv = b[p : p + 2 * h * t].view("<f2").astype(np.float32).reshape(h, t, 1)
-            p += 2 * h * t
-        if cid == fmt.CODEC_KV_INT8:
+            sv, p = _log_scale(b[p : p + h * t]).reshape(h, t, 1), p + h * t
             qk = b[p : p + h * t * d].view(np.int8).reshape(h, t, d).astype(np.float32)
             qv = b[p + h * t * d :].view(np.int8).reshape(h, t, d).astype(np.float32)
         else:
+            sv, p = b[p : p + 2 * h * t].view("<f2").astype(np.float32).reshape(h, t, 1), p + 2 * h * t
             qk = _E4M3[b[p : p + h * t * d]].reshape(h, t, d)
             qv = _E4M3[b[p + h * t * d :]].reshape(h, t, d)
             if np.isnan(qk).any() or np.isnan(qv).any():
                 raise CorruptionError("fp8 extent holds a NaN code (never written)")
-        x = np.stack([qk * sk, qv * sv])
-    elif cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
+        return [("scaled", qk, sk), ("scaled", qv, sv)]
+    if cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
         bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
         g = _group(params)
         _, h, t, d = ext.shape
         nk = 4 * h * _groups(t, g) * d
         nv = 4 * h * t * _groups(d, g)
-        pk = b[:nk].view("<f2").reshape(h, d, _groups(t, g), 2)  # K: (head, channel, token group)
-        pv = b[nk : nk + nv].view("<f2").reshape(h, t, _groups(d, g), 2)
-        per = 8 // bits
+        pk = b[:nk].view("<f2").astype(np.float32).reshape(h, d, _groups(t, g), 2)  # K: (head, channel, group)
+        pv = b[nk : nk + nv].view("<f2").astype(np.float32).reshape(h, t, _groups(d, g), 2)
+        half = -(-h * t * d // (8 // bits))
         codes = b[nk + nv :]
-        half = -(-h * t * d // per)
-        qk = _unpack(codes[:half], bits, h * t * d).reshape(h, t, d)
-        qv = _unpack(codes[half:], bits, h * t * d).reshape(h, t, d)
-        k = _minmax_decode(pk[..., 0], pk[..., 1], qk, g, axis=1)
-        v = _minmax_decode(pv[..., 0], pv[..., 1], qv, g, axis=2)
-        x = np.stack([k, v])
-    elif cid == fmt.CODEC_VEC_FP16:
-        x = b.view("<f2").astype(np.float32).reshape(ext.shape)
-    elif cid == fmt.CODEC_VEC_INT8:
-        rows, dim = ext.shape
-        p = b[: 8 * rows].view("<f4").reshape(rows, 2)
-        x = p[:, :1] + b[8 * rows :].reshape(rows, dim).astype(np.float32) * p[:, 1:]
-    elif cid == fmt.CODEC_VEC_BINARY:
-        rows, dim = ext.shape
-        s = b[: 4 * rows].view("<f4").reshape(rows, 1)
+        ck = _unpack(codes[:half], bits, h * t * d).reshape(h, t, d)
+        cv = _unpack(codes[half:], bits, h * t * d).reshape(h, t, d)
+        return [("minmax", pk[..., 0], pk[..., 1], ck, g, 1), ("minmax", pv[..., 0], pv[..., 1], cv, g, 2)]
+    if cid == fmt.CODEC_VEC_FP16:
+        return [("plain", b.view("<f2").astype(np.float32).reshape(ext.shape))]
+    rows, dim = ext.shape
+    if cid == fmt.CODEC_VEC_INT8:
+        p_ = b[: 8 * rows].view("<f4").reshape(rows, 2)
+        return [("minmax", p_[:, :1], p_[:, 1:], b[8 * rows :].reshape(rows, dim), dim, 1)]
+    if cid == fmt.CODEC_VEC_BINARY:
+        m = b[: 4 * rows].view("<f4").reshape(rows, 1)
         bits_ = np.unpackbits(b[4 * rows :].reshape(rows, -1), axis=1, count=dim, bitorder="little")
-        x = np.where(bits_ == 1, s, -s).astype(np.float32)
-    else:
-        raise CorruptionError(f"codec {codec.name!r} cannot decode")
-    return _checked_out(codec, x, ext.dtype)
+        return [("sign", m, bits_)]
+    raise CorruptionError(f"codec {codec.name!r} cannot decode")
+
+
+def _assemble_numpy(parts: list[tuple[Any, ...]]) -> np.ndarray:
+    out = []
+    for kind, *a in parts:
+        if kind == "scaled":
+            out.append(a[0] * a[1])
+        elif kind == "minmax":
+            out.append(_minmax_decode(*a))
+        elif kind == "plain":
+            out.append(a[0])
+        else:
+            out.append(np.where(a[1] == 1, a[0], -a[0]).astype(np.float32))
+    return np.stack(out) if len(out) == 2 else out[0]
+
+
+def _assemble_torch(parts: list[tuple[Any, ...]], device: str) -> Any:
+    """As ``_assemble_numpy``, with the arithmetic on ``device`` (the parts are copied there)."""
+    import torch
+
+    dev = torch.device(device)
+
+    def t(a: np.ndarray) -> Any:
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
+
+    out = []
+    for kind, *a in parts:
+        if kind == "scaled":
+            out.append(t(a[0]) * t(a[1]))
+        elif kind == "minmax":
+            lo, st, c, group, axis = t(a[0]), t(a[1]), t(a[2]).to(torch.float32), a[3], a[4]
+            idx = torch.arange(c.shape[axis], device=dev) // group
+            cm = c.movedim(axis, -1)
+            out.append((lo[..., idx] + cm * st[..., idx]).movedim(-1, axis))
+        elif kind == "plain":
+            out.append(t(a[0]))
+        else:
+            m = t(a[0])
+            out.append(torch.where(t(a[1]) == 1, m, -m))
+    return torch.stack(out) if len(out) == 2 else out[0]
 
 
 def decode_torch(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], device: str) -> Any:
@@ -567,92 +609,11 @@ def decode_torch(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], d
     dtype, bit for bit as ``decode`` does (one binary32 operation at a time, SPEC.md §6.1).
     Returns a tensor of the stored dtype shaped like the extent.  (kvq-ans entropy-decodes
     its symbols on the CPU first.)"""
-    import torch
-
     from .arrays import torch_dtype
 
-    cid = codec.id
-    dev = torch.device(device)
-    f32 = torch.float32
-
-    def t(a: np.ndarray) -> Any:
-        a = np.ascontiguousarray(a)
-        return torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
-
-    if ext.dtype is None or codec.lossless:
+    if codec.lossless:
         raise InvalidObject("decode_torch is for lossy array codecs")
-    if cid == fmt.CODEC_KV_ANS:
-        _, h, t_, d = ext.shape
-        b = kvq_bins(params, ext.index)
-        mv = memoryview(data)
-        fixed = 4 * h * d + h * t_ + 4 * b
-        if len(mv) < fixed:
-            raise CorruptionError("kvq-ans extent shorter than its tables")
-        fk = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t_).astype(np.int64)
-        fv = np.frombuffer(mv, "<u2", b, 4 * h * d + h * t_ + 2 * b).astype(np.int64)
-        if fv[b - 1] != 0:
-            raise CorruptionError("kvq-ans V table gives a frequency to a symbol outside [-m, m]")
-        ck, used_k = rans.decode(mv[fixed:], fk, h * t_ * d)
-        qv, used_v = rans.decode(mv[fixed + used_k :], fv, h * t_ * d)
-        if fixed + used_k + used_v != len(mv):
-            raise CorruptionError("kvq-ans extent has bytes after its streams")
-        pk = t(np.frombuffer(mv, "<f2", 2 * h * d).reshape(h, 1, d, 2)).to(f32)
-        sv = t(_log_scale(np.frombuffer(mv, np.uint8, h * t_, 4 * h * d), b // 2 - 1).reshape(h, t_, 1))
-        k = pk[..., 0] + t(ck.reshape(h, t_, d).astype(np.float32)) * pk[..., 1]
-        v = t((qv.reshape(h, t_, d) - (b // 2 - 1)).astype(np.float32)) * sv
-        x = torch.stack([k, v])
-    else:
-        n = body_length(codec, ext, params)
-        if "zstd" in params:
-            data = zstd_decompress(data, n)
-        if len(data) != n:
-            raise CorruptionError(f"{codec.name} extent of {len(data)} bytes, expected {n}")
-        b = np.frombuffer(data, np.uint8)
-        if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8):
-            _, h, t_, d = ext.shape
-            sk = t(b[: 2 * h * d].view("<f2").reshape(h, 1, d)).to(f32)
-            p = 2 * h * d
-            if cid == fmt.CODEC_KV_INT8:
-                sv, p = t(_log_scale(b[p : p + h * t_]).reshape(h, t_, 1)), p + h * t_
-                qk = t(b[p : p + h * t_ * d].view(np.int8).reshape(h, t_, d)).to(f32)
-                qv = t(b[p + h * t_ * d :].view(np.int8).reshape(h, t_, d)).to(f32)
-            else:
-                sv, p = t(b[p : p + 2 * h * t_].view("<f2").reshape(h, t_, 1)).to(f32), p + 2 * h * t_
-                table = t(_E4M3)
-                qk = table[t(b[p : p + h * t_ * d].reshape(h, t_, d)).long()]
-                qv = table[t(b[p + h * t_ * d :].reshape(h, t_, d)).long()]
-                if bool(torch.isnan(qk).any() or torch.isnan(qv).any()):
-                    raise CorruptionError("fp8 extent holds a NaN code (never written)")
-            x = torch.stack([qk * sk, qv * sv])
-        elif cid in (fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2):
-            bits = 4 if cid == fmt.CODEC_KV_INT4 else 2
-            g = _group(params)
-            _, h, t_, d = ext.shape
-            nk, nv = 4 * h * _groups(t_, g) * d, 4 * h * t_ * _groups(d, g)
-            pk = t(b[:nk].view("<f2").reshape(h, d, _groups(t_, g), 2)).to(f32)
-            pv = t(b[nk : nk + nv].view("<f2").reshape(h, t_, _groups(d, g), 2)).to(f32)
-            half = -(-h * t_ * d // (8 // bits))
-            codes = b[nk + nv :]
-            ck = t(_unpack(codes[:half], bits, h * t_ * d).reshape(h, t_, d)).to(f32)
-            cv = t(_unpack(codes[half:], bits, h * t_ * d).reshape(h, t_, d)).to(f32)
-            ti = torch.arange(t_, device=dev) // g
-            di = torch.arange(d, device=dev) // g
-            k = pk[:, :, ti, 0].transpose(1, 2) + ck * pk[:, :, ti, 1].transpose(1, 2)
-            v = pv[:, :, di, 0] + cv * pv[:, :, di, 1]
-            x = torch.stack([k, v])
-        elif cid == fmt.CODEC_VEC_FP16:
-            x = t(b.view("<f2").reshape(ext.shape)).to(f32)
-        elif cid == fmt.CODEC_VEC_INT8:
-            rows, dim = ext.shape
-            p = t(b[: 8 * rows].view("<f4").reshape(rows, 2))
-            x = p[:, :1] + t(b[8 * rows :].reshape(rows, dim)).to(f32) * p[:, 1:]
-        elif cid == fmt.CODEC_VEC_BINARY:
-            rows, dim = ext.shape
-            m = t(b[: 4 * rows].view("<f4").reshape(rows, 1))
-            bits_ = t(np.unpackbits(b[4 * rows :].reshape(rows, -1), axis=1, count=dim, bitorder="little"))
-            x = torch.where(bits_ == 1, m, -m)
-        else:
-            raise CorruptionError(f"codec {codec.name!r} cannot decode on a device")
+    x = _assemble_torch(_lossy_parts(codec, data, ext, params), device)
     if x.numel() and not bool((x.abs().max() <= 66000).item()):
         raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
     return x.to(torch_dtype(ext.dtype))
