@@ -153,8 +153,7 @@ def test_lossy_vector_codecs_stay_within_their_declared_bound(block, spec):
         bound = 0.5 * s * (1 + 1e-5) + np.abs(x) * 2.0**-22 + 2.0**-40
     else:  # binary: the sign, and the vector's mean magnitude
         m = np.abs(x).mean(1, keepdims=True)
-        assert (np.signbit(y) == np.signbit(x) | ((x == 0) & np.signbit(x))).all() or (m == 0).any()
-        bound = np.abs(np.abs(y) - m) * 0 + 0  # magnitude checked next
+        assert (np.signbit(y) == np.signbit(x)).all()  # every element keeps its sign (-0.0 included)
         assert np.allclose(np.abs(y), np.broadcast_to(m, y.shape), rtol=2.0**-7, atol=1e-30)
         return
     bound = bound + rounding(ext.dtype, np.abs(x) + bound)
@@ -377,9 +376,8 @@ def test_a_zstd_dictionary_compresses_small_similar_blobs(store_path):
         for i, x in enumerate(samples[400:]):
             s.put(f"d{i}", Blob(x), namespace="chat", codec=f"zstd:dict={did}")
             s.put(f"z{i}", Blob(x), namespace="chat", codec="zstd")
-        stored = {p: sum(s.info(f"{p}{i}", namespace="chat").extent_checksums and
-                         s._lookup(b"chat", f"{p}{i}".encode()).header.extent_lengths[0] for i in range(400))
-                  for p in "dz"}
+        stored = {p: sum(s._lookup(b"chat", f"{p}{i}".encode()).header.extent_lengths[0] for i in range(400))
+                  for p in "dz"}  # the stored (compressed) bytes of each blob's extent
         raw = sum(len(x) for x in samples[400:])
         assert raw / stored["d"] > 1.8 * raw / stored["z"], (raw, stored)  # measured: about 3.7x vs 1.7x
         assert s.info("d0", namespace="chat").codec == f"zstd:dict={did},level=3"
