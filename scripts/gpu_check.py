@@ -7,7 +7,11 @@ Checks what cannot be checked on a CPU-only machine:
    decoder does (SPEC.md §6.1 fixes the binary32 arithmetic; every codec, bfloat16 and float16);
 2. raw objects come back on the device with the stored bytes;
 3. the time of a 32 MiB KV chunk get to the device, raw and int8, against a plain
-   torch.from_numpy(...).to(device) of the same bytes (same process).
+   torch.from_numpy(...).to(device) of the same bytes (same process);
+4. the CUDA GPU tier: the I/O path the probe chose (gds / kvikio-compat / posix), pinned
+   DRAM buffers, SSD->GPU and DRAM->GPU promotion with device-side decoding (bit-exact
+   against the CPU decoder), a GPU hit's latency against a device copy, stream_layers to
+   the device in order, and eviction from the GPU tier falling back to DRAM.
 Exits 1 on any mismatch.  Runs in well under a minute.
 """
 
@@ -83,9 +87,64 @@ def main(argv: list[str]) -> int:
                 torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
         out["chunk_get_to_device_ms"] = {k: round(float(np.median(v)) * 1000, 2) for k, v in times.items()}
+    ok &= check_gpu_tier(dev, out, rng)
     out["ok"] = bool(ok)
     print(json.dumps(out, indent=2) if args.json else out)
     return 0 if ok else 1
+
+
+def check_gpu_tier(dev: str, out: dict, rng: np.random.Generator) -> bool:
+    import torch
+
+    ok = True
+    chunk = rng.standard_normal((32, 2, 8, 256, 128)).astype(np.float16)
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as d, tierstore.open(d, durability="none", dram_bytes="256MiB",
+                                                            gpu_bytes="80MiB", gpu_device=dev) as s:
+        s.put("raw", KVCache(chunk))
+        s.put("int8", KVCache(chunk), codec="int8")
+        s.put("kvq", KVCache(chunk), codec="kvq-ans")
+        s.flush()
+        res["io_path"] = s.stats()["tiers"]["gpu"]["io_path"]
+        reference = {k: torch.from_numpy(np.asarray(s.get(k).data)) for k in ("raw", "int8", "kvq")}
+        s.prefetch("raw", tier="dram").result()
+        res["dram_buffers_pinned"] = all(
+            torch.from_numpy(b).is_pinned() for b in s._tiers.dram.entries[(b"default", b"raw")].extents.values())
+        ok &= res["dram_buffers_pinned"]
+        for key in ("raw", "int8", "kvq"):  # raw: DRAM -> GPU; int8/kvq: SSD -> GPU, decoded on the device
+            t0 = time.perf_counter()
+            s.prefetch(key, tier="gpu").result()
+            res[f"promote_{key}_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+            got = s.get(key, device=dev).data
+            same = got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int16),
+                                                            reference[key].view(torch.int16))
+            res[f"gpu_hit_bit_exact_{key}"] = same
+            ok &= same
+        hit, copy = [], []
+        src = torch.from_numpy(chunk).to(dev)
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            s.get("raw", device=dev)
+            torch.cuda.synchronize()
+            hit.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            src.clone()
+            torch.cuda.synchronize()
+            copy.append(time.perf_counter() - t0)
+        res["gpu_hit_ms"], res["device_clone_ms"] = (round(float(np.median(hit)) * 1000, 3),
+                                                     round(float(np.median(copy)) * 1000, 3))
+        order = [lid for lid, t in s.stream_layers("int8", device=dev) if t.device.type == "cuda"]
+        res["stream_layers_in_order"] = order == list(range(32))
+        ok &= res["stream_layers_in_order"]
+        s.get("kvq", device=dev)  # 80 MiB holds two decoded chunks: "raw" is the LRU victim
+        gpu = s.stats()["tiers"]["gpu"]
+        res["gpu_tier"] = {k: gpu[k] for k in ("bytes_used", "capacity_bytes", "hits", "misses", "evictions",
+                                                "promotion_p50_ms", "promotion_p99_ms", "io_path")}
+        res["raw_fell_back_to_dram"] = s.info("raw").tiers == ("dram", "ssd")
+        ok &= gpu["bytes_used"] <= gpu["capacity_bytes"]
+    out["gpu_tier"] = res
+    return ok
 
 
 if __name__ == "__main__":

@@ -202,3 +202,45 @@ StoreMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_c
                                           derandomize=EXAMPLES <= 40,
                                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TestStoreMachine = StoreMachine.TestCase
+
+
+class TieredStoreMachine(StoreMachine):
+    """The same model, the store opened with small DRAM and GPU (CPU memory) tiers and the
+    session-aware policy: every get goes through the tiers (hits, misses, evictions,
+    demotions, invalidation by puts, deletes, drops and compaction), and must still equal
+    the model; the tiers' accounting must stay within capacity."""
+
+    def _open(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self.io = FaultFS(root)
+        self.store = tierstore.open(root, _io=self.io, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=3,
+                                    dram_bytes="6KiB", gpu_bytes="3KiB", gpu_device="cpu", policy="session")
+        self.io.index_env = self.store._index.env
+
+    @precondition(lambda self: any(v[0] == "kv" for v in self.model.values()))
+    @rule(data=st.data())
+    def get_on_device(self, data):
+        (ns, key), want = data.draw(st.sampled_from(sorted((k, v) for k, v in self.model.items() if v[0] == "kv")),
+                                    label="object")
+        got = self.store.get(key, namespace=ns, device="cpu")
+        assert np.array_equal(got.data.numpy().view(np.uint8), want[1].view(np.uint8))
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data(), tier=st.sampled_from(["dram", "gpu"]))
+    def prefetch(self, data, tier):
+        (ns, key), want = data.draw(st.sampled_from(sorted(self.model.items())), label="object")
+        try:
+            self.store.prefetch(key, namespace=ns, tier=tier).result()
+        except (tierstore.StoreFull, tierstore.InvalidObject):  # too large, or a blob for the GPU
+            return
+
+    @invariant()
+    def tiers_within_capacity(self):
+        for t in self.store._tiers.tiers().values():
+            with t.lock:
+                assert t.used == sum(e.nbytes for e in t.entries.values()) and t.used + t.reserved <= t.capacity
+
+
+TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
+TestTieredStoreMachine = TieredStoreMachine.TestCase

@@ -656,7 +656,7 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
               quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
     say = (lambda *a: None) if quiet else print
     root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
-    sections = sections or ["chunk", "blobs", "prefix", "codecs"]
+    sections = sections or ["chunk", "blobs", "prefix", "codecs", "tiers"]
     result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
     try:
         if "chunk" in sections:
@@ -674,6 +674,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             say("prefix: match_prefix of 1,000 chunk hashes")
             result["prefix"] = bench_prefix(os.path.join(root, "prefix"), query=1000, reps=5 if quick else 21,
                                             sizes=(2000, 20000) if quick else (2000, 20000, 200000), say=say)
+        if "tiers" in sections:
+            from .bench_tiers import bench_tiers
+            say("tiers: DRAM hits, SSD->DRAM promotion, a multi-turn chat trace (LRU vs session-aware)")
+            result["tiers"] = bench_tiers(os.path.join(root, "tiers"), quick=quick, say=say)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not quiet:
@@ -684,6 +688,9 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             json.dump(result, f, indent=2)
         if "chunk" in result:
             plot(result, os.path.join(out, "benchmarks.png"))
+        if "tiers" in result:
+            from .bench_tiers import plot_tiers
+            plot_tiers(result["tiers"], os.path.join(out, "tiers.png"))
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(markdown(result))
     return result
@@ -750,6 +757,9 @@ def markdown(result: dict[str, Any]) -> str:
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r['objects']:,} | {r['ms_for_query']} | {r['us_per_hash']} | {r['raw_lmdb_us_per_hash']} | "
                   f"{r['ratio_vs_raw_lmdb']}x |" for r in p["stores"]]
+    if "tiers" in result:
+        from .bench_tiers import markdown_tiers
+        lines += ["", *markdown_tiers(result["tiers"])]
     return "\n".join(lines) + "\n"
 
 
@@ -775,6 +785,9 @@ def print_report(result: dict[str, Any]) -> None:
         print("\n4 KiB blobs (ops/s):", json.dumps({k: v for k, v in result["blobs"].items() if k.endswith("ops")}))
     if "prefix" in result:
         print("\nmatch_prefix:", json.dumps(result["prefix"]["stores"]))
+    if "tiers" in result:
+        print("\ntiers:", json.dumps({k: v for k, v in result["tiers"].items() if k != "trace"}),
+              json.dumps(result["tiers"]["trace"]["runs"]))
     if "codecs" in result:
         print("\ncodecs:", json.dumps(result["codecs"]["kv"]), json.dumps(result["codecs"]["vectors"]))
 

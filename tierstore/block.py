@@ -240,7 +240,7 @@ def _on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers: An
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
         data = torch.stack([reader.read_tensor(i, device) for i in idx])
-        return KVCache(data, layer_start=meta["layer_start"] + idx[0])
+        return KVCache._from_store(data, meta["layer_start"] + idx[0])
     if layers is not None:
         raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
     n, dim = meta["shape"]
@@ -288,7 +288,7 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
         reader.read_into([(i, memoryview(out[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])
         data = arrays.wrap(out, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
-        return KVCache(data, layer_start=meta["layer_start"] + idx[0])
+        return KVCache._from_store(data, meta["layer_start"] + idx[0])
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
             raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")

@@ -48,6 +48,14 @@ class KVCache:
         self.data = data
         self.layer_start = int(layer_start)
 
+    @classmethod
+    def _from_store(cls, data: Any, layer_start: int) -> "KVCache":
+        """An object read back: its shape and dtype come from checked metadata, so the
+        constructor's validation is skipped (it costs more than a hit's copy of a layer)."""
+        obj = cls.__new__(cls)
+        obj.data, obj.layer_start = data, layer_start
+        return obj
+
     @property
     def num_layers(self) -> int:
         return int(self.data.shape[0])

@@ -621,6 +621,13 @@ def _checked_product(values: Sequence[int], **where: Any) -> int:
     return p
 
 
+def same_object(a: RecordHeader, b: RecordHeader) -> bool:
+    """Same stored bytes: kind, codec, key flags, metadata, extent lengths and checksums
+    (two records of one object, e.g. before and after compaction copied it)."""
+    return a.lsn == b.lsn or (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags and a.meta == b.meta
+                              and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
+
+
 def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> list[int]:
     """Raw extent lengths implied by the metadata of a PUT (SPEC.md §5.3)."""
     if kind == fmt.KIND_KV:

@@ -25,7 +25,9 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from . import arrays, recovery
 from . import block as blk
 from . import codecs as cdc
 from . import format as fmt
+from . import policy as pol
 from . import record as rec
 from . import segment as seglib
 from .errors import (
@@ -47,6 +50,7 @@ from .errors import (
     TierstoreError,
 )
 from .fileio import DEFAULT_IO, PosixIO, io_error
+from .hierarchy import Hierarchy
 from .index import Applied, Index, Location, Op
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 
@@ -173,12 +177,6 @@ def _encode_session(session: Any) -> bytes:
     return b
 
 
-def _same_object(a: rec.RecordHeader, b: rec.RecordHeader) -> bool:
-    """Same stored bytes: kind, codec, key flags, metadata, extent lengths and checksums."""
-    return (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags and a.meta == b.meta
-            and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
-
-
 TIERS = ("ssd", "dram", "gpu")
 KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.OBJECT_KINDS}
 
@@ -186,8 +184,9 @@ KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.O
 def _codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
     """``codecs={(kind, tier): "int8", (namespace, kind, tier): "zstd", ...}`` -> parsed choices.
 
-    Only the "ssd" tier exists in this release (the log); DRAM and GPU tiers come with their
-    own issue, so naming them is an error rather than a setting that silently does nothing.
+    Only the "ssd" tier (the log) takes a codec in this release: the DRAM tier caches the
+    stored bytes and the GPU tier decodes them, so naming those tiers is an error rather
+    than a setting that silently does nothing.
     """
     out: dict[tuple[str | None, str], cdc.Choice] = {}
     if spec is None:
@@ -206,10 +205,30 @@ def _codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
         if tier not in TIERS:
             raise InvalidObject(f"codecs= key {key!r}: tier must be one of {', '.join(TIERS)}")
         if tier != "ssd":
-            raise InvalidObject(f"codecs= key {key!r}: the {tier} tier does not exist in this release "
-                                "(only the log, tier \"ssd\")")
+            raise InvalidObject(f"codecs= key {key!r}: a codec of its own for the {tier} tier (transcoding at "
+                                "the tier boundary) is not supported yet; the DRAM tier holds the stored bytes "
+                                "and the GPU tier holds them decoded",
+                                hint="set the codec of the log, (kind, \"ssd\"): every tier serves what it holds")
         out[(ns, kind)] = cdc.parse(name, kind)
     return out
+
+
+def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Pop and check the cache tiers' options: dram_bytes, gpu_bytes, gpu_device, policy."""
+    dram, gpu = options.pop("dram_bytes", None), options.pop("gpu_bytes", None)
+    device, policy = options.pop("gpu_device", None), options.pop("policy", None)
+    dram = parse_size(dram, "dram_bytes") if dram is not None else None
+    gpu = parse_size(gpu, "gpu_bytes") if gpu is not None else None
+    if device is not None and gpu is None:
+        raise InvalidObject("gpu_device= without gpu_bytes= (the GPU tier's size)")
+    if gpu is not None:
+        device = "cuda:0" if device is None else device
+        try:
+            arrays.validate_device(device)
+        except InvalidObject as e:
+            raise InvalidObject(f"gpu_device: {e.message}",
+                                hint='gpu_device="cpu" runs the GPU tier in CPU memory (tests, CI)') from None
+    return {"dram_bytes": dram, "gpu_bytes": gpu, "gpu_device": device, "policy": pol.make(policy)}
 
 
 def _decode_key(b: bytes, flags: int) -> str | bytes:
@@ -287,6 +306,7 @@ class Store:
         if durability not in DURABILITY:
             raise InvalidObject(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         self.codecs = _codec_table(options.pop("codecs", None))
+        tier_opts = _tier_options(options)
         self.options = Options.from_kwargs(options)
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
@@ -313,6 +333,7 @@ class Store:
         self.recovery: dict[str, Any] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                         thread_name_prefix="tierstore-io")
+        self._tiers: Hierarchy | None = None
         self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
         self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads)
         try:
@@ -325,6 +346,7 @@ class Store:
         except BaseException:
             self._teardown()
             raise
+        self._tiers = Hierarchy(self, **tier_opts)
         self._closed = False
 
     # -- opening ----------------------------------------------------------------------------
@@ -474,6 +496,8 @@ class Store:
             self._cv.notify_all()
         if self._committer is not None and self._committer is not threading.current_thread():
             self._committer.join()
+        if self._tiers is not None:
+            self._tiers.close()
         if self._log is not None:
             self._log.close()
         self._files.close_all()
@@ -644,7 +668,7 @@ class Store:
         cur = self._lookup(ns, k)
         refs = set(self._sessions_of(ns, k)) if cur is not None else set()
         out = []
-        if cur is None or not _same_object(cur.header, record.header):
+        if cur is None or not rec.same_object(cur.header, record.header):
             out.append(record)
         if sess is None:
             if refs and fmt.ANCHOR_SESSION not in refs:
@@ -737,6 +761,10 @@ class Store:
             if batch:
                 where = log.append_group(batch, self._on_written)[-1]
         self._counters["deletes"] += deleted
+        if self._tiers is not None:
+            for t in self._tiers.tiers().values():
+                with t.lock:
+                    t.policy.session_ended(sess)
         if where is not None:
             self._after_write(log, where)
         return deleted
@@ -766,6 +794,8 @@ class Store:
         """Runs under the log's append lock, in LSN order."""
         loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
         op = Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc)
+        if self._tiers is not None and self._tiers.active:  # a cached copy of an older object goes
+            self._tiers.invalidate((hdr.namespace, hdr.key), hdr if loc is not None else None)
         with self._pending_lock:
             self._mem[(op.namespace, op.key)] = op
             self._pending.append(op)
@@ -908,26 +938,52 @@ class Store:
         """
         if device is not None:
             arrays.validate_device(device)
+        ns, k, loc = self._locate(key, namespace)
+        obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device)
+        self._counters["gets"] += 1
+        return obj
+
+    def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
+              **sel: Any) -> Any:
+        """Read the object at ``loc`` (through the tiers when the store has them).  If compaction
+        moved it meanwhile, follow it to its new location (with ``same``: only if it is still
+        the same object, else NotFound)."""
         for attempt in range(3):
-            ns, k, loc = self._locate(key, namespace)
             where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
-                obj = blk.read_object(loc.header, _Reader(self, loc, where), layers=layers, rows=rows, device=device,
-                                      dictionaries=functools.partial(self._dictionary, ns))
+                return self._tiers.read(ns, k, loc, where, dictionaries=functools.partial(self._dictionary, ns),
+                                        sessions=functools.partial(self._cache_sessions, ns, k), **sel) \
+                    if self._tiers is not None and self._tiers.active else \
+                    blk.read_object(loc.header, _Reader(self, loc, where),
+                                    dictionaries=functools.partial(self._dictionary, ns), **sel)
             except FileNotFoundError:
                 if attempt == 2:
                     raise CorruptionError("segment file missing", path=self._files.path(loc.segment),
                                           **where) from None
-                continue  # compaction moved the object between lookup and read: look it up again
+                new = self._lookup(ns, k)  # compaction moved the object between lookup and read
+                if new is None:
+                    raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key,
+                                   namespace=namespace) from None
+                if same and not rec.same_object(new.header, loc.header):
+                    raise NotFound(f"object {key!r} in namespace {namespace!r} was replaced while it was read",
+                                   key=key, namespace=namespace) from None
+                loc = new
             except CorruptionError as e:
                 if e.path is None:
                     e.path = self._files.path(loc.segment)
                 raise
             except OSError as e:
                 raise io_error(e, "read", path=self._files.path(loc.segment), **where) from None
-            self._counters["gets"] += 1
-            return obj
         raise AssertionError("unreachable")
+
+    def _ssd_reader(self, loc: Location, where: dict[str, Any]) -> "_Reader":
+        return _Reader(self, loc, where)
+
+    def _cache_sessions(self, ns: bytes, k: bytes) -> tuple[bytes, ...]:
+        """Sessions referencing (ns, k), for the tiers' policy (the anchor is not a session)."""
+        if not (self._refs_seen or self.readonly):
+            return ()
+        return tuple(s for s in self._sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
 
     def contains(self, key: str | bytes, *, namespace: str = "default") -> bool:
         """Whether ``key`` exists in ``namespace``."""
@@ -986,7 +1042,8 @@ class Store:
             logical_bytes=sum(rec.expected_extent_lengths(h.kind, meta)), stored_bytes=h.record_len,
             codec=cdc.Choice(cdc.BY_ID[h.codec], meta.get("codec_params", {})).spec,
             lossless=cdc.BY_ID[h.codec].lossless, bound=cdc.BY_ID[h.codec].bound,
-            checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs, tiers=("ssd",),
+            checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs,
+            tiers=(*self._tiers.where((ns, k), h), "ssd") if self._tiers is not None else ("ssd",),
             lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
             metric=meta.get("metric"), media_type=meta.get("media_type"),
             has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),
@@ -1024,9 +1081,127 @@ class Store:
             "durable_lsn": log.durable_lsn if log else None,
             "counters": dict(self._counters),
             "recovery": dict(self.recovery),
-            "tiers": {"ssd": {"bytes_used": total, "capacity_bytes": None, "io_path": "posix"}},
+            "tiers": {"ssd": {"bytes_used": total, "capacity_bytes": None, "io_path": "posix"},
+                      **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())}},
         }
         return out
+
+    # -- cache tiers ----------------------------------------------------------------------------
+
+    def _cache_tier(self, tier: str) -> Any:
+        self._check_open()
+        assert self._tiers is not None
+        return self._tiers.tier(tier)
+
+    def _promote(self, tier: str, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, layers: Any) -> int:
+        assert self._tiers is not None
+        for attempt in range(3):
+            where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
+            try:
+                return self._tiers.promote(tier, ns, k, loc, where, layers, functools.partial(self._dictionary, ns),
+                                           functools.partial(self._cache_sessions, ns, k))
+            except FileNotFoundError:  # compaction moved it: promote it from where it is now
+                new = self._lookup(ns, k)
+                if new is None or attempt == 2:
+                    raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key,
+                                   namespace=namespace) from None
+                loc = new
+        raise AssertionError("unreachable")
+
+    def prefetch(self, keys: Any, *, namespace: str = "default", tier: str = "dram", layers: Any = None) -> Future:
+        """Promote objects into ``tier`` ("dram" or "gpu") in the background.
+
+        ``keys``: one key or an iterable of keys; ``layers``: only those layers of KV objects.
+        Returns a ``concurrent.futures.Future`` whose result is the bytes ``tier`` holds for
+        them once done; its exception is NotFound for a missing key, StoreFull if the tier
+        cannot make room (pinned entries are never evicted).  A ``get`` meanwhile is served
+        from wherever the bytes are: it never waits for the prefetch.
+        """
+        self._cache_tier(tier)
+        ns = _encode_namespace(namespace)
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            keys = [keys]
+        todo = [(key, _encode_key(key)[0]) for key in keys]
+        assert self._tiers is not None
+        return self._tiers.submit(self._prefetch_now, tier, namespace, ns, todo, layers)
+
+    def _prefetch_now(self, tier: str, namespace: str, ns: bytes, todo: list[tuple[Any, bytes]], layers: Any) -> int:
+        total = 0
+        for key, k in todo:
+            loc = self._lookup(ns, k)
+            if loc is None:
+                raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace)
+            total += self._promote(tier, key, namespace, ns, k, loc, layers)
+        return total
+
+    def prefetch_session(self, session: str, *, namespace: str = "default", tier: str = "dram") -> Future:
+        """A new turn of ``session`` arrived: tell the tier's policy the session is active and
+        promote every object it references (AttentionStore's session prefetch).  Returns the
+        Future of ``prefetch``."""
+        t = self._cache_tier(tier)
+        sess = _encode_session(session)
+        with t.lock:
+            t.policy.session_active(sess)
+        return self.prefetch(self.session_keys(session, namespace=namespace), namespace=namespace, tier=tier)
+
+    def stream_layers(self, key: str | bytes, *, namespace: str = "default", device: str | None = None,
+                      layers: Any = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(layer_id, kv_layer)`` for each layer of a KVCache (or of ``layers``), in
+        order; ``kv_layer`` is shaped [2, kv_heads, tokens, head_dim] (K, V), on ``device``.
+
+        Layer i+1 is being read (from the nearest tier, promoting by policy) while the
+        caller uses layer i.  Every layer comes from the one version of the object found
+        when the call was made.  Bad arguments raise here, before anything is read.
+        """
+        if device is not None:
+            arrays.validate_device(device)
+        ns, k, loc = self._locate(key, namespace)
+        hdr = loc.header
+        if hdr.kind != fmt.KIND_KV:
+            raise InvalidObject(f"stream_layers reads a KVCache; {key!r} is a {fmt.KIND_NAMES[hdr.kind]}")
+        start = hdr.meta["layer_start"]
+        count = hdr.meta["shape"][0]
+        pos = list(range(count)) if layers is None else blk._select_layers(layers, start, count)
+
+        def read_layer(lid: int) -> Any:
+            obj = self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)
+            return obj.data[0]
+
+        assert self._tiers is not None
+        return self._tiers.stream([start + p for p in pos], read_layer)
+
+    def pin(self, key: str | bytes, *, namespace: str = "default", tier: str = "dram", layers: Any = None) -> None:
+        """Promote the object into ``tier`` (now) and keep it there until ``unpin``: a pinned
+        object is never evicted.  Pins count: pin twice, unpin twice.  StoreFull if the tier
+        cannot make room.  If the key is later overwritten, the pin stays on the key and the
+        new object is kept once something promotes it.  Prefer ``with store.pinned(...)``."""
+        t = self._cache_tier(tier)
+        ns, k, loc = self._locate(key, namespace)
+        t.pin((ns, k))
+        try:
+            self._promote(tier, key, namespace, ns, k, loc, layers)
+        except BaseException:
+            t.unpin((ns, k))
+            raise
+
+    def unpin(self, key: str | bytes, *, namespace: str = "default", tier: str = "dram") -> None:
+        """Release one pin taken by ``pin``; InvalidObject if the key holds no pin in ``tier``."""
+        t = self._cache_tier(tier)
+        ns, (k, _) = _encode_namespace(namespace), _encode_key(key)
+        if not t.unpin((ns, k)):
+            raise InvalidObject(f"{key!r} in namespace {namespace!r} is not pinned in the {tier} tier",
+                                key=key, namespace=namespace)
+
+    @contextmanager
+    def pinned(self, key: str | bytes, *, namespace: str = "default", tier: str = "dram",
+               layers: Any = None) -> Iterator["Store"]:
+        """``with store.pinned(key, tier="gpu"): ...`` pins for the block and always unpins."""
+        self.pin(key, namespace=namespace, tier=tier, layers=layers)
+        try:
+            yield self
+        finally:
+            if not self._closed:
+                self.unpin(key, namespace=namespace, tier=tier)
 
     # -- maintenance --------------------------------------------------------------------------
 

@@ -1,0 +1,500 @@
+"""The cache tiers (DRAM, and the GPU tier run in CPU memory with gpu_device="cpu"):
+promotion, eviction, pinning, streaming order, concurrent prefetch + get, stats, capacity."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+import tierstore
+from tierstore import policy as pol
+from tierstore.errors import InvalidObject, NotFound, StoreFull
+
+from .conftest import needs_torch
+
+LAYER = 2 * 2 * 32 * 16 * 2  # bytes of one layer of kv(): 4 KiB
+
+
+def kv(layers: int = 4, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((layers, 2, 2, 32, 16)).astype(np.float16)
+
+
+def tier_stats(store: tierstore.Store, tier: str) -> dict:
+    return store.stats()["tiers"][tier]
+
+
+def assert_within_capacity(store: tierstore.Store) -> None:
+    for name, t in store._tiers.tiers().items():
+        with t.lock:
+            held = sum(e.nbytes for e in t.entries.values())
+            assert t.used == held, (name, t.used, held)  # byte-accurate accounting
+            assert t.used + t.reserved <= t.capacity, name
+
+
+# -- DRAM tier ---------------------------------------------------------------------------------
+
+
+def test_get_promotes_to_dram_and_hits_after(store_path):
+    a = kv()
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(a))
+        assert s.info("a").tiers == ("ssd",)
+        assert np.array_equal(s.get("a").data, a)  # miss: promoted
+        assert s.info("a").tiers == ("dram", "ssd")
+        st = tier_stats(s, "dram")
+        assert (st["hits"], st["misses"], st["bytes_used"], st["bytes_in"]) == (0, 1, 4 * LAYER, 4 * LAYER)
+        got = s.get("a", layers=[1, 2])
+        assert np.array_equal(got.data, a[1:3]) and got.layer_start == 1
+        st = tier_stats(s, "dram")
+        assert (st["hits"], st["bytes_out"], st["promotions"]) == (1, 2 * LAYER, 1)
+        assert st["promotion_p50_ms"] is not None and st["promotion_p99_ms"] >= st["promotion_p50_ms"]
+
+
+def test_a_hit_is_served_from_dram_not_the_file(store_path):
+    a = kv()
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(a))
+        s.prefetch("a").result()
+        s._files.close_all()
+        # a hit must not touch the segment: make any segment read fail loudly
+        s._files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
+        assert np.array_equal(s.get("a").data, a)
+        # the returned array is a copy: changing it leaves the cached bytes alone
+        out = s.get("a")
+        out.data[:] = 0
+        assert np.array_equal(s.get("a").data, a)
+
+
+def test_partial_promotion_then_rest(store_path):
+    a = kv(8)
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(a))
+        assert s.prefetch("a", layers=range(0, 2)).result() == 2 * LAYER
+        assert tier_stats(s, "dram")["bytes_used"] == 2 * LAYER
+        assert np.array_equal(s.get("a", layers=1).data[0], a[1])
+        assert tier_stats(s, "dram")["hits"] == 1
+        assert np.array_equal(s.get("a").data, a)  # the other six layers are promoted now
+        assert tier_stats(s, "dram")["bytes_used"] == 8 * LAYER
+        assert_within_capacity(s)
+
+
+def test_lru_eviction_is_byte_accurate(store_path):
+    with tierstore.open(store_path, dram_bytes=10 * LAYER) as s:
+        for i in range(6):
+            s.put(f"k{i}", tierstore.KVCache(kv(2, seed=i)))
+        for i in range(5):  # 5 objects x 2 layers = the whole capacity
+            s.get(f"k{i}")
+        assert tier_stats(s, "dram")["bytes_used"] == 10 * LAYER
+        s.get("k0")  # k0 is now the most recent: k1 is the LRU victim
+        s.get("k5")
+        st = tier_stats(s, "dram")
+        assert (st["evictions"], st["bytes_used"], st["objects"]) == (1, 10 * LAYER, 5)
+        assert s.info("k1").tiers == ("ssd",) and s.info("k0").tiers == ("dram", "ssd")
+        assert np.array_equal(s.get("k1").data, kv(2, seed=1))  # evicted objects still read from the log
+        assert_within_capacity(s)
+
+
+def test_object_larger_than_the_tier_is_read_from_the_log(store_path):
+    a = kv(8)
+    with tierstore.open(store_path, dram_bytes=4 * LAYER) as s:
+        s.put("a", tierstore.KVCache(a))
+        assert np.array_equal(s.get("a").data, a)
+        st = tier_stats(s, "dram")
+        assert st["bytes_used"] == 0 and st["admissions_refused"] == 1
+        with pytest.raises(StoreFull) as e:
+            s.prefetch("a").result()
+        assert "dram_bytes" in e.value.hint
+
+
+def test_overwrite_and_delete_drop_the_cached_copy(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(kv(seed=1)))
+        s.get("a")
+        s.put("a", tierstore.KVCache(kv(seed=2)))
+        assert tier_stats(s, "dram")["bytes_used"] == 0
+        assert np.array_equal(s.get("a").data, kv(seed=2))
+        s.delete("a")
+        assert tier_stats(s, "dram")["bytes_used"] == 0
+        with pytest.raises(NotFound):
+            s.get("a")
+
+
+def test_compaction_keeps_cached_copies_valid(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB", segment_bytes=64 << 10) as s:
+        for i in range(40):
+            s.put(f"k{i}", tierstore.KVCache(kv(1, seed=i)))
+        for i in range(0, 40, 2):
+            s.delete(f"k{i}")
+        s.get("k1")
+        s.compact()
+        assert s.info("k1").tiers == ("dram", "ssd")  # same bytes, new position: still valid
+        assert np.array_equal(s.get("k1").data, kv(1, seed=1))
+        assert tier_stats(s, "dram")["hits"] == 1
+
+
+def test_codec_records_are_cached_encoded_in_dram(store_path):
+    a = kv()
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("q", tierstore.KVCache(a), codec="int8")
+        direct = s.get("q").data
+        st = tier_stats(s, "dram")
+        stored = s._lookup(b"default", b"q").header.extent_lengths
+        assert st["bytes_used"] == sum(stored) < a.nbytes  # the int8 codes, not the decoded fp16
+        assert np.array_equal(s.get("q").data, direct)
+
+
+def test_blobs_and_vectors_in_dram(store_path):
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((300, 64)).astype(np.float32)
+    ids = np.arange(300, dtype=np.int64) * 7
+    with tierstore.open(store_path, dram_bytes="4MiB", vector_extent_bytes=4096) as s:
+        s.put("v", tierstore.Vectors(emb, ids=ids))
+        s.put("b", tierstore.Blob(b"x" * 5000, media_type="text/plain"))
+        s.prefetch(["v", "b"]).result()
+        got = s.get("v", rows=[3, 250, 17])
+        assert np.array_equal(got.data, emb[[3, 250, 17]]) and np.array_equal(got.ids, ids[[3, 250, 17]])
+        assert s.get("b").data == b"x" * 5000
+        assert tier_stats(s, "dram")["hits"] == 2
+
+
+def test_readonly_handle_has_tiers_too(store_path):
+    with tierstore.open(store_path) as w:
+        w.put("a", tierstore.KVCache(kv()))
+    with tierstore.open(store_path, readonly=True, dram_bytes="1MiB") as r:
+        r.get("a")
+        r.get("a")
+        assert tier_stats(r, "dram")["hits"] == 1
+
+
+# -- pins --------------------------------------------------------------------------------------
+
+
+def test_pinned_objects_are_never_evicted_and_full_pins_raise(store_path):
+    with tierstore.open(store_path, dram_bytes=4 * LAYER) as s:
+        for i in range(4):
+            s.put(f"k{i}", tierstore.KVCache(kv(2, seed=i)))
+        s.pin("k0")
+        s.pin("k1")
+        assert tier_stats(s, "dram")["pinned_bytes"] == 4 * LAYER
+        assert np.array_equal(s.get("k2").data, kv(2, seed=2))  # no room: read from the log, nothing evicted
+        assert s.info("k0").tiers == ("dram", "ssd") and s.info("k2").tiers == ("ssd",)
+        with pytest.raises(StoreFull):
+            s.pin("k3")
+        with pytest.raises(StoreFull):
+            s.prefetch("k2").result()
+        s.unpin("k1")
+        s.pin("k3")  # k1 (unpinned now) makes room
+        assert s.info("k1").tiers == ("ssd",) and s.info("k3").tiers == ("dram", "ssd")
+        assert_within_capacity(s)
+
+
+def test_pins_count_and_unpin_without_pin_is_an_error(store_path):
+    with tierstore.open(store_path, dram_bytes=2 * LAYER) as s:
+        s.put("a", tierstore.KVCache(kv(2)))
+        s.put("b", tierstore.KVCache(kv(2, seed=1)))
+        s.pin("a")
+        s.pin("a")
+        s.unpin("a")
+        s.get("b")  # one pin left: a stays
+        assert s.info("a").tiers == ("dram", "ssd")
+        s.unpin("a")
+        with pytest.raises(InvalidObject):
+            s.unpin("a")
+        with pytest.raises(NotFound):
+            s.pin("missing")
+        assert tier_stats(s, "dram")["pinned_objects"] == 0
+
+
+def test_pinned_context_manager_releases_on_error(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(kv()))
+        with pytest.raises(RuntimeError), s.pinned("a"):
+            assert tier_stats(s, "dram")["pinned_objects"] == 1
+            raise RuntimeError("caller failed")
+        assert tier_stats(s, "dram")["pinned_objects"] == 0
+        assert not s._tiers.dram.pins  # no leaked pin
+
+
+# -- prefetch, streaming ---------------------------------------------------------------------
+
+
+def test_prefetch_future_reports_missing_keys(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(kv()))
+        f = s.prefetch(["a", "nope"])
+        with pytest.raises(NotFound):
+            f.result()
+        with pytest.raises(InvalidObject):
+            s.prefetch("a", tier="gpu")  # no GPU tier: refused at once
+        with pytest.raises(InvalidObject):
+            s.prefetch("a", tier="hbm")
+
+
+def test_store_without_tiers_refuses_tier_calls_but_streams(store_path):
+    a = kv(3)
+    with tierstore.open(store_path) as s:
+        s.put("a", tierstore.KVCache(a, layer_start=5))
+        with pytest.raises(InvalidObject):
+            s.pin("a")
+        got = list(s.stream_layers("a"))
+        assert [i for i, _ in got] == [5, 6, 7]
+        assert all(np.array_equal(x, a[i - 5]) for i, x in got)
+        assert "dram" not in s.stats()["tiers"]
+
+
+@needs_torch
+def test_stream_layers_order_subset_and_overlap(store_path):
+    import torch
+
+    a = kv(6)
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(a, layer_start=10))
+        seen = []
+        submitted = []
+        pool = s._tiers.executor
+        orig = pool.submit
+
+        def traced(fn, *args):
+            submitted.append(args[0])
+            return orig(fn, *args)
+
+        pool.submit = traced
+        for lid, layer in s.stream_layers("a", device="cpu", layers=range(11, 15)):
+            assert isinstance(layer, torch.Tensor) and tuple(layer.shape) == (2, 2, 32, 16)
+            assert torch.equal(layer, torch.from_numpy(a[lid - 10]))
+            seen.append(lid)
+            # the next layer's read was under way before this one was handed over (pipelining)
+            assert lid + 1 in submitted or lid == 14
+        assert seen == [11, 12, 13, 14]
+        with pytest.raises(InvalidObject):
+            s.stream_layers("a", layers=[11, 13])
+        s.put("b", tierstore.Blob(b"x"))
+        with pytest.raises(InvalidObject):
+            s.stream_layers("b")
+
+
+def test_stream_layers_reads_one_version(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(kv(4, seed=1)))
+        it = s.stream_layers("a")
+        first = next(it)
+        s.put("a", tierstore.KVCache(kv(4, seed=2)))  # overwritten mid-stream
+        rest = list(it)
+        layers = [first] + rest
+        assert all(np.array_equal(x, kv(4, seed=1)[i]) for i, x in layers)
+
+
+def test_concurrent_prefetch_and_get(store_path):
+    objs = {f"k{i}": kv(2, seed=i) for i in range(24)}
+    errors = []
+    with tierstore.open(store_path, dram_bytes=20 * LAYER) as s:
+        for k, v in objs.items():
+            s.put(k, tierstore.KVCache(v))
+
+        def reader(seed: int) -> None:
+            rnd = random.Random(seed)
+            try:
+                for _ in range(150):
+                    k = rnd.choice(list(objs))
+                    if rnd.random() < 0.3:
+                        s.prefetch([k, rnd.choice(list(objs))]).result()
+                    else:
+                        assert np.array_equal(s.get(k).data, objs[k])
+                    assert_within_capacity(s)
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        st = tier_stats(s, "dram")
+        assert st["bytes_used"] <= 20 * LAYER and st["bytes_reserved"] == 0 and st["evictions"] > 0
+        assert_within_capacity(s)
+
+
+# -- the GPU tier, in CPU memory -----------------------------------------------------------------
+
+
+@needs_torch
+def test_gpu_tier_promotion_hit_and_demotion(store_path):
+    import torch
+
+    with tierstore.open(store_path, dram_bytes="1MiB", gpu_bytes=4 * LAYER, gpu_device="cpu") as s:
+        for i in range(3):
+            s.put(f"k{i}", tierstore.KVCache(kv(2, seed=i)))
+        out = s.get("k0", device="cpu")
+        assert torch.equal(out.data, torch.from_numpy(kv(2, seed=0)))
+        assert s.info("k0").tiers == ("gpu", "ssd")  # SSD -> GPU directly
+        st = tier_stats(s, "gpu")
+        assert st["io_path"] == "cpu" and st["misses"] == 1 and st["bytes_used"] == 2 * LAYER
+        out.data.zero_()  # the caller's tensor is not the cached copy
+        assert torch.equal(s.get("k0", device="cpu").data, torch.from_numpy(kv(2, seed=0)))
+        assert tier_stats(s, "gpu")["hits"] == 1
+        s.get("k1", device="cpu")
+        s.get("k2", device="cpu")  # evicts k0 from the GPU tier: it falls back to DRAM
+        assert s.info("k0").tiers == ("dram", "ssd")
+        assert tier_stats(s, "dram")["demotions_in"] == 1
+        assert tier_stats(s, "gpu")["evictions"] == 1
+        s._files.close_all()
+        s._files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
+        assert np.array_equal(s.get("k0").data, kv(2, seed=0))  # served by DRAM
+        assert_within_capacity(s)
+
+
+@needs_torch
+def test_gpu_tier_decodes_lossy_records_on_the_device(store_path, real_kv):
+    import torch
+
+    with tierstore.open(store_path, gpu_bytes="8MiB", gpu_device="cpu") as s:
+        for codec in ("int8", "int4", "fp8", "kvq-ans"):
+            s.put(codec, tierstore.KVCache(real_kv), codec=codec)
+            reference = torch.from_numpy(np.asarray(s.get(codec).data))  # CPU numpy decode
+            s.prefetch(codec, tier="gpu").result()
+            assert tier_stats(s, "gpu")["bytes_used"] >= real_kv.nbytes  # held decoded
+            hit = s.get(codec, device="cpu", layers=range(1, 4))
+            assert torch.equal(hit.data, reference[1:4]), codec
+        assert tier_stats(s, "gpu")["hits"] == 4
+
+
+@needs_torch
+def test_gpu_tier_vectors_rows(store_path):
+    import torch
+
+    rng = np.random.default_rng(1)
+    emb = rng.standard_normal((500, 32)).astype(np.float16)
+    ids = rng.integers(0, 1 << 40, 500)
+    with tierstore.open(store_path, gpu_bytes="1MiB", gpu_device="cpu", vector_extent_bytes=2048) as s:
+        s.put("v", tierstore.Vectors(emb, ids=ids))
+        s.prefetch("v", tier="gpu").result()
+        got = s.get("v", rows=[499, 0, 77], device="cpu")
+        assert torch.equal(got.data, torch.from_numpy(emb[[499, 0, 77]]))
+        assert torch.equal(got.ids, torch.from_numpy(ids[[499, 0, 77]]))
+        assert tier_stats(s, "gpu")["hits"] == 1
+        s.put("b", tierstore.Blob(b"abc"))
+        with pytest.raises(InvalidObject):
+            s.prefetch("b", tier="gpu").result()
+
+
+def test_tier_options_are_checked(store_path):
+    with pytest.raises(InvalidObject):
+        tierstore.open(store_path, gpu_device="cpu")
+    with pytest.raises(InvalidObject):
+        tierstore.open(store_path, dram_bytes="lots")
+    with pytest.raises(InvalidObject):
+        tierstore.open(store_path, dram_bytes=0)
+    with pytest.raises(InvalidObject):
+        tierstore.open(store_path, dram_bytes="1MiB", policy="fifo")
+
+
+@needs_torch
+def test_cuda_gpu_tier_without_cuda_says_how_to_test(store_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is not reachable")
+    with pytest.raises(InvalidObject) as e:
+        tierstore.open(store_path, gpu_bytes="1GiB")
+    assert 'gpu_device="cpu"' in e.value.hint
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+def test_lru_policy_order():
+    p = pol.LRU()
+    for k in "abc":
+        p.admitted(k, 1, ())
+    p.touched("a")
+    assert list(p.victims()) == ["b", "c", "a"]
+    p.removed("c")
+    assert list(p.victims()) == ["b", "a"]
+
+
+def test_session_policy_keeps_frequent_sessions_and_drops_ended_first():
+    p = pol.SessionAware(half_life=8)
+    for turn in range(5):  # session "hot" returns five times
+        p.session_active(b"hot")
+        p.admitted(("hot", turn), 1, (b"hot",))
+    p.session_active(b"once")
+    p.admitted(("once", 0), 1, (b"once",))
+    p.admitted(("once", 1), 1, (b"once",))
+    order = list(p.victims())
+    # the one-turn session goes first although it is the more recent; its newest entry first
+    assert order[:2] == [("once", 1), ("once", 0)]
+    p.session_ended(b"hot")
+    assert list(p.victims())[:5] == [("hot", t) for t in reversed(range(5))]
+    p.admitted(("queued", 0), 1, (b"queued",))  # one old turn: the lowest score of all
+    assert list(p.victims())[-1] != ("queued", 0)
+    p.session_active(b"queued")  # its next turn is waiting: kept over every other session
+    assert list(p.victims())[-1] == ("queued", 0)
+    p.touched(("queued", 0))  # the turn is served: ranked by score again
+    p.session_active(b"once")
+    assert list(p.victims())[-1] == ("once", 0)
+    for k in list(p.victims()):
+        p.removed(k)
+    assert list(p.victims()) == []
+    with pytest.raises(InvalidObject):
+        pol.SessionAware(half_life=0)
+
+
+def test_session_policy_in_a_store(store_path):
+    with tierstore.open(store_path, dram_bytes=6 * LAYER, policy="session") as s:
+        for turn in range(3):
+            s.put(f"hot{turn}", tierstore.KVCache(kv(1, seed=turn)), session="hot")
+        s.put("cold0", tierstore.KVCache(kv(1, seed=9)), session="cold")
+        for _ in range(3):  # three turns of "hot": announced, then served
+            s.prefetch_session("hot").result()
+            for turn in range(3):
+                s.get(f"hot{turn}")
+        s.prefetch_session("cold").result()
+        s.get("cold0")
+        assert tier_stats(s, "dram")["policy"] == "session"
+        for i in range(3):  # new objects without a session push the cold session out first
+            s.put(f"x{i}", tierstore.KVCache(kv(1, seed=20 + i)))
+            s.get(f"x{i}")
+        assert s.info("cold0").tiers == ("ssd",)
+        assert all(s.info(f"hot{t}").tiers == ("dram", "ssd") for t in range(3))
+        s.drop_session("hot")
+        assert_within_capacity(s)
+
+
+def test_random_operations_keep_every_invariant(store_path):
+    rnd = random.Random(7)
+    model: dict[str, np.ndarray] = {}
+    with tierstore.open(store_path, dram_bytes=12 * LAYER, durability="none") as s:
+        pinned: dict[str, int] = {}
+        for step in range(400):
+            k = f"k{rnd.randrange(10)}"
+            op = rnd.random()
+            if op < 0.25:
+                model[k] = kv(rnd.randint(1, 4), seed=step)
+                s.put(k, tierstore.KVCache(model[k]))
+            elif op < 0.35 and k in model:
+                s.delete(k)
+                del model[k]
+                # a deleted key's pins stay on the key (released by unpin)
+            elif op < 0.45 and k in model:
+                try:
+                    s.pin(k)
+                    pinned[k] = pinned.get(k, 0) + 1
+                except StoreFull:
+                    pass
+            elif op < 0.55 and pinned.get(k):
+                s.unpin(k)
+                pinned[k] -= 1
+            elif k in model:
+                lay = model[k].shape[0]
+                lo = rnd.randrange(lay)
+                got = s.get(k, layers=range(lo, lay))
+                assert np.array_equal(got.data, model[k][lo:])
+            assert_within_capacity(s)
+            t = s._tiers.dram
+            with t.lock:
+                for key, n in pinned.items():
+                    assert t.pins.get((b"default", key.encode()), 0) == n

@@ -1,0 +1,146 @@
+"""Tier memory and device copies: the only module that knows CUDA streams, pinned host
+memory and kvikio (GPUDirect Storage).
+
+It owns: probing once, at open, which path fills the GPU tier (``io_path``: "gds",
+"kvikio-compat", "posix", or "cpu" when the "GPU" tier is CPU memory, as in tests);
+allocating tier buffers (host: page-aligned numpy arrays, pinned when a CUDA device is in
+use; device: torch uint8 tensors); copying host bytes to the device on a dedicated stream;
+and reading file ranges straight into device memory with kvikio.
+
+It never decides what is cached, and never returns before a copy it started has finished:
+callers always get complete buffers, and a pinned staging buffer is reused only after the
+copy out of it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from . import arrays
+from .errors import CorruptionError, InvalidObject
+from .record import crc32c
+
+IO_PATHS = ("gds", "kvikio-compat", "posix", "cpu")
+
+
+def _kvikio() -> Any:
+    return arrays._optional("kvikio")
+
+
+def probe_io_path(device: Any) -> str:
+    """How the GPU tier is filled from segment files: "gds" (kvikio with the nvidia-fs driver:
+    DMA from the SSD into GPU memory), "kvikio-compat" (kvikio without it: kvikio's own POSIX
+    bounce buffers), "posix" (pread into pinned host memory, then a copy on a side stream),
+    "cpu" (the tier is CPU memory)."""
+    if device is None or device.type != "cuda":
+        return "cpu"
+    kvikio = _kvikio()
+    if kvikio is None:
+        return "posix"
+    try:
+        props = getattr(getattr(kvikio, "cufile_driver", None), "properties", None)
+        if props is None:
+            props = kvikio.DriverProperties()
+        gds = bool(props.is_gds_available)
+    except (RuntimeError, OSError, AttributeError):  # no libcuda / libcufile: kvikio cannot do I/O
+        return "posix"
+    return "gds" if gds else "kvikio-compat"
+
+
+class DeviceIO:
+    """Buffers and copies for the tiers of one store (a DRAM tier, a GPU tier on ``device``)."""
+
+    def __init__(self, device: str | None) -> None:
+        torch = arrays.torch_module() if device is not None else None
+        self.device = torch.device(device) if torch is not None else None
+        self.cuda = self.device is not None and self.device.type == "cuda"
+        self.io_path = probe_io_path(self.device)
+        self._torch = torch
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream_lock = threading.Lock()
+        self._files: dict[str, Any] = {}
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A uint8 host buffer for the DRAM tier: pinned (page-locked) when a CUDA GPU tier is in
+        use, so promotion to the GPU is one asynchronous DMA; page-aligned otherwise."""
+        if self.cuda:
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True).numpy()
+        from .block import aligned_empty
+        return aligned_empty(nbytes)
+
+    def device_buffer(self, nbytes: int) -> Any:
+        """An uninitialised uint8 tensor of ``nbytes`` on the GPU tier's device."""
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
+    # -- copies -------------------------------------------------------------------------------
+
+    def to_device(self, host: np.ndarray | memoryview | bytes) -> Any:
+        """A new device tensor holding ``host``'s bytes (finished when this returns)."""
+        torch = self._torch
+        src = torch.frombuffer(host, dtype=torch.uint8) if not isinstance(host, np.ndarray) \
+            else torch.from_numpy(host.reshape(-1).view(np.uint8))
+        out = self.device_buffer(src.numel())
+        if not self.cuda:
+            out.copy_(src)  # a CPU "device": a copy, never an alias of the caller's buffer
+            return out
+        with self._stream_lock, torch.cuda.stream(self._stream):
+            out.copy_(src, non_blocking=src.is_pinned())
+            self._stream.synchronize()
+        return out
+
+    def tensor_to_device(self, t: Any) -> Any:
+        """Copy a tensor (any dtype, any device) into a fresh uint8 tier buffer on the device."""
+        flat = t.contiguous().reshape(-1).view(self._torch.uint8)
+        out = self.device_buffer(flat.numel())
+        if self.cuda:
+            with self._stream_lock, self._torch.cuda.stream(self._stream):
+                out.copy_(flat, non_blocking=True)
+                self._stream.synchronize()
+        else:
+            out.copy_(flat)
+        return out
+
+    def to_host(self, dev: Any, dest: np.ndarray) -> None:
+        """Copy a device buffer into host ``dest`` (same size)."""
+        self._torch.from_numpy(dest).copy_(dev.reshape(-1))
+
+    # -- kvikio -------------------------------------------------------------------------------
+
+    def read_direct(self, path: str, file_offset: int, nbytes: int, expect_crc: int, where: dict[str, Any]) -> Any:
+        """Read ``nbytes`` at ``file_offset`` of ``path`` straight into a new device buffer
+        (kvikio: GDS DMA, or kvikio's compat mode), then verify its CRC-32C.
+
+        The checksum is computed on a host copy of the bytes read (there is no device CRC-32C
+        here): the SSD->GPU transfer skips the CPU, the verification does not.  A mismatch
+        raises CorruptionError, as every other read path does.
+        """
+        kvikio = _kvikio()
+        if kvikio is None:
+            raise InvalidObject("kvikio is not installed", hint="pip install kvikio-cu12")
+        out = self.device_buffer(nbytes)
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = kvikio.CuFile(path, "r")
+        got = f.pread(out, nbytes, file_offset).get()
+        if got != nbytes:
+            raise CorruptionError(f"short read: {got} of {nbytes} bytes", offset=file_offset, **where)
+        host = out.cpu().numpy()
+        if crc32c(memoryview(host)) != expect_crc:
+            raise CorruptionError("extent checksum mismatch (read by kvikio)", offset=file_offset, **where)
+        return out
+
+    def forget_file(self, path: str) -> None:
+        """Close kvikio's handle on a segment (it was retired by compaction)."""
+        f = self._files.pop(path, None)
+        if f is not None:
+            f.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

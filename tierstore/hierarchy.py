@@ -1,0 +1,324 @@
+"""The cache hierarchy over the log: GPU tier -> DRAM tier -> SSD segments.
+
+Read path with tiers:  Store.get -> Hierarchy.read -> (GPU tier hit: one device copy)
+    | (DRAM tier hit: copy out of the cached extents, decode if the record has a codec)
+    | (miss: promote the wanted extents into the nearest tier -- from DRAM, or from the
+       segment file by kvikio (GDS) or preadv -- then serve as a hit; if the tier cannot make
+       room, read straight from the segment as a store without tiers does).
+
+It owns promotion (SSD -> DRAM, SSD or DRAM -> GPU), demotion (an entry evicted from the
+GPU tier is copied back to DRAM when its bytes are the stored bytes and there is room),
+``prefetch`` / ``stream_layers`` scheduling on its own threads, and invalidation when a
+key's object changes.  It never writes to the log: the segments are the durable home of
+every object and a tier only ever holds copies (DRAM -> SSD is not a write-back path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import arrays
+from . import block as blk
+from . import codecs as cdc
+from . import format as fmt
+from . import policy as pol
+from . import record as rec
+from .devio import DeviceIO
+from .errors import InvalidObject
+from .index import Location
+from .tiers import Entry, Tier
+
+if TYPE_CHECKING:
+    from .store import Store
+
+CACHE_TIERS = ("dram", "gpu")
+
+
+def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
+    """The extents a get of ``layers`` / ``rows`` needs (validating them, before any I/O)."""
+    meta = hdr.meta
+    if hdr.kind == fmt.KIND_KV:
+        if rows is not None:
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+        count = meta["shape"][0]
+        return list(range(count)) if layers is None else blk._select_layers(layers, meta["layer_start"], count)
+    if hdr.kind == fmt.KIND_VECTORS:
+        if layers is not None:
+            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+        n, rpe = meta["shape"][0], meta["rows_per_extent"]
+        n_ext = -(-n // rpe)
+        exts = list(range(n_ext)) if rows is None else sorted({int(e) for e in blk._select_rows(rows, n) // rpe})
+        return exts + ([n_ext + e for e in exts] if meta["ids"] else [])
+    if layers is not None or rows is not None:
+        raise InvalidObject("layers= and rows= do not apply to a Blob")
+    return [0]
+
+
+PARALLEL_COPY_MIN = 8 << 20  # a hit this large is copied by two threads (numpy copies release the GIL)
+
+
+class _HostReader:
+    """ExtentReader over extents cached in DRAM (stored bytes; checked when they were read)."""
+
+    def __init__(self, extents: dict[int, np.ndarray], executor: Any = None) -> None:
+        self.extents, self.executor = extents, executor
+
+    def _copy(self, wanted: Any) -> None:
+        for i, dest in wanted:
+            np.copyto(np.frombuffer(dest, np.uint8), self.extents[i])
+
+    def read_into(self, wanted: Any) -> None:
+        if self.executor is not None and len(wanted) > 1 and sum(d.nbytes for _, d in wanted) >= PARALLEL_COPY_MIN:
+            half = len(wanted) // 2
+            other = self.executor.submit(self._copy, wanted[half:])
+            self._copy(wanted[:half])
+            other.result()
+        else:
+            self._copy(wanted)
+
+    def read_bytes(self, index: int) -> bytes:
+        return self.extents[index].tobytes()
+
+
+class _DeviceReader:
+    """The reader ``block._on_device`` takes, over decoded extents in the GPU tier."""
+
+    def __init__(self, hdr: rec.RecordHeader, extents: dict[int, Any]) -> None:
+        self.extents = extents
+        self.shapes = blk.extent_shapes(hdr.kind, hdr.meta)
+
+    def read_tensor(self, i: int, device: str) -> Any:
+        ext = self.shapes[i]
+        return self.extents[i].view(arrays.torch_dtype(ext.dtype)).reshape(ext.shape)
+
+    def read_bytes(self, index: int) -> bytes:
+        return self.extents[index].cpu().numpy().tobytes()
+
+
+class Hierarchy:
+    """The DRAM and GPU tiers of one Store (either may be absent) and the threads filling them."""
+
+    def __init__(self, store: "Store", *, dram_bytes: int | None, gpu_bytes: int | None, gpu_device: str | None,
+                 policy: pol.Policy) -> None:
+        self.store = store
+        self.devio = DeviceIO(gpu_device if gpu_bytes else None)
+        self.gpu_device = str(self.devio.device) if gpu_bytes else None
+        self.dram = Tier("dram", dram_bytes, policy.fresh(), "posix") if dram_bytes else None
+        self.gpu = Tier("gpu", gpu_bytes, policy.fresh(), self.devio.io_path, on_evict=self._demote) \
+            if gpu_bytes else None
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-tiers")
+
+    @property
+    def active(self) -> bool:
+        return self.dram is not None or self.gpu is not None
+
+    def tiers(self) -> dict[str, Tier]:
+        return {t.name: t for t in (self.dram, self.gpu) if t is not None}
+
+    def tier(self, name: str) -> Tier:
+        if name not in CACHE_TIERS:
+            raise InvalidObject(f"tier must be one of {', '.join(CACHE_TIERS)}, got {name!r}")
+        t = self.dram if name == "dram" else self.gpu
+        if t is None:
+            raise InvalidObject(f"the store has no {name} tier", hint=f"open it with {name}_bytes=...")
+        return t
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.devio.close()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _on_gpu(self, device: str | None) -> bool:
+        if self.gpu is None or device is None:
+            return False
+        return str(arrays.torch_module().device(device)) == self.gpu_device
+
+    def read(self, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], *, layers: Any, rows: Any,
+             device: str | None, dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]],
+             promote: bool = True) -> Any:
+        """Serve a get from the nearest tier holding the extents, promoting them on a miss."""
+        hdr = loc.header
+        wanted = wanted_extents(hdr, layers, rows)
+        key = (ns, k)
+        if self._on_gpu(device) and hdr.kind != fmt.KIND_BLOB:
+            assert self.gpu is not None
+            got = self.gpu.lookup(key, hdr, wanted)
+            if got is None and promote and self._promote_gpu(key, loc, where, wanted, dictionaries, sessions,
+                                                             required=False):
+                got = self.gpu.lookup(key, hdr, wanted, count=False)
+            if got is not None:
+                return blk._on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
+        if self.dram is not None:
+            got = self.dram.lookup(key, hdr, wanted)
+            if got is None and promote and self._promote_dram(key, loc, where, wanted, sessions, required=False):
+                got = self.dram.lookup(key, hdr, wanted, count=False)
+            if got is not None:
+                return blk.read_object(hdr, _HostReader(got, self.store._pool), layers=layers, rows=rows,
+                                       device=device, dictionaries=dictionaries)
+        if self.dram is not None:  # not cached (no room): straight from the log
+            with self.dram.lock:
+                self.dram.counters["bytes_read_through"] += sum(hdr.extent_lengths[i] for i in wanted)
+        return blk.read_object(hdr, self.store._ssd_reader(loc, where), layers=layers, rows=rows, device=device,
+                               dictionaries=dictionaries)
+
+    # -- promotion ----------------------------------------------------------------------------
+
+    def _promote_dram(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
+                      sessions: Callable[[], tuple[bytes, ...]], *, required: bool) -> bool:
+        """Read extents ``wanted`` from the segment into the DRAM tier; False if no room."""
+        tier, hdr = self.dram, loc.header
+        assert tier is not None
+        todo = tier.missing(key, hdr, wanted)
+        if not todo:
+            return True
+        lengths = hdr.extent_lengths
+        nbytes = sum(lengths[i] for i in todo)
+        if not tier.reserve(nbytes, required=required, for_key=key):
+            return False
+        t0 = time.perf_counter()
+        try:
+            # one buffer per extent: extent-sized blocks are recycled by the allocator, where one
+            # object-sized block would be a fresh mapping (page faults) for every promotion
+            views = {i: self.devio.host_buffer(lengths[i]) for i in todo}
+            self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in views.items()])
+        except BaseException:
+            tier.release(nbytes)
+            raise
+        tier.insert(key, hdr, views, reserved=nbytes, sessions=sessions(), seconds=time.perf_counter() - t0)
+        return True
+
+    def _decoded_lengths(self, hdr: rec.RecordHeader) -> list[int]:
+        return hdr.extent_lengths if hdr.codec == fmt.CODEC_RAW else rec.expected_extent_lengths(hdr.kind, hdr.meta)
+
+    def _promote_gpu(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
+                     dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]], *,
+                     required: bool) -> bool:
+        """Put extents ``wanted``, decoded, into the GPU tier: from DRAM when it holds them, else
+        from the segment (kvikio into device memory for raw page-aligned extents when the
+        probe found it; otherwise preadv into pinned host memory and one copy).  Lossy extents
+        are decoded on the device."""
+        tier, hdr = self.gpu, loc.header
+        assert tier is not None
+        if hdr.kind == fmt.KIND_BLOB:
+            raise InvalidObject("blobs are not cached in the GPU tier (get(device=) does not apply to a Blob)")
+        todo = tier.missing(key, hdr, wanted)
+        if not todo:
+            return True
+        dec = self._decoded_lengths(hdr)
+        nbytes = sum(dec[i] for i in todo)
+        if not tier.reserve(nbytes, required=required, for_key=key):
+            return False
+        t0 = time.perf_counter()
+        try:
+            out = self._device_extents(key, loc, where, todo, dictionaries)
+        except BaseException:
+            tier.release(nbytes)
+            raise
+        tier.insert(key, hdr, out, reserved=nbytes, sessions=sessions(), seconds=time.perf_counter() - t0)
+        return True
+
+    def _device_extents(self, key: Hashable, loc: Location, where: dict[str, Any], todo: list[int],
+                        dictionaries: Callable[[int], bytes]) -> dict[int, Any]:
+        hdr, devio = loc.header, self.devio
+        host = self.dram.lookup(key, hdr, todo, count=False) if self.dram is not None else None
+        if host is None and hdr.codec == fmt.CODEC_RAW and devio.io_path in ("gds", "kvikio-compat") \
+                and all((loc.offset + hdr.offsets[i]) % fmt.PAGE == 0 for i in todo):
+            path = self.store._files.path(loc.segment)
+            self.store._ssd_reader(loc, where)._ensure_written()
+            return {i: devio.read_direct(path, loc.offset + hdr.offsets[i], hdr.extent_lengths[i],
+                                         hdr.extent_crcs[i], where) for i in todo}
+        if host is None:  # stage through (pinned) host memory
+            lengths = hdr.extent_lengths
+            slab = devio.host_buffer(sum(lengths[i] for i in todo))
+            host, pos = {}, 0
+            for i in todo:
+                host[i] = slab[pos : pos + lengths[i]]
+                pos += lengths[i]
+            self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in host.items()])
+        if hdr.codec == fmt.CODEC_RAW:
+            return {i: devio.to_device(host[i]) for i in todo}
+        codec = cdc.BY_ID[hdr.codec]
+        params = hdr.meta.get("codec_params", {})
+        shapes = blk.extent_shapes(hdr.kind, hdr.meta)
+        did = params.get("dict")
+        dictionary = dictionaries(did) if did is not None else None
+        out = {}
+        for i in todo:
+            c = blk.extent_codec(codec, shapes[i])
+            if c.lossless:  # zstd and friends have no device decoder: decode here, copy once
+                out[i] = devio.to_device(cdc.decode(c, host[i].tobytes(), shapes[i], params, dictionary))
+            else:
+                out[i] = devio.tensor_to_device(cdc.decode_torch(c, host[i].tobytes(), shapes[i], params,
+                                                                 self.gpu_device))
+        return out
+
+    def _demote(self, key: Hashable, e: Entry) -> None:
+        """An entry left the GPU tier: keep its bytes in DRAM if they are the stored bytes
+        (a raw record) and DRAM can make room without touching pinned entries."""
+        dram = self.dram
+        if dram is None or e.hdr.codec != fmt.CODEC_RAW or dram.holds(key, e.hdr):
+            return
+        nbytes = e.nbytes
+        if not dram.reserve(nbytes, required=False, for_key=key):
+            return
+        try:
+            slab = self.devio.host_buffer(nbytes)
+            views, pos = {}, 0
+            for i, buf in sorted(e.extents.items()):
+                n = int(buf.numel())
+                views[i] = slab[pos : pos + n]
+                self.devio.to_host(buf, views[i])
+                pos += n
+        except BaseException:
+            dram.release(nbytes)
+            raise
+        dram.insert(key, e.hdr, views, reserved=nbytes, sessions=e.sessions, demoted=True)
+
+    # -- explicit promotion -------------------------------------------------------------------
+
+    def promote(self, tier: str, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], layers: Any,
+                dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]]) -> int:
+        """Make ``tier`` hold the object (or its ``layers``); StoreFull if it cannot.  Returns
+        the bytes the tier holds for it afterwards."""
+        t = self.tier(tier)
+        wanted = wanted_extents(loc.header, layers, None)
+        if tier == "gpu":
+            self._promote_gpu((ns, k), loc, where, wanted, dictionaries, sessions, required=True)
+        else:
+            self._promote_dram((ns, k), loc, where, wanted, sessions, required=True)
+        with t.lock:
+            e = t.entries.get((ns, k))
+            return e.nbytes if e is not None else 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self.executor.submit(fn, *args)
+
+    def stream(self, layer_ids: list[int], read_layer: Callable[[int], Any],
+               depth: int = 2) -> Iterator[tuple[int, Any]]:
+        """Yield ``(layer_id, read_layer(layer_id))`` in order, keeping ``depth`` reads in flight
+        ahead of the consumer."""
+        pending: list[Future] = []
+        nxt = 0
+        try:
+            for j, lid in enumerate(layer_ids):
+                while nxt < len(layer_ids) and nxt <= j + depth - 1:
+                    pending.append(self.executor.submit(read_layer, layer_ids[nxt]))
+                    nxt += 1
+                yield lid, pending[j].result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+    def invalidate(self, key: Hashable, hdr: rec.RecordHeader | None) -> None:
+        for t in (self.gpu, self.dram):
+            if t is not None:
+                t.invalidate(key, hdr)
+
+    def where(self, key: Hashable, hdr: rec.RecordHeader) -> tuple[str, ...]:
+        return tuple(t.name for t in (self.gpu, self.dram) if t is not None and t.holds(key, hdr))

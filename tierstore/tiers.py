@@ -1,0 +1,204 @@
+"""One cache tier (DRAM or GPU): its entries, byte-accurate capacity, pins, policy, counters.
+
+An entry holds some extents of one stored object, keyed by (namespace, key) and tagged with
+the record header its bytes came from: an entry whose header is not the object's current
+one (``record.same_object``) is stale and never served.  The DRAM tier holds extents exactly
+as the segment stores them (encoded, if the record has a codec); the GPU tier holds them
+decoded, in the raw extent layout of SPEC.md §5.3, so a GPU hit is one device copy.
+
+This module owns accounting and eviction order; it does no I/O (``hierarchy`` fills tiers)
+and never waits for room: a reservation that cannot be met fails at once (``StoreFull``
+when the caller asked for the bytes to be cached, a quiet "no" for an opportunistic
+promotion).  Invariant, under the lock: used + reserved <= capacity.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import record as rec
+from .errors import StoreFull
+from .policy import Policy
+
+
+@dataclass
+class Entry:
+    hdr: rec.RecordHeader
+    extents: dict[int, Any] = field(default_factory=dict)  # extent index -> buffer (uint8)
+    nbytes: int = 0
+    sessions: tuple[bytes, ...] = ()
+
+
+def _nbytes(buf: Any) -> int:
+    return int(buf.nbytes) if hasattr(buf, "nbytes") else int(buf.numel())
+
+
+class Tier:
+    """Entries of one tier.  Thread-safe; eviction callbacks run outside the lock."""
+
+    def __init__(self, name: str, capacity: int, policy: Policy, io_path: str,
+                 on_evict: Callable[[Hashable, Entry], None] | None = None) -> None:
+        self.name, self.capacity, self.policy, self.io_path = name, capacity, policy, io_path
+        self.on_evict = on_evict
+        self.lock = threading.RLock()
+        self.entries: dict[Hashable, Entry] = {}
+        self.pins: dict[Hashable, int] = {}
+        self.used = 0
+        self.reserved = 0
+        self.counters = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "evictions": 0,
+                         "promotions": 0, "demotions_in": 0, "admissions_refused": 0, "bytes_read_through": 0}
+        self._latency: deque[float] = deque(maxlen=4096)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def _valid(self, key: Hashable, hdr: rec.RecordHeader) -> Entry | None:
+        e = self.entries.get(key)
+        if e is not None and not rec.same_object(e.hdr, hdr):
+            self._remove(key)  # an older version of the object: never served
+            return None
+        return e
+
+    def lookup(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int], *, count: bool = True
+               ) -> dict[int, Any] | None:
+        """Buffers of extents ``wanted`` if the tier holds all of them for this version of the
+        object (a hit: the policy is told), else None (a miss)."""
+        with self.lock:
+            e = self._valid(key, hdr)
+            if e is not None and all(i in e.extents for i in wanted):
+                if count:
+                    self.policy.touched(key)
+                    self.counters["hits"] += 1
+                    self.counters["bytes_out"] += sum(_nbytes(e.extents[i]) for i in wanted)
+                return {i: e.extents[i] for i in wanted}
+            if count:
+                self.counters["misses"] += 1
+            return None
+
+    def missing(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int]) -> list[int]:
+        with self.lock:
+            e = self._valid(key, hdr)
+            return list(wanted) if e is None else [i for i in wanted if i not in e.extents]
+
+    def holds(self, key: Hashable, hdr: rec.RecordHeader) -> bool:
+        with self.lock:
+            return self._valid(key, hdr) is not None
+
+    # -- room -------------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int, *, required: bool, for_key: Hashable | None = None) -> bool:
+        """Set aside ``nbytes`` for an insert, evicting unpinned entries in policy order.
+
+        False (nothing evicted) if it cannot be done; with ``required`` StoreFull instead.
+        """
+        evicted: list[tuple[Hashable, Entry]] = []
+        with self.lock:
+            free = self.capacity - self.used - self.reserved
+            if nbytes > free:
+                plan, gain = [], 0
+                for key in self.policy.victims():
+                    if key == for_key or self.pins.get(key):
+                        continue
+                    plan.append(key)
+                    gain += self.entries[key].nbytes
+                    if free + gain >= nbytes:
+                        break
+                if free + gain < nbytes:
+                    self.counters["admissions_refused"] += 1
+                    if required:
+                        pinned = sum(e.nbytes for k, e in self.entries.items() if self.pins.get(k))
+                        raise StoreFull(f"the {self.name} tier cannot make room for {nbytes} bytes "
+                                        f"(capacity {self.capacity}, {pinned} bytes pinned, "
+                                        f"{self.reserved} bytes being promoted)",
+                                        hint="unpin objects or open the store with a larger "
+                                             f"{self.name}_bytes")
+                    return False
+                for key in plan:
+                    evicted.append((key, self.entries[key]))
+                    self._remove(key)
+                    self.counters["evictions"] += 1
+            self.reserved += nbytes
+        if self.on_evict is not None:
+            for key, e in evicted:
+                self.on_evict(key, e)
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that was not used (a failed read)."""
+        with self.lock:
+            self.reserved -= nbytes
+
+    def insert(self, key: Hashable, hdr: rec.RecordHeader, extents: dict[int, Any], *, reserved: int,
+               sessions: tuple[bytes, ...] = (), seconds: float | None = None, demoted: bool = False) -> None:
+        """Add extents (their bytes were reserved) to the entry of ``key``'s version ``hdr``."""
+        with self.lock:
+            self.reserved -= reserved
+            e = self._valid(key, hdr)
+            if e is None:
+                e = self.entries[key] = Entry(hdr, {}, 0, sessions)
+            self.policy.admitted(key, e.nbytes, e.sessions)  # (again, for more extents: not a read)
+            added = 0
+            for i, buf in extents.items():
+                if i not in e.extents:
+                    e.extents[i] = buf
+                    added += _nbytes(buf)
+            e.nbytes += added
+            self.used += added
+            self.counters["bytes_in"] += added
+            self.counters["demotions_in" if demoted else "promotions"] += 1
+            if seconds is not None:
+                self._latency.append(seconds)
+            assert added <= reserved, "inserted more bytes than were reserved"
+
+    def invalidate(self, key: Hashable, hdr: rec.RecordHeader | None = None) -> None:
+        """Drop ``key``'s entry unless it holds the same object as ``hdr`` (None: drop it)."""
+        with self.lock:
+            e = self.entries.get(key)
+            if e is not None and (hdr is None or not rec.same_object(e.hdr, hdr)):
+                self._remove(key)
+
+    def _remove(self, key: Hashable) -> None:
+        e = self.entries.pop(key)
+        self.used -= e.nbytes
+        self.policy.removed(key)
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pin(self, key: Hashable) -> None:
+        with self.lock:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, key: Hashable) -> bool:
+        """Release one pin; False if ``key`` was not pinned."""
+        with self.lock:
+            n = self.pins.get(key, 0)
+            if n == 0:
+                return False
+            if n == 1:
+                del self.pins[key]
+            else:
+                self.pins[key] = n - 1
+            return True
+
+    # -- figures ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            lat = sorted(self._latency)
+            pinned = sum(e.nbytes for k, e in self.entries.items() if self.pins.get(k))
+            out: dict[str, Any] = {
+                "bytes_used": self.used, "capacity_bytes": self.capacity, "bytes_reserved": self.reserved,
+                "objects": len(self.entries), "pinned_objects": sum(1 for k in self.entries if self.pins.get(k)),
+                "pinned_bytes": pinned, **self.counters, "io_path": self.io_path, "policy": self.policy.name,
+                "promotion_p50_ms": _pct(lat, 0.50), "promotion_p99_ms": _pct(lat, 0.99),
+            }
+        return out
+
+
+def _pct(sorted_s: list[float], q: float) -> float | None:
+    if not sorted_s:
+        return None
+    return 1000.0 * sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))]
