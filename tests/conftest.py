@@ -57,3 +57,24 @@ def checked_state(path: str, *, deep: bool = True) -> dict:
         report = recovery.check_store(DEFAULT_IO, path, s._index, deep=deep)
         assert report.ok, report.as_dict()
     return state
+
+
+def run_threads(target, n: int) -> None:
+    """Run ``target(i)`` on ``n`` threads and re-raise the first exception any of them raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def wrapped(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as e:  # collected and re-raised in the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -14,6 +14,8 @@ import pytest
 import tierstore
 from tierstore import Blob, KVCache
 
+from .conftest import run_threads
+
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
 
 
@@ -24,30 +26,21 @@ def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
 
 @pytest.mark.parametrize("durability", ["sync", "group", "none"])
 def test_threads_put_get_delete(store_path, durability):
-    errors: list[BaseException] = []
     with tierstore.open(store_path, durability=durability, segment_bytes="256KiB") as s:
 
         def worker(t: int) -> None:
-            try:
-                rng = np.random.default_rng(t)
-                for i in range(60):
-                    key = f"t{t}-{i % 7}"
-                    kv = rng.standard_normal((2, 2, 1, 8, 4)).astype(np.float32)
-                    s.put(key, KVCache(kv), meta={"i": i})
-                    got = s.get(key)  # only this thread writes this key
-                    assert np.array_equal(got.data, kv) and s.info(key).meta == {"i": i}
-                    if i % 11 == 0:
-                        assert s.delete(key)
-                        assert not s.contains(key)
-            except BaseException as e:  # collected and re-raised in the main thread
-                errors.append(e)
+            rng = np.random.default_rng(t)
+            for i in range(60):
+                key = f"t{t}-{i % 7}"
+                kv = rng.standard_normal((2, 2, 1, 8, 4)).astype(np.float32)
+                s.put(key, KVCache(kv), meta={"i": i})
+                got = s.get(key)  # only this thread writes this key
+                assert np.array_equal(got.data, kv) and s.info(key).meta == {"i": i}
+                if i % 11 == 0:
+                    assert s.delete(key)
+                    assert not s.contains(key)
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors[0]
+        run_threads(worker, 4)
         n = len(s.keys())
     with tierstore.open(store_path) as s:
         assert len(s.keys()) == n

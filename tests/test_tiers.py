@@ -4,7 +4,6 @@ promotion, eviction, pinning, streaming order, concurrent prefetch + get, stats,
 from __future__ import annotations
 
 import random
-import threading
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import tierstore
 from tierstore import policy as pol
 from tierstore.errors import InvalidObject, NotFound, StoreFull
 
-from .conftest import needs_torch
+from .conftest import needs_torch, run_threads
 
 LAYER = 2 * 2 * 32 * 16 * 2  # bytes of one layer of kv(): 4 KiB
 
@@ -289,30 +288,21 @@ def test_stream_layers_reads_one_version(store_path):
 
 def test_concurrent_prefetch_and_get(store_path):
     objs = {f"k{i}": kv(2, seed=i) for i in range(24)}
-    errors = []
     with tierstore.open(store_path, dram_bytes=20 * LAYER) as s:
         for k, v in objs.items():
             s.put(k, tierstore.KVCache(v))
 
         def reader(seed: int) -> None:
             rnd = random.Random(seed)
-            try:
-                for _ in range(150):
-                    k = rnd.choice(list(objs))
-                    if rnd.random() < 0.3:
-                        s.prefetch([k, rnd.choice(list(objs))]).result()
-                    else:
-                        assert np.array_equal(s.get(k).data, objs[k])
-                    assert_within_capacity(s)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
+            for _ in range(150):
+                k = rnd.choice(list(objs))
+                if rnd.random() < 0.3:
+                    s.prefetch([k, rnd.choice(list(objs))]).result()
+                else:
+                    assert np.array_equal(s.get(k).data, objs[k])
+                assert_within_capacity(s)
 
-        threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
+        run_threads(reader, 4)
         st = tier_stats(s, "dram")
         assert st["bytes_used"] <= 20 * LAYER and st["bytes_reserved"] == 0 and st["evictions"] > 0
         assert_within_capacity(s)

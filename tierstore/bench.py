@@ -792,14 +792,22 @@ def print_report(result: dict[str, Any]) -> None:
         print("\ncodecs:", json.dumps(result["codecs"]["kv"]), json.dumps(result["codecs"]["vectors"]))
 
 
-def plot(result: dict[str, Any], path: str) -> None:
-    """Bar chart of time ratios to the file-per-object baseline (skipped without matplotlib)."""
+def pyplot() -> Any:
+    """matplotlib.pyplot with a file backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Bar chart of time ratios to the file-per-object baseline (skipped without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
         return
     systems = result["chunk"]["systems"]
     metrics = ["put_ms", "get_cold_ms", "get_warm_ms", "layer_cold_p50_ms", "layer_warm_p50_ms"]

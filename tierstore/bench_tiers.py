@@ -199,12 +199,10 @@ def markdown_tiers(t: dict[str, Any]) -> list[str]:
 
 def plot_tiers(t: dict[str, Any], path: str) -> None:
     """Hit rate and log bytes per policy and look-ahead (skipped without matplotlib)."""
-    try:
-        import matplotlib
+    from .bench import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = t["trace"]["runs"]
     las = sorted({r["lookahead"] for r in runs})
