@@ -488,3 +488,103 @@ def test_random_operations_keep_every_invariant(store_path):
             with t.lock:
                 for key, n in pinned.items():
                     assert t.pins.get((b"default", key.encode()), 0) == n
+
+
+class _FakeCuFile:
+    """Stands in for kvikio.CuFile: pread into a (CPU) tensor, returning a future."""
+
+    flip = False
+    opened: list = []
+
+    def __init__(self, path, mode):
+        import os
+
+        self.fd = os.open(path, os.O_RDONLY)
+        _FakeCuFile.opened.append(path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        os.close(self.fd)
+
+    def pread(self, buf, size, file_offset):
+        import os
+
+        data = bytearray(os.pread(self.fd, size, file_offset))
+        if _FakeCuFile.flip:
+            data[0] ^= 1
+        buf.numpy()[: len(data)] = np.frombuffer(bytes(data), np.uint8)
+
+        class _F:
+            def get(self_inner):
+                return len(data)
+
+        return _F()
+
+
+@needs_torch
+def test_gds_branch_reads_by_kvikio_and_verifies_checksums(store_path, monkeypatch):
+    """The kvikio branch (GDS / compat) run on CPU with a stand-in CuFile: ranges, the
+    checksum check of what it read, and the fallback for coded records."""
+    import types
+
+    import torch
+
+    from tierstore import arrays
+
+    fake = types.SimpleNamespace(CuFile=_FakeCuFile)
+    monkeypatch.setitem(arrays._OPTIONAL, "kvikio", fake)
+    a = kv(4)
+    with tierstore.open(store_path, gpu_bytes="1MiB", gpu_device="cpu") as s:
+        s._tiers.devio.io_path = "gds"  # as if the probe had found GDS
+        s.put("a", tierstore.KVCache(a))
+        s.put("q", tierstore.KVCache(a), codec="int8")
+        _FakeCuFile.opened.clear()
+        assert torch.equal(s.get("a", device="cpu").data, torch.from_numpy(a))
+        assert len(_FakeCuFile.opened) == 1  # the raw record went through kvikio
+        reference = torch.from_numpy(np.asarray(s.get("q").data))
+        assert torch.equal(s.get("q", device="cpu").data, reference)
+        assert len(_FakeCuFile.opened) == 1  # a coded record is staged through host memory
+        s.put("b", tierstore.KVCache(a * 2))
+        _FakeCuFile.flip = True
+        try:
+            with pytest.raises(tierstore.CorruptionError):
+                s.get("b", device="cpu")
+        finally:
+            _FakeCuFile.flip = False
+        assert s.info("b").tiers == ("ssd",)  # nothing cached from a bad read
+        assert tier_stats(s, "gpu")["bytes_reserved"] == 0
+        assert torch.equal(s.get("b", device="cpu").data, torch.from_numpy(a * 2))
+
+
+def test_io_path_probe(monkeypatch):
+    import types
+
+    from tierstore import arrays, devio
+
+    cuda = types.SimpleNamespace(type="cuda")
+    assert devio.probe_io_path(None) == "cpu"
+    assert devio.probe_io_path(types.SimpleNamespace(type="cpu")) == "cpu"
+    monkeypatch.setitem(arrays._OPTIONAL, "kvikio", None)
+    assert devio.probe_io_path(cuda) == "posix"  # no kvikio: pinned preadv
+
+    def props(gds):
+        return types.SimpleNamespace(cufile_driver=types.SimpleNamespace(
+            properties=types.SimpleNamespace(is_gds_available=gds)))
+
+    monkeypatch.setitem(arrays._OPTIONAL, "kvikio", props(True))
+    assert devio.probe_io_path(cuda) == "gds"
+    monkeypatch.setitem(arrays._OPTIONAL, "kvikio", props(False))
+    assert devio.probe_io_path(cuda) == "kvikio-compat"
+
+    class NoDriver:  # kvikio installed, libcuda missing: it raises when asked
+        @property
+        def is_gds_available(self):
+            raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setitem(arrays._OPTIONAL, "kvikio", types.SimpleNamespace(
+        cufile_driver=types.SimpleNamespace(properties=NoDriver())))
+    assert devio.probe_io_path(cuda) == "posix"

@@ -14,6 +14,7 @@ copy out of it is done.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
@@ -27,7 +28,11 @@ IO_PATHS = ("gds", "kvikio-compat", "posix", "cpu")
 
 
 def _kvikio() -> Any:
-    return arrays._optional("kvikio")
+    """The kvikio module, or None when it is not installed or cannot load."""
+    try:
+        return arrays._optional("kvikio")
+    except (ImportError, OSError):  # an old kvikio that dlopens CUDA at import
+        return None
 
 
 def probe_io_path(device: Any) -> str:
@@ -41,9 +46,13 @@ def probe_io_path(device: Any) -> str:
     if kvikio is None:
         return "posix"
     try:
-        props = getattr(getattr(kvikio, "cufile_driver", None), "properties", None)
-        if props is None:
-            props = kvikio.DriverProperties()
+        driver = getattr(kvikio, "cufile_driver", None)
+        if driver is None:
+            try:
+                driver = importlib.import_module("kvikio.cufile_driver")  # kvikio >= 24.12: a submodule
+            except ImportError:
+                driver = None
+        props = driver.properties if driver is not None else kvikio.DriverProperties()  # older kvikio
         gds = bool(props.is_gds_available)
     except (RuntimeError, OSError, AttributeError):  # no libcuda / libcufile: kvikio cannot do I/O
         return "posix"
@@ -61,7 +70,6 @@ class DeviceIO:
         self._torch = torch
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._stream_lock = threading.Lock()
-        self._files: dict[str, Any] = {}
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -109,38 +117,32 @@ class DeviceIO:
         """Copy a device buffer into host ``dest`` (same size)."""
         self._torch.from_numpy(dest).copy_(dev.reshape(-1))
 
-    # -- kvikio -------------------------------------------------------------------------------
+    # -- kvikio ----------------------------------------------------------------------------
 
-    def read_direct(self, path: str, file_offset: int, nbytes: int, expect_crc: int, where: dict[str, Any]) -> Any:
-        """Read ``nbytes`` at ``file_offset`` of ``path`` straight into a new device buffer
-        (kvikio: GDS DMA, or kvikio's compat mode), then verify its CRC-32C.
+    def read_direct(self, path: str, ranges: list[tuple[int, int, int]], where: dict[str, Any]) -> list[Any]:
+        """Read each (file_offset, nbytes, crc32c) range of ``path`` straight into a new device
+        buffer (kvikio: GDS DMA, or kvikio's compat mode), then verify its CRC-32C.
 
         The checksum is computed on a host copy of the bytes read (there is no device CRC-32C
         here): the SSD->GPU transfer skips the CPU, the verification does not.  A mismatch
-        raises CorruptionError, as every other read path does.
+        raises CorruptionError, as every other read path does.  The file is opened for this
+        call only (FileNotFoundError if compaction removed it: the caller looks again).
         """
         kvikio = _kvikio()
         if kvikio is None:
             raise InvalidObject("kvikio is not installed", hint="pip install kvikio-cu12")
-        out = self.device_buffer(nbytes)
-        f = self._files.get(path)
-        if f is None:
-            f = self._files[path] = kvikio.CuFile(path, "r")
-        got = f.pread(out, nbytes, file_offset).get()
-        if got != nbytes:
-            raise CorruptionError(f"short read: {got} of {nbytes} bytes", offset=file_offset, **where)
-        host = out.cpu().numpy()
-        if crc32c(memoryview(host)) != expect_crc:
-            raise CorruptionError("extent checksum mismatch (read by kvikio)", offset=file_offset, **where)
+        out = []
+        with kvikio.CuFile(path, "r") as f:
+            futures = []
+            for file_offset, nbytes, _ in ranges:
+                buf = self.device_buffer(nbytes)
+                futures.append((buf, f.pread(buf, nbytes, file_offset)))
+            for (buf, fut), (file_offset, nbytes, crc) in zip(futures, ranges):
+                got = fut.get()
+                if got != nbytes:
+                    raise CorruptionError(f"short read: {got} of {nbytes} bytes", **{**where, "offset": file_offset})
+                if crc32c(memoryview(buf.cpu().numpy())) != crc:
+                    raise CorruptionError("extent checksum mismatch (read by kvikio)",
+                                          **{**where, "offset": file_offset})
+                out.append(buf)
         return out
-
-    def forget_file(self, path: str) -> None:
-        """Close kvikio's handle on a segment (it was retired by compaction)."""
-        f = self._files.pop(path, None)
-        if f is not None:
-            f.close()
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()

@@ -130,7 +130,6 @@ class Hierarchy:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
-        self.devio.close()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -229,10 +228,14 @@ class Hierarchy:
         host = self.dram.lookup(key, hdr, todo, count=False) if self.dram is not None else None
         if host is None and hdr.codec == fmt.CODEC_RAW and devio.io_path in ("gds", "kvikio-compat") \
                 and all((loc.offset + hdr.offsets[i]) % fmt.PAGE == 0 for i in todo):
-            path = self.store._files.path(loc.segment)
             self.store._ssd_reader(loc, where)._ensure_written()
-            return {i: devio.read_direct(path, loc.offset + hdr.offsets[i], hdr.extent_lengths[i],
-                                         hdr.extent_crcs[i], where) for i in todo}
+            # kvikio opens the file by name: if compaction has unlinked it, FileNotFoundError sends
+            # the caller to the object's new location (Store._read / Store._promote)
+            with self.store._segment_fd(loc.segment):
+                bufs = devio.read_direct(self.store._files.path(loc.segment),
+                                         [(loc.offset + hdr.offsets[i], hdr.extent_lengths[i], hdr.extent_crcs[i])
+                                          for i in todo], where)
+            return dict(zip(todo, bufs))
         if host is None:  # stage through (pinned) host memory
             lengths = hdr.extent_lengths
             slab = devio.host_buffer(sum(lengths[i] for i in todo))
