@@ -87,19 +87,22 @@ class DeviceIO:
 
     # -- copies -------------------------------------------------------------------------------
 
-    def to_device(self, host: np.ndarray | memoryview | bytes) -> Any:
-        """A new device tensor holding ``host``'s bytes (finished when this returns)."""
+    def to_device(self, hosts: list[Any]) -> list[Any]:
+        """New device tensors holding each host buffer's bytes (numpy arrays, bytes): the copies
+        are queued on the tier's stream and waited for once, before this returns."""
         torch = self._torch
-        src = torch.frombuffer(host, dtype=torch.uint8) if not isinstance(host, np.ndarray) \
-            else torch.from_numpy(host.reshape(-1).view(np.uint8))
-        out = self.device_buffer(src.numel())
+        srcs = [torch.from_numpy(np.ascontiguousarray(h).reshape(-1).view(np.uint8)) if isinstance(h, np.ndarray)
+                else torch.frombuffer(bytearray(h), dtype=torch.uint8) for h in hosts]
+        outs = [self.device_buffer(src.numel()) for src in srcs]
         if not self.cuda:
-            out.copy_(src)  # a CPU "device": a copy, never an alias of the caller's buffer
-            return out
+            for out, src in zip(outs, srcs):
+                out.copy_(src)  # a CPU "device": a copy, never an alias of the caller's buffer
+            return outs
         with self._stream_lock, torch.cuda.stream(self._stream):
-            out.copy_(src, non_blocking=src.is_pinned())
+            for out, src in zip(outs, srcs):
+                out.copy_(src, non_blocking=src.is_pinned())
             self._stream.synchronize()
-        return out
+        return outs
 
     def tensor_to_device(self, t: Any) -> Any:
         """Copy a tensor (any dtype, any device) into a fresh uint8 tier buffer on the device."""

@@ -139,8 +139,8 @@ class Hierarchy:
         return str(arrays.torch_module().device(device)) == self.gpu_device
 
     def read(self, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], *, layers: Any, rows: Any,
-             device: str | None, dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]],
-             promote: bool = True) -> Any:
+             device: str | None, dictionaries: Callable[[int], bytes],
+             sessions: Callable[[], tuple[bytes, ...]]) -> Any:
         """Serve a get from the nearest tier holding the extents, promoting them on a miss."""
         hdr = loc.header
         wanted = wanted_extents(hdr, layers, rows)
@@ -148,14 +148,13 @@ class Hierarchy:
         if self._on_gpu(device) and hdr.kind != fmt.KIND_BLOB:
             assert self.gpu is not None
             got = self.gpu.lookup(key, hdr, wanted)
-            if got is None and promote and self._promote_gpu(key, loc, where, wanted, dictionaries, sessions,
-                                                             required=False):
+            if got is None and self._promote_gpu(key, loc, where, wanted, dictionaries, sessions, required=False):
                 got = self.gpu.lookup(key, hdr, wanted, count=False)
             if got is not None:
                 return blk._on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
         if self.dram is not None:
             got = self.dram.lookup(key, hdr, wanted)
-            if got is None and promote and self._promote_dram(key, loc, where, wanted, sessions, required=False):
+            if got is None and self._promote_dram(key, loc, where, wanted, sessions, required=False):
                 got = self.dram.lookup(key, hdr, wanted, count=False)
             if got is not None:
                 return blk.read_object(hdr, _HostReader(got, self.store._pool), layers=layers, rows=rows,
@@ -182,15 +181,22 @@ class Hierarchy:
             return False
         t0 = time.perf_counter()
         try:
-            # one buffer per extent: extent-sized blocks are recycled by the allocator, where one
-            # object-sized block would be a fresh mapping (page faults) for every promotion
-            views = {i: self.devio.host_buffer(lengths[i]) for i in todo}
-            self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in views.items()])
+            views = self._read_host(loc, where, todo)
         except BaseException:
             tier.release(nbytes)
             raise
         tier.insert(key, hdr, views, reserved=nbytes, sessions=sessions(), seconds=time.perf_counter() - t0)
         return True
+
+    def _read_host(self, loc: Location, where: dict[str, Any], todo: list[int]) -> dict[int, np.ndarray]:
+        """Extents ``todo`` read from the segment (checksums verified) into new host buffers,
+        one per extent: extent-sized blocks are recycled by the allocator (pinned ones by
+        torch's caching host allocator), where one object-sized block would be a fresh
+        mapping, and page faults, for every promotion."""
+        lengths = loc.header.extent_lengths
+        views = {i: self.devio.host_buffer(lengths[i]) for i in todo}
+        self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in views.items()])
+        return views
 
     def _decoded_lengths(self, hdr: rec.RecordHeader) -> list[int]:
         return hdr.extent_lengths if hdr.codec == fmt.CODEC_RAW else rec.expected_extent_lengths(hdr.kind, hdr.meta)
@@ -237,15 +243,9 @@ class Hierarchy:
                                           for i in todo], where)
             return dict(zip(todo, bufs))
         if host is None:  # stage through (pinned) host memory
-            lengths = hdr.extent_lengths
-            slab = devio.host_buffer(sum(lengths[i] for i in todo))
-            host, pos = {}, 0
-            for i in todo:
-                host[i] = slab[pos : pos + lengths[i]]
-                pos += lengths[i]
-            self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in host.items()])
+            host = self._read_host(loc, where, todo)
         if hdr.codec == fmt.CODEC_RAW:
-            return {i: devio.to_device(host[i]) for i in todo}
+            return dict(zip(todo, devio.to_device([host[i] for i in todo])))
         codec = cdc.BY_ID[hdr.codec]
         params = hdr.meta.get("codec_params", {})
         shapes = blk.extent_shapes(hdr.kind, hdr.meta)
@@ -255,7 +255,7 @@ class Hierarchy:
         for i in todo:
             c = blk.extent_codec(codec, shapes[i])
             if c.lossless:  # zstd and friends have no device decoder: decode here, copy once
-                out[i] = devio.to_device(cdc.decode(c, host[i].tobytes(), shapes[i], params, dictionary))
+                out[i] = devio.to_device([cdc.decode(c, host[i].tobytes(), shapes[i], params, dictionary)])[0]
             else:
                 out[i] = devio.tensor_to_device(cdc.decode_torch(c, host[i].tobytes(), shapes[i], params,
                                                                  self.gpu_device))
@@ -271,13 +271,9 @@ class Hierarchy:
         if not dram.reserve(nbytes, required=False, for_key=key):
             return
         try:
-            slab = self.devio.host_buffer(nbytes)
-            views, pos = {}, 0
-            for i, buf in sorted(e.extents.items()):
-                n = int(buf.numel())
-                views[i] = slab[pos : pos + n]
+            views = {i: self.devio.host_buffer(int(buf.numel())) for i, buf in e.extents.items()}
+            for i, buf in e.extents.items():
                 self.devio.to_host(buf, views[i])
-                pos += n
         except BaseException:
             dram.release(nbytes)
             raise

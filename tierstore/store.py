@@ -337,6 +337,7 @@ class Store:
         self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
         self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads)
         try:
+            self._tiers = Hierarchy(self, **tier_opts)
             self._open(create)
         except OSError as e:
             self._teardown()
@@ -346,7 +347,6 @@ class Store:
         except BaseException:
             self._teardown()
             raise
-        self._tiers = Hierarchy(self, **tier_opts)
         self._closed = False
 
     # -- opening ----------------------------------------------------------------------------
