@@ -588,3 +588,15 @@ def test_io_path_probe(monkeypatch):
     monkeypatch.setitem(arrays._OPTIONAL, "kvikio", types.SimpleNamespace(
         cufile_driver=types.SimpleNamespace(properties=NoDriver())))
     assert devio.probe_io_path(cuda) == "posix"
+
+
+def test_clear_keeps_pinned_entries(store_path):
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:
+        s.put("a", tierstore.KVCache(kv(2)))
+        s.put("b", tierstore.KVCache(kv(2, seed=1)))
+        s.pin("a")
+        s.get("b")
+        s._tiers.dram.clear()
+        assert s.info("a").tiers == ("dram", "ssd") and s.info("b").tiers == ("ssd",)
+        assert tier_stats(s, "dram")["bytes_used"] == 2 * LAYER
+        assert np.array_equal(s.get("b").data, kv(2, seed=1))

@@ -15,6 +15,7 @@ every object and a tier only ever holds copies (DRAM -> SSD is not a write-back 
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,27 +60,44 @@ def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
     return [0]
 
 
-PARALLEL_COPY_MIN = 8 << 20  # a hit this large is copied by two threads (numpy copies release the GIL)
+def _span(addr: int, nbytes: int) -> np.ndarray:
+    """A uint8 array over ``nbytes`` at ``addr`` (memory the caller keeps alive)."""
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
 
 
 class _HostReader:
-    """ExtentReader over extents cached in DRAM (stored bytes; checked when they were read)."""
+    """ExtentReader over extents cached in DRAM (stored bytes; checked when they were read).
 
-    def __init__(self, extents: dict[int, np.ndarray], executor: Any = None) -> None:
-        self.extents, self.executor = extents, executor
+    Extents adjacent both in the cache buffer and in the destination (a whole object read
+    back, as promotion lays it out) are copied with one call: one large copy uses the C
+    library's non-temporal stores, 32 copies of 1 MiB do not (measured 1.25-1.36x the time
+    of one ``kv.copy()`` for a 32 MiB chunk copied extent by extent).  Copies run on the
+    calling thread: splitting them over two threads was faster on average but, with other
+    threads in the process, took 30-35 ms instead of 5 now and then (GIL hand-offs)."""
 
-    def _copy(self, wanted: Any) -> None:
-        for i, dest in wanted:
-            np.copyto(np.frombuffer(dest, np.uint8), self.extents[i])
+    def __init__(self, extents: dict[int, np.ndarray]) -> None:
+        self.extents = extents
 
     def read_into(self, wanted: Any) -> None:
-        if self.executor is not None and len(wanted) > 1 and sum(d.nbytes for _, d in wanted) >= PARALLEL_COPY_MIN:
-            half = len(wanted) // 2
-            other = self.executor.submit(self._copy, wanted[half:])
-            self._copy(wanted[:half])
-            other.result()
-        else:
-            self._copy(wanted)
+        n, k = len(wanted), 0
+        while k < n:
+            i, dest = wanted[k]
+            src = self.extents[i]
+            d0 = np.frombuffer(dest, np.uint8)
+            s_addr, d_addr, total = src.ctypes.data, d0.ctypes.data if d0.size else 0, src.nbytes
+            j = k + 1
+            while j < n:  # extend the run while source and destination both continue
+                src2 = self.extents[wanted[j][0]]
+                d2 = np.frombuffer(wanted[j][1], np.uint8)
+                if not d2.size or src2.ctypes.data != s_addr + total or d2.ctypes.data != d_addr + total:
+                    break
+                total += src2.nbytes
+                j += 1
+            if j == k + 1:
+                np.copyto(d0, src)
+            else:
+                np.copyto(_span(d_addr, total), _span(s_addr, total))
+            k = j
 
     def read_bytes(self, index: int) -> bytes:
         return self.extents[index].tobytes()
@@ -157,7 +175,7 @@ class Hierarchy:
             if got is None and self._promote_dram(key, loc, where, wanted, sessions, required=False):
                 got = self.dram.lookup(key, hdr, wanted, count=False)
             if got is not None:
-                return blk.read_object(hdr, _HostReader(got, self.store._pool), layers=layers, rows=rows,
+                return blk.read_object(hdr, _HostReader(got), layers=layers, rows=rows,
                                        device=device, dictionaries=dictionaries)
         if self.dram is not None:  # not cached (no room): straight from the log
             with self.dram.lock:

@@ -160,6 +160,12 @@ class Tier:
             if e is not None and (hdr is None or not rec.same_object(e.hdr, hdr)):
                 self._remove(key)
 
+    def clear(self) -> None:
+        """Drop every unpinned entry (not counted as evictions)."""
+        with self.lock:
+            for key in [k for k in self.entries if not self.pins.get(k)]:
+                self._remove(key)
+
     def _remove(self, key: Hashable) -> None:
         e = self.entries.pop(key)
         self.used -= e.nbytes
