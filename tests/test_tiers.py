@@ -234,7 +234,7 @@ def test_prefetch_future_reports_missing_keys(store_path):
 
 def test_store_without_tiers_refuses_tier_calls_but_streams(store_path):
     a = kv(3)
-    with tierstore.open(store_path) as s:
+    with tierstore.open(store_path, dram_bytes=0) as s:
         s.put("a", tierstore.KVCache(a, layer_start=5))
         with pytest.raises(InvalidObject):
             s.pin("a")
@@ -377,9 +377,76 @@ def test_tier_options_are_checked(store_path):
     with pytest.raises(InvalidObject):
         tierstore.open(store_path, dram_bytes="lots")
     with pytest.raises(InvalidObject):
-        tierstore.open(store_path, dram_bytes=0)
+        tierstore.open(store_path, dram_bytes=-1)
     with pytest.raises(InvalidObject):
         tierstore.open(store_path, dram_bytes="1MiB", policy="fifo")
+    with pytest.raises(InvalidObject):
+        tierstore.open(store_path, dram_admit="third")
+    with tierstore.open(store_path, dram_bytes=None) as s:  # None and 0: no DRAM tier
+        assert "dram" not in s.stats()["tiers"]
+
+
+def big_kv(layers: int, seed: int = 0) -> np.ndarray:  # 128 KiB layers: above SecondRead.min_bytes
+    return np.random.default_rng(seed).standard_normal((layers, 2, 8, 64, 64)).astype(np.float16)
+
+
+def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
+    a, b = big_kv(4), big_kv(2, seed=1)
+    with tierstore.open(store_path) as s:
+        dram = s._tiers.dram
+        assert dram is not None and dram.capacity == tierstore.store.auto_dram_bytes() > 0
+        s.put("a", tierstore.KVCache(a))
+        s.put("b", tierstore.KVCache(b))
+        assert np.array_equal(s.get("a").data, a)  # first read: from the log, nothing cached
+        assert dram.used == 0 and s.info("a").tiers == ("ssd",)
+        st = s.stats()["tiers"]["dram"]
+        assert st["admissions_deferred"] == 1 and st["promotions"] == 0
+        assert np.array_equal(s.get("b", layers=1).data[0], b[1])  # another object's first read
+        assert dram.used == 0
+        reads, acquire = [], s._files.acquire
+        s._files.acquire = lambda seg: (reads.append(seg), acquire(seg))[1]
+        assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # second read: promoted
+        assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # third: a hit
+        s._files.acquire = acquire
+        assert len(reads) == 1
+        assert dram.used == 2 * a[0].nbytes and s.info("a").tiers == ("dram", "ssd")
+        s.put("a", tierstore.KVCache(b))  # a new version is a new object: first read again
+        assert np.array_equal(s.get("a").data, b) and dram.used == 0
+        s.prefetch("b").result()  # explicit promotions do not wait for a second read
+        assert "dram" in s.info("b").tiers
+        s.put("small", tierstore.Blob(b"x" * 4096))
+        for _ in range(3):  # small reads are left to the page cache: never admitted
+            assert s.get("small").data == b"x" * 4096
+        assert s.info("small").tiers == ("ssd",)
+        s.prefetch("small").result()  # unless promoted explicitly: then served from the tier
+        hits = tier_stats(s, "dram")["hits"]
+        assert s.get("small").data == b"x" * 4096 and tier_stats(s, "dram")["hits"] == hits + 1
+
+
+def test_first_read_admission_is_kept_when_a_size_is_given(store_path):
+    a = big_kv(2)
+    with tierstore.open(store_path, dram_bytes="1MiB") as s, tierstore.open(
+            store_path, readonly=True, dram_bytes="1MiB", dram_admit="second") as r:
+        s.put("a", tierstore.KVCache(a))
+        s.flush()
+        s.get("a")
+        assert s.info("a").tiers == ("dram", "ssd")
+        r.get("a")
+        assert r.info("a").tiers == ("ssd",)
+        r.get("a")
+        assert r.info("a").tiers == ("dram", "ssd")
+
+
+def test_second_read_memory_is_bounded():
+    adm = tierstore.policy.SecondRead(remember=3)
+    assert not adm.admit("a", 1)
+    assert adm.admit("a", 1)  # admitted: forgotten again
+    assert not adm.admit("a", 1)
+    assert not adm.admit("a", 2)  # another version of the object
+    for k in "bcd":
+        assert not adm.admit(k, 1)
+    assert not adm.admit("a", 2)  # pushed out by three newer first reads
+    assert len(adm._seen) == 3
 
 
 @needs_torch

@@ -298,7 +298,7 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
             raise InvalidObject("layers= and rows= do not apply to a Blob")
         if device is not None:
             raise InvalidObject("device= does not apply to a Blob")
-        return Blob(reader.read_bytes(0), media_type=meta["media_type"])
+        return Blob._from_store(reader.read_bytes(0), meta["media_type"])
     raise InvalidObject(f"unknown object kind {hdr.kind}")
 
 

@@ -122,8 +122,9 @@ class Hierarchy:
     """The DRAM and GPU tiers of one Store (either may be absent) and the threads filling them."""
 
     def __init__(self, store: "Store", *, dram_bytes: int | None, gpu_bytes: int | None, gpu_device: str | None,
-                 policy: pol.Policy) -> None:
+                 policy: pol.Policy, dram_admit: str = "first") -> None:
         self.store = store
+        self.admission = pol.SecondRead() if dram_admit == "second" else None  # None: every miss
         self.devio = DeviceIO(gpu_device if gpu_bytes else None)
         self.gpu_device = str(self.devio.device) if gpu_bytes else None
         self.dram = Tier("dram", dram_bytes, policy.fresh(), "posix") if dram_bytes else None
@@ -157,7 +158,7 @@ class Hierarchy:
         return str(arrays.torch_module().device(device)) == self.gpu_device
 
     def read(self, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], *, layers: Any, rows: Any,
-             device: str | None, dictionaries: Callable[[int], bytes],
+             device: str | None, dictionaries: Callable[[int], bytes] | None,
              sessions: Callable[[], tuple[bytes, ...]]) -> Any:
         """Serve a get from the nearest tier holding the extents, promoting them on a miss."""
         hdr = loc.header
@@ -170,18 +171,30 @@ class Hierarchy:
                 got = self.gpu.lookup(key, hdr, wanted, count=False)
             if got is not None:
                 return blk._on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
-        if self.dram is not None:
+        if self.dram is not None and self._dram_serves(key, hdr, wanted):
             got = self.dram.lookup(key, hdr, wanted)
-            if got is None and self._promote_dram(key, loc, where, wanted, sessions, required=False):
-                got = self.dram.lookup(key, hdr, wanted, count=False)
+            if got is None:
+                if (self.admission is not None and key not in self.dram.entries  # holds part: admitted
+                        and not self.admission.admit(key, hdr.lsn)):
+                    with self.dram.lock:  # a first read: served from the log, remembered
+                        self.dram.counters["admissions_deferred"] += 1
+                elif self._promote_dram(key, loc, where, wanted, sessions, required=False):
+                    got = self.dram.lookup(key, hdr, wanted, count=False)
+                else:  # no room: straight from the log
+                    with self.dram.lock:
+                        self.dram.counters["bytes_read_through"] += sum(hdr.extent_lengths[i] for i in wanted)
             if got is not None:
                 return blk.read_object(hdr, _HostReader(got), layers=layers, rows=rows,
                                        device=device, dictionaries=dictionaries)
-        if self.dram is not None:  # not cached (no room): straight from the log
-            with self.dram.lock:
-                self.dram.counters["bytes_read_through"] += sum(hdr.extent_lengths[i] for i in wanted)
         return blk.read_object(hdr, self.store._ssd_reader(loc, where), layers=layers, rows=rows, device=device,
                                dictionaries=dictionaries)
+
+    def _dram_serves(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int]) -> bool:
+        """Whether a get goes through the DRAM tier: always, unless the tier admits on the second
+        read and this is a small read of an object it holds nothing of (the page cache's job)."""
+        assert self.dram is not None
+        return (self.admission is None or key in self.dram.entries
+                or sum(hdr.extent_lengths[i] for i in wanted) >= self.admission.min_bytes)
 
     # -- promotion ----------------------------------------------------------------------------
 
@@ -225,7 +238,7 @@ class Hierarchy:
         return hdr.extent_lengths if hdr.codec == fmt.CODEC_RAW else rec.expected_extent_lengths(hdr.kind, hdr.meta)
 
     def _promote_gpu(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
-                     dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]], *,
+                     dictionaries: Callable[[int], bytes] | None, sessions: Callable[[], tuple[bytes, ...]], *,
                      required: bool) -> bool:
         """Put extents ``wanted``, decoded, into the GPU tier: from DRAM when it holds them, else
         from the segment (kvikio into device memory for raw page-aligned extents when the
@@ -252,7 +265,7 @@ class Hierarchy:
         return True
 
     def _device_extents(self, key: Hashable, loc: Location, where: dict[str, Any], todo: list[int],
-                        dictionaries: Callable[[int], bytes]) -> dict[int, Any]:
+                        dictionaries: Callable[[int], bytes] | None) -> dict[int, Any]:
         hdr, devio = loc.header, self.devio
         host = self.dram.lookup(key, hdr, todo, count=False) if self.dram is not None else None
         if host is None and hdr.codec == fmt.CODEC_RAW and devio.io_path in ("gds", "kvikio-compat") \
@@ -273,6 +286,7 @@ class Hierarchy:
         params = hdr.meta.get("codec_params", {})
         shapes = blk.extent_shapes(hdr.kind, hdr.meta)
         did = params.get("dict")
+        assert dictionaries is not None  # the store passes them for every encoded record
         dictionary = dictionaries(did) if did is not None else None
         out = {}
         for i in todo:
@@ -305,7 +319,7 @@ class Hierarchy:
     # -- explicit promotion -------------------------------------------------------------------
 
     def promote(self, tier: str, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], layers: Any,
-                dictionaries: Callable[[int], bytes], sessions: Callable[[], tuple[bytes, ...]]) -> int:
+                dictionaries: Callable[[int], bytes] | None, sessions: Callable[[], tuple[bytes, ...]]) -> int:
         """Make ``tier`` hold the object (or its ``layers``); StoreFull if it cannot.  Returns
         the bytes the tier holds for it afterwards."""
         t = self.tier(tier)

@@ -68,7 +68,9 @@ def index_key(namespace: bytes, key: bytes) -> bytes:
 
 
 def encode_location(loc: Location) -> bytes:
-    return _LOC.pack(loc.segment, loc.offset) + loc.header.raw
+    value = _LOC.pack(loc.segment, loc.offset) + loc.header.raw
+    _remember(value, loc)  # the header was built or verified by this process: a get need not decode it
+    return value
 
 
 @contextmanager
@@ -80,22 +82,31 @@ def _reading(path: str) -> Iterator[None]:
     except lmdb.MapResizedError:
         raise
     except lmdb.Error as e:
-        raise CorruptionError(f"index unreadable: {e}", path=path,
-                              hint="run `tierstore recover PATH` to rebuild the index from the segments") from None
+        raise _unreadable(path, e) from None
 
 
-_HEADER_CACHE: dict[bytes, "Location"] = {}
+def _unreadable(path: str, e: lmdb.Error) -> CorruptionError:
+    return CorruptionError(f"index unreadable: {e}", path=path,
+                           hint="run `tierstore recover PATH` to rebuild the index from the segments")
+
+
+_HEADER_CACHE: dict[bytes, "Location"] = {}  # index value -> its decoded Location
 _HEADER_CACHE_MAX = 65536
+
+
+def _remember(value: bytes, loc: "Location") -> None:
+    if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
+        _HEADER_CACHE.clear()
+    _HEADER_CACHE[value] = loc
 
 
 def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | None = None) -> Location:
     """Decode an index value; the embedded header is checksum-verified like one read from disk.
 
-    Records are immutable and a (segment, offset) is never reused for another indexed
-    record, so decoded headers are cached by location and header checksum.
+    A value decodes to the same Location every time, so decoded values are cached (by the
+    whole value: exact, whichever store it came from).
     """
-    cache_key = value[:24]
-    loc = _HEADER_CACHE.get(cache_key)
+    loc = _HEADER_CACHE.get(value)
     if loc is None:
         where = {"namespace": namespace.decode("utf-8", "replace") if namespace else None, "key": key}
         if len(value) < _LOC.size:
@@ -105,9 +116,7 @@ def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | N
         if hdr.type != fmt.REC_PUT:
             raise CorruptionError("index entry is not a PUT record", segment=seg, offset=off, **where)
         loc = Location(seg, off, hdr)
-        if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
-            _HEADER_CACHE.clear()
-        _HEADER_CACHE[cache_key] = loc
+        _remember(value, loc)
     if namespace is not None and (loc.header.namespace != namespace or loc.header.key != key):
         raise CorruptionError("index entry does not describe this key", segment=loc.segment, offset=loc.offset,
                               namespace=namespace.decode("utf-8", "replace"), key=key)
@@ -193,15 +202,31 @@ class Index:
     # -- reading ----------------------------------------------------------------------------
 
     def _read_txn(self) -> lmdb.Transaction:
+        try:
+            return self.env.begin(buffers=False)
+        except lmdb.MapResizedError:
+            pass
+        except lmdb.Error as e:
+            raise _unreadable(self.path, e) from None
         with _reading(self.path):
-            try:
-                return self.env.begin(buffers=False)
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # another process grew the map: adopt its size
-                return self.env.begin(buffers=False)
+            self.env.set_mapsize(0)  # another process grew the map: adopt its size
+            return self.env.begin(buffers=False)
 
     def read(self) -> "ReadView":
         return ReadView(self, self._read_txn())
+
+    def lookup(self, namespace: bytes, key: bytes) -> Location | None:
+        """One key's location in a fresh snapshot (the get path: one transaction, one get)."""
+        txn = self._read_txn()
+        try:
+            v = txn.get(index_key(namespace, key), db=self.objects)
+        except lmdb.MapResizedError:
+            raise
+        except lmdb.Error as e:
+            raise _unreadable(self.path, e) from None
+        finally:
+            txn.abort()
+        return None if v is None else decode_location(v, namespace, key)
 
     def get_meta(self, name: bytes) -> bytes | None:
         with self._read_txn() as txn, _reading(self.path):

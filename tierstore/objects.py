@@ -135,6 +135,13 @@ class Blob:
         self.data = data
         self.media_type = media_type
 
+    @classmethod
+    def _from_store(cls, data: bytes, media_type: str) -> "Blob":
+        """A Blob read back from a verified record (its fields were validated when it was put)."""
+        b = cls.__new__(cls)
+        b.data, b.media_type = data, media_type
+        return b
+
     def __len__(self) -> int:
         return memoryview(self.data).nbytes
 

@@ -1,9 +1,11 @@
-"""Eviction policies of the cache tiers: in which order unpinned entries leave a full tier.
+"""Eviction and admission policies of the cache tiers: in which order unpinned entries leave
+a full tier, and (``SecondRead``) which misses enter the DRAM tier at all.
 
 A policy is told when an entry is admitted, touched (a hit) or removed, and when a session
 becomes active (``Store.prefetch_session``: a new turn arrived) or ends (``drop_session``);
-it answers ``victims()``, the eviction order.  It owns no bytes and never decides admission:
-``tiers.Tier`` does the capacity accounting and skips pinned entries.  Policies are not
+it answers ``victims()``, the eviction order.  It owns no bytes and never decides admission
+(``SecondRead`` does, before a promotion is tried): ``tiers.Tier`` does the capacity
+accounting and skips pinned entries.  Policies are not
 thread-safe on their own: a Tier calls them under its lock.
 
 Entry keys are opaque hashable values; ``sessions`` are the session ids (bytes) holding a
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
@@ -181,6 +184,43 @@ class SessionAware(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware}
+
+ADMISSIONS = ("first", "second")
+SECOND_READ_MEMORY = 16384  # objects whose first read SecondRead remembers
+SECOND_READ_MIN_BYTES = 64 << 10  # smaller reads are left to the page cache
+
+
+class SecondRead:
+    """Admission on the second read: a get's miss is cached only if the same object (same
+    record LSN) missed before, among the last ``remember`` objects that missed.
+
+    A store read once per object (a scan, a put followed by one get, a recovery pass) then
+    leaves the tier as it was, and nothing of the object's size is held that the caller did
+    not ask twice for (the "doorkeeper" of TinyLFU and of CDN caches).  Reads of fewer than
+    ``min_bytes`` are never admitted: the log writes and reads small records through the page
+    cache, which serves them as fast as a tier hit (measured: 4 KiB blobs 8.5 us per get from
+    the page cache, 9.5 us from the tier).  Explicit promotions (``prefetch``, ``pin``,
+    ``stream_layers``) do not ask.  Thread-safe.
+    """
+
+    def __init__(self, remember: int = SECOND_READ_MEMORY, min_bytes: int = SECOND_READ_MIN_BYTES) -> None:
+        self.remember, self.min_bytes = remember, min_bytes
+        self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, key: Hashable, lsn: int) -> bool:
+        with self._lock:
+            if self._seen.pop(key, None) == lsn:
+                return True
+            self._seen[key] = lsn
+            if len(self._seen) > self.remember:
+                self._seen.popitem(last=False)
+            return False
+
+    def forget(self) -> None:
+        """Forget every first read (as a freshly opened store)."""
+        with self._lock:
+            self._seen.clear()
 
 
 def make(policy: str | Policy | None) -> Policy:

@@ -326,7 +326,7 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
     return None
 
 
-SPLIT_MIN = 512 << 10  # a warm extent this large is read and checksummed as two halves in parallel
+SPLIT_MIN = 4 << 20  # a warm extent this large is read and checksummed as two halves in parallel
 COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache counts as cold
 DIRECT_READS = {"auto": 8 << 20, "always": 1, "never": None}  # smallest cold read that goes O_DIRECT
 

@@ -145,10 +145,12 @@ def _check_namespace(namespace: Any) -> bytes:
     return b
 
 
+_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f/\\]")
+
+
 def _bad_text(text: str) -> bool:
     """Control characters (NUL included), path separators, or a name that is . or .."""
-    return (any(ord(c) < 0x20 or ord(c) == 0x7F for c in text) or "/" in text or "\\" in text
-            or text in (".", ".."))
+    return _BAD_CHARS.search(text) is not None or text in (".", "..")
 
 
 def _encode_key(key: Any) -> tuple[bytes, int]:
@@ -213,11 +215,35 @@ def _codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
     return out
 
 
+DRAM_AUTO_MAX = 1 << 30  # dram_bytes="auto": at most 1 GiB ...
+DRAM_AUTO_SHARE = 16  # ... and at most 1/16 of physical memory
+
+
+def auto_dram_bytes() -> int:
+    """The DRAM tier's size when ``dram_bytes`` is not given."""
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        phys = 16 * DRAM_AUTO_MAX
+    return max(0, min(DRAM_AUTO_MAX, phys // DRAM_AUTO_SHARE))
+
+
 def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Pop and check the cache tiers' options: dram_bytes, gpu_bytes, gpu_device, policy."""
-    dram, gpu = options.pop("dram_bytes", None), options.pop("gpu_bytes", None)
+    """Pop and check the cache tiers' options: dram_bytes, dram_admit, gpu_bytes, gpu_device,
+    policy.  ``dram_bytes`` "auto" (the default) sizes the DRAM tier from physical memory and
+    admits on the second read; a size given admits on the first; 0 or None: no DRAM tier."""
+    dram, gpu = options.pop("dram_bytes", "auto"), options.pop("gpu_bytes", None)
     device, policy = options.pop("gpu_device", None), options.pop("policy", None)
-    dram = parse_size(dram, "dram_bytes") if dram is not None else None
+    admit = options.pop("dram_admit", None)
+    if admit is not None and admit not in pol.ADMISSIONS:
+        raise InvalidObject(f"dram_admit must be one of {', '.join(pol.ADMISSIONS)}, got {admit!r}")
+    if dram == "auto":
+        dram, admit = auto_dram_bytes() or None, admit or "second"
+    elif dram is not None and not (type(dram) is int and dram == 0):
+        dram = parse_size(dram, "dram_bytes")
+    else:
+        dram = None
+    admit = admit or "first"
     gpu = parse_size(gpu, "gpu_bytes") if gpu is not None else None
     if device is not None and gpu is None:
         raise InvalidObject("gpu_device= without gpu_bytes= (the GPU tier's size)")
@@ -228,7 +254,8 @@ def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
         except InvalidObject as e:
             raise InvalidObject(f"gpu_device: {e.message}",
                                 hint='gpu_device="cpu" runs the GPU tier in CPU memory (tests, CI)') from None
-    return {"dram_bytes": dram, "gpu_bytes": gpu, "gpu_device": device, "policy": pol.make(policy)}
+    return {"dram_bytes": dram, "dram_admit": admit, "gpu_bytes": gpu, "gpu_device": device,
+            "policy": pol.make(policy)}
 
 
 def _decode_key(b: bytes, flags: int) -> str | bytes:
@@ -905,6 +932,8 @@ class Store:
         """The newest location of a key, or None.  Memtable first, then an index snapshot."""
         assert self._index is not None
         m = self._mem.get((ns, k))
+        if m is None:  # nothing unapplied for this key: the index holds its newest record
+            return self._index.lookup(ns, k)
         with self._index.read() as view:
             if m is not None and m.lsn > view.applied().lsn:
                 return m.location  # None for a delete
@@ -951,11 +980,11 @@ class Store:
         for attempt in range(3):
             where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
-                return self._tiers.read(ns, k, loc, where, dictionaries=functools.partial(self._dictionary, ns),
-                                        sessions=functools.partial(self._cache_sessions, ns, k), **sel) \
-                    if self._tiers is not None and self._tiers.active else \
-                    blk.read_object(loc.header, _Reader(self, loc, where),
-                                    dictionaries=functools.partial(self._dictionary, ns), **sel)
+                dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
+                if self._tiers is not None and self._tiers.active:
+                    return self._tiers.read(ns, k, loc, where, dictionaries=dicts,
+                                            sessions=functools.partial(self._cache_sessions, ns, k), **sel)
+                return blk.read_object(loc.header, _Reader(self, loc, where), dictionaries=dicts, **sel)
             except FileNotFoundError:
                 if attempt == 2:
                     raise CorruptionError("segment file missing", path=self._files.path(loc.segment),

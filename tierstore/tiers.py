@@ -50,7 +50,8 @@ class Tier:
         self.used = 0
         self.reserved = 0
         self.counters = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "evictions": 0,
-                         "promotions": 0, "demotions_in": 0, "admissions_refused": 0, "bytes_read_through": 0}
+                         "promotions": 0, "demotions_in": 0, "admissions_refused": 0, "bytes_read_through": 0,
+                         "admissions_deferred": 0}
         self._latency: deque[float] = deque(maxlen=4096)
 
     # -- lookups ------------------------------------------------------------------------------
