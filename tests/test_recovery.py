@@ -374,8 +374,9 @@ def test_direct_read_refused_falls_back(store_path, real_kv, monkeypatch):
 
 
 def test_small_reads_fill_the_page_cache(store_path, real_kv):
-    """By default a cold read smaller than 8 MiB goes through the page cache: the next one is warm."""
-    with tierstore.open(store_path) as s:
+    """Without a DRAM tier a cold read smaller than 8 MiB goes through the page cache: the next
+    one is warm."""
+    with tierstore.open(store_path, dram_bytes=0) as s:
         s.put("c", KVCache(real_kv))
         s.flush()
         _evict(store_path)
@@ -386,6 +387,30 @@ def test_small_reads_fill_the_page_cache(store_path, real_kv):
         if frac is None:
             pytest.skip("cachestat(2) is not available on this kernel")
         assert 0 < frac < 0.5  # one layer of six, and nothing else (no readahead)
+
+
+def test_with_a_dram_tier_cold_layer_reads_go_direct(store_path, real_kv, monkeypatch):
+    """With the default DRAM tier a cold read of 64 KiB or more skips the page cache (O_DIRECT):
+    the tier, which takes the object at its second read, is where repeated reads find it."""
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache(real_kv))
+        s.flush()
+        fd, dfd = s._files.acquire(1)
+        s._files.release(1)
+        if DEFAULT_IO.cached_fraction(fd, 0, 4096) is None:
+            pytest.skip("cachestat(2) is not available on this kernel: cold reads stay buffered")
+        used: list[int] = []
+        real = s._io.preadv
+        monkeypatch.setattr(s._io, "preadv", lambda f, b, o, *fl: used.append(f) or real(f, b, o, *fl))
+        _evict(store_path)
+        assert np.array_equal(s.get("c", layers=2).data[0], real_kv[2])  # first read: direct
+        assert used == [dfd]
+        info = s.info("c")
+        assert DEFAULT_IO.cached_fraction(fd, info.offset, info.stored_bytes) == 0  # the page cache untouched
+        assert np.array_equal(s.get("c", layers=2).data[0], real_kv[2])  # second: promoted (direct again)
+        assert used == [dfd, dfd]
+        assert np.array_equal(s.get("c", layers=2).data[0], real_kv[2])  # third: a DRAM hit, no read
+        assert used == [dfd, dfd] and s.info("c").tiers == ("dram", "ssd")
 
 
 def test_direct_reads_option_validated(store_path):

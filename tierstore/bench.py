@@ -168,11 +168,10 @@ class Tierstore(_System):
         return [os.path.join(seg, n) for n in os.listdir(seg)]
 
     def before_cold(self) -> None:
-        hierarchy = self.store._tiers
-        for tier in hierarchy.tiers().values():  # a cold read must not be a cache hit ...
+        # a cold read must not be a cache hit (the DRAM tier's memory of first reads stays: a
+        # cold read of an object read once before is promoted, as it would be in use)
+        for tier in self.store._tiers.tiers().values():
             tier.clear()
-        if hierarchy.admission is not None:  # ... nor a second read: as a freshly opened store
-            hierarchy.admission.forget()
 
     def close(self) -> None:
         self.store.close()

@@ -217,11 +217,6 @@ class SecondRead:
                 self._seen.popitem(last=False)
             return False
 
-    def forget(self) -> None:
-        """Forget every first read (as a freshly opened store)."""
-        with self._lock:
-            self._seen.clear()
-
 
 def make(policy: str | Policy | None) -> Policy:
     """A policy from a name ("lru", "session") or an instance; None means LRU."""

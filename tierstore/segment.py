@@ -329,6 +329,7 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
 SPLIT_MIN = 4 << 20  # a warm extent this large is read and checksummed as two halves in parallel
 COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache counts as cold
 DIRECT_READS = {"auto": 8 << 20, "always": 1, "never": None}  # smallest cold read that goes O_DIRECT
+DIRECT_READS_WITH_DRAM_TIER = 64 << 10  # "auto" when a DRAM tier caches repeated reads instead
 
 
 def read_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader,
@@ -504,16 +505,20 @@ class SegmentFiles:
 
     Each segment has a buffered descriptor (``POSIX_FADV_RANDOM``: a one-layer read fetches
     that layer, not 8 MiB of readahead) and, unless ``direct_reads="never"`` and where the file
-    system supports it, an O_DIRECT one for cold reads.  A segment retired by compaction is closed
-    when its last reader releases it, so a read in flight never sees its descriptor closed
-    (or reused) under it.
+    system supports it, an O_DIRECT one for cold reads.  With ``direct_reads="auto"``, cold
+    reads of 8 MiB or more go O_DIRECT, or of 64 KiB or more when the store has a DRAM tier
+    (``dram_tier``): that tier, not the page cache, is then where a repeated read finds them.
+    A segment retired by compaction is closed when its last reader releases it, so a read in
+    flight never sees its descriptor closed (or reused) under it.
     """
 
-    def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None, *, direct_reads: str = "auto") -> None:
+    def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None, *, direct_reads: str = "auto",
+                 dram_tier: bool = False) -> None:
         self.io, self.seg_dir = io, seg_dir
         self.dio = dio or DirectIO()
         self.direct_reads = DIRECT_READS[direct_reads] is not None
-        self.dio.read_min = DIRECT_READS[direct_reads] or 0
+        self.dio.read_min = DIRECT_READS_WITH_DRAM_TIER if direct_reads == "auto" and dram_tier else \
+            DIRECT_READS[direct_reads] or 0
         self._lock = threading.Lock()
         self._fds: dict[int, list[int]] = {}  # id -> [fd, direct fd or -1, refs]
         self._retired: set[int] = set()

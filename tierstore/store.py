@@ -362,7 +362,8 @@ class Store:
                                         thread_name_prefix="tierstore-io")
         self._tiers: Hierarchy | None = None
         self._seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
-        self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads)
+        self._files = seglib.SegmentFiles(self._io, self._seg_dir, direct_reads=self.options.direct_reads,
+                                          dram_tier=tier_opts["dram_bytes"] is not None)
         try:
             self._tiers = Hierarchy(self, **tier_opts)
             self._open(create)
