@@ -226,3 +226,25 @@ def test_index_file_flips(template, tmp_path):
         assert good == want and not errors, off
         assert deep is None or deep.ok or deep.findings
         shutil.rmtree(work)
+
+
+def test_cached_index_values_are_exact_and_bounded(store_path):
+    """Decoded index values are cached by the whole value: a damaged copy of a cached value is
+    still decoded (and refused), never answered from the cache; the cache has a byte budget."""
+    from tierstore import index as ix
+
+    with tierstore.open(store_path) as s:
+        s.put("k", tierstore.Blob(b"v" * 100))
+        s.flush()
+        with s._index.read() as view:
+            value = view.txn.get(ix.index_key(b"default", b"k"), db=s._index.objects)
+    loc = ix.decode_location(value, b"default", b"k")
+    assert value in ix._HEADER_CACHE and loc.header.key == b"k"
+    for pos in (30, len(value) - 3):  # past the location, inside the header and its checksums
+        bad = bytearray(value)
+        bad[pos] ^= 0x01
+        with pytest.raises(tierstore.CorruptionError):
+            ix.decode_location(bytes(bad), b"default", b"k")
+    for i in range(ix._HEADER_CACHE_BYTES // len(value) + 10):  # overflow the budget: it starts over
+        ix._remember(value + i.to_bytes(8, "little"), loc)
+        assert ix._header_cache_used <= ix._HEADER_CACHE_BYTES

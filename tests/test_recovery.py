@@ -421,3 +421,31 @@ def test_direct_reads_option_validated(store_path):
         assert s._files.acquire(1)[1] == -1
         s._files.release(1)
         assert s.get("a").data == b"1" * 10_000_000
+
+
+def test_large_warm_extent_read_in_halves_is_verified(store_path):
+    """A warm extent of 4 MiB or more is read and checksummed as two halves on two threads
+    (CRCs combined): a clean one reads back, damage in either half is CorruptionError."""
+    big = np.random.default_rng(5).standard_normal((1, 2, 8, 1024, 128)).astype(np.float16)  # one 4 MiB layer
+    assert big[0].nbytes >= seglib.SPLIT_MIN
+    with tierstore.open(store_path, dram_bytes=0, direct_reads="never") as s:
+        s.put("big", KVCache(big))
+        s.flush()
+        assert np.array_equal(s.get("big").data, big)
+        info = s.info("big")
+    (seg,) = segment_files(store_path)
+    start = info.offset + info.stored_bytes - big[0].nbytes
+    for pos in (start + 100, start + big[0].nbytes - 100):  # first half, second half
+        with open(seg, "r+b") as f:
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x20]))
+        with tierstore.open(store_path, dram_bytes=0, direct_reads="never") as s, \
+                pytest.raises(tierstore.CorruptionError):
+            s.get("big")
+        with open(seg, "r+b") as f:  # repaired: reads back again
+            f.seek(pos)
+            f.write(b)
+        with tierstore.open(store_path, dram_bytes=0, direct_reads="never") as s:
+            assert np.array_equal(s.get("big").data, big)

@@ -193,8 +193,10 @@ class Hierarchy:
         """Whether a get goes through the DRAM tier: always, unless the tier admits on the second
         read and this is a small read of an object it holds nothing of (the page cache's job)."""
         assert self.dram is not None
-        return (self.admission is None or key in self.dram.entries
-                or sum(hdr.extent_lengths[i] for i in wanted) >= self.admission.min_bytes)
+        if self.admission is None or key in self.dram.entries:
+            return True
+        small = self.admission.min_bytes
+        return hdr.record_len >= small and sum([hdr.extent_lengths[i] for i in wanted]) >= small
 
     # -- promotion ----------------------------------------------------------------------------
 

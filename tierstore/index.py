@@ -91,13 +91,17 @@ def _unreadable(path: str, e: lmdb.Error) -> CorruptionError:
 
 
 _HEADER_CACHE: dict[bytes, "Location"] = {}  # index value -> its decoded Location
-_HEADER_CACHE_MAX = 65536
+_HEADER_CACHE_BYTES = 8 << 20  # of index values; the decoded objects take ~5-7x that
+_header_cache_used = 0
 
 
 def _remember(value: bytes, loc: "Location") -> None:
-    if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
+    global _header_cache_used
+    if _header_cache_used + len(value) > _HEADER_CACHE_BYTES:
         _HEADER_CACHE.clear()
+        _header_cache_used = 0
     _HEADER_CACHE[value] = loc
+    _header_cache_used += len(value)
 
 
 def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | None = None) -> Location:

@@ -5,8 +5,8 @@ A policy is told when an entry is admitted, touched (a hit) or removed, and when
 becomes active (``Store.prefetch_session``: a new turn arrived) or ends (``drop_session``);
 it answers ``victims()``, the eviction order.  It owns no bytes and never decides admission
 (``SecondRead`` does, before a promotion is tried): ``tiers.Tier`` does the capacity
-accounting and skips pinned entries.  Policies are not
-thread-safe on their own: a Tier calls them under its lock.
+accounting and skips pinned entries.  Policies are not thread-safe on their own: a Tier
+calls them under its lock.
 
 Entry keys are opaque hashable values; ``sessions`` are the session ids (bytes) holding a
 reference on the object (SPEC.md §5.4), empty for an object put without a session.
