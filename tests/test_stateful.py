@@ -244,3 +244,23 @@ class TieredStoreMachine(StoreMachine):
 
 TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
 TestTieredStoreMachine = TieredStoreMachine.TestCase
+
+
+class SecondReadStoreMachine(TieredStoreMachine):
+    """The tiered model with the default store's admission (an object enters DRAM at its second
+    read; here of any size): deferred first reads, promotions of partly cached objects and
+    versions replaced between two reads must all still equal the model."""
+
+    def _open(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self.io = FaultFS(root)
+        self.store = tierstore.open(root, _io=self.io, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=3,
+                                    dram_bytes="6KiB", dram_admit="second")
+        assert self.store._tiers.admission is not None
+        self.store._tiers.admission.min_bytes = 0  # the model's objects are small: let them in
+        self.io.index_env = self.store._index.env
+
+
+SecondReadStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
+TestSecondReadStoreMachine = SecondReadStoreMachine.TestCase
