@@ -3,6 +3,7 @@ promotion, eviction, pinning, streaming order, concurrent prefetch + get, stats,
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -421,6 +422,23 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
         s.prefetch("small").result()  # unless promoted explicitly: then served from the tier
         hits = tier_stats(s, "dram")["hits"]
         assert s.get("small").data == b"x" * 4096 and tier_stats(s, "dram")["hits"] == hits + 1
+
+
+def test_auto_dram_size_follows_the_container_memory_limit(tmp_path, monkeypatch):
+    from tierstore import store as st
+
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    monkeypatch.setattr(st, "CGROUP_MEMORY_LIMITS", (str(v2), str(v1)))
+    assert st.memory_limit() == phys  # no cgroup files
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert st.memory_limit() == phys
+    v1.write_text(f"{2 << 30}\n")  # a 2 GiB container
+    assert st.memory_limit() == min(phys, 2 << 30)
+    assert st.auto_dram_bytes() == min(st.DRAM_AUTO_MAX, min(phys, 2 << 30) // st.DRAM_AUTO_SHARE)
+    v2.write_text(f"{64 << 20}\n")  # 64 MiB: a 4 MiB tier
+    assert st.auto_dram_bytes() == 4 << 20
 
 
 def test_first_read_admission_is_kept_when_a_size_is_given(store_path):

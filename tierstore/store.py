@@ -216,16 +216,32 @@ def _codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
 
 
 DRAM_AUTO_MAX = 1 << 30  # dram_bytes="auto": at most 1 GiB ...
-DRAM_AUTO_SHARE = 16  # ... and at most 1/16 of physical memory
+DRAM_AUTO_SHARE = 16  # ... and at most 1/16 of memory (physical, or the cgroup limit)
+
+
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def memory_limit() -> int:
+    """Physical memory, or the container's (cgroup) memory limit when that is lower."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        limit = 16 * DRAM_AUTO_MAX
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < limit:  # "max" (v2) or a huge number: no limit
+            limit = int(text)
+    return limit
 
 
 def auto_dram_bytes() -> int:
     """The DRAM tier's size when ``dram_bytes`` is not given."""
-    try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        phys = 16 * DRAM_AUTO_MAX
-    return max(0, min(DRAM_AUTO_MAX, phys // DRAM_AUTO_SHARE))
+    return max(0, min(DRAM_AUTO_MAX, memory_limit() // DRAM_AUTO_SHARE))
 
 
 def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
