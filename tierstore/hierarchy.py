@@ -158,8 +158,7 @@ class Hierarchy:
         return str(arrays.torch_module().device(device)) == self.gpu_device
 
     def read(self, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], *, layers: Any, rows: Any,
-             device: str | None, dictionaries: Callable[[int], bytes] | None,
-             sessions: Callable[[], tuple[bytes, ...]]) -> Any:
+             device: str | None, dictionaries: Callable[[int], bytes] | None) -> Any:
         """Serve a get from the nearest tier holding the extents, promoting them on a miss."""
         hdr = loc.header
         wanted = wanted_extents(hdr, layers, rows)
@@ -167,7 +166,7 @@ class Hierarchy:
         if self._on_gpu(device) and hdr.kind != fmt.KIND_BLOB:
             assert self.gpu is not None
             got = self.gpu.lookup(key, hdr, wanted)
-            if got is None and self._promote_gpu(key, loc, where, wanted, dictionaries, sessions, required=False):
+            if got is None and self._promote_gpu(key, loc, where, wanted, dictionaries, required=False):
                 got = self.gpu.lookup(key, hdr, wanted, count=False)
             if got is not None:
                 return blk._on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
@@ -178,7 +177,7 @@ class Hierarchy:
                         and not self.admission.admit(key, hdr.lsn)):
                     with self.dram.lock:  # a first read: served from the log, remembered
                         self.dram.counters["admissions_deferred"] += 1
-                elif self._promote_dram(key, loc, where, wanted, sessions, required=False):
+                elif self._promote_dram(key, loc, where, wanted, required=False):
                     got = self.dram.lookup(key, hdr, wanted, count=False)
                 else:  # no room: straight from the log
                     with self.dram.lock:
@@ -200,8 +199,13 @@ class Hierarchy:
 
     # -- promotion ----------------------------------------------------------------------------
 
+    def _sessions(self, key: Hashable) -> tuple[bytes, ...]:
+        """The sessions referencing the object (for the policy), asked when it is cached."""
+        ns, k = key  # type: ignore[misc]
+        return self.store._cache_sessions(ns, k)
+
     def _promote_dram(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
-                      sessions: Callable[[], tuple[bytes, ...]], *, required: bool) -> bool:
+                      *, required: bool) -> bool:
         """Read extents ``wanted`` from the segment into the DRAM tier; False if no room."""
         tier, hdr = self.dram, loc.header
         assert tier is not None
@@ -218,7 +222,7 @@ class Hierarchy:
         except BaseException:
             tier.release(nbytes)
             raise
-        tier.insert(key, hdr, views, reserved=nbytes, sessions=sessions(), seconds=time.perf_counter() - t0)
+        tier.insert(key, hdr, views, reserved=nbytes, sessions=self._sessions(key), seconds=time.perf_counter() - t0)
         return True
 
     def _read_host(self, loc: Location, where: dict[str, Any], todo: list[int]) -> dict[int, np.ndarray]:
@@ -240,7 +244,7 @@ class Hierarchy:
         return hdr.extent_lengths if hdr.codec == fmt.CODEC_RAW else rec.expected_extent_lengths(hdr.kind, hdr.meta)
 
     def _promote_gpu(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
-                     dictionaries: Callable[[int], bytes] | None, sessions: Callable[[], tuple[bytes, ...]], *,
+                     dictionaries: Callable[[int], bytes] | None, *,
                      required: bool) -> bool:
         """Put extents ``wanted``, decoded, into the GPU tier: from DRAM when it holds them, else
         from the segment (kvikio into device memory for raw page-aligned extents when the
@@ -263,7 +267,7 @@ class Hierarchy:
         except BaseException:
             tier.release(nbytes)
             raise
-        tier.insert(key, hdr, out, reserved=nbytes, sessions=sessions(), seconds=time.perf_counter() - t0)
+        tier.insert(key, hdr, out, reserved=nbytes, sessions=self._sessions(key), seconds=time.perf_counter() - t0)
         return True
 
     def _device_extents(self, key: Hashable, loc: Location, where: dict[str, Any], todo: list[int],
@@ -321,15 +325,15 @@ class Hierarchy:
     # -- explicit promotion -------------------------------------------------------------------
 
     def promote(self, tier: str, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], layers: Any,
-                dictionaries: Callable[[int], bytes] | None, sessions: Callable[[], tuple[bytes, ...]]) -> int:
+                dictionaries: Callable[[int], bytes] | None) -> int:
         """Make ``tier`` hold the object (or its ``layers``); StoreFull if it cannot.  Returns
         the bytes the tier holds for it afterwards."""
         t = self.tier(tier)
         wanted = wanted_extents(loc.header, layers, None)
         if tier == "gpu":
-            self._promote_gpu((ns, k), loc, where, wanted, dictionaries, sessions, required=True)
+            self._promote_gpu((ns, k), loc, where, wanted, dictionaries, required=True)
         else:
-            self._promote_dram((ns, k), loc, where, wanted, sessions, required=True)
+            self._promote_dram((ns, k), loc, where, wanted, required=True)
         with t.lock:
             e = t.entries.get((ns, k))
             return e.nbytes if e is not None else 0

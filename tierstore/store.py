@@ -999,8 +999,7 @@ class Store:
             try:
                 dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
                 if self._tiers is not None and self._tiers.active:
-                    return self._tiers.read(ns, k, loc, where, dictionaries=dicts,
-                                            sessions=functools.partial(self._cache_sessions, ns, k), **sel)
+                    return self._tiers.read(ns, k, loc, where, dictionaries=dicts, **sel)
                 return blk.read_object(loc.header, _Reader(self, loc, where), dictionaries=dicts, **sel)
             except FileNotFoundError:
                 if attempt == 2:
@@ -1144,8 +1143,7 @@ class Store:
         for attempt in range(3):
             where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
-                return self._tiers.promote(tier, ns, k, loc, where, layers, functools.partial(self._dictionary, ns),
-                                           functools.partial(self._cache_sessions, ns, k))
+                return self._tiers.promote(tier, ns, k, loc, where, layers, functools.partial(self._dictionary, ns))
             except FileNotFoundError:  # compaction moved it: promote it from where it is now
                 new = self._lookup(ns, k)
                 if new is None or attempt == 2:
