@@ -22,8 +22,8 @@ def status(field):  # VmHWM, not ru_maxrss: ru_maxrss survives exec, so it count
 store = tierstore.open(sys.argv[1])
 store.put("warm", tierstore.Blob(b"x"))       # import and open costs are not the object's
 store.get("warm")
-store.put("first", tierstore.KVCache(np.ones((4, 2, 8, 256, 128), dtype=np.float16)))  # allocates the
-base = status("VmRSS")                                                 # 24 MiB of O_DIRECT bounce buffers
+store.put("first", tierstore.KVCache(np.ones((32, 2, 8, 256, 128), dtype=np.float16)))  # allocates and
+base = status("VmRSS")                                  # touches the store's 24 MiB of O_DIRECT bounce buffers
 kv = np.ones((32, 2, 8, 256, 128), dtype=np.float16)    # 32 MiB, Llama-3-8B chunk shape
 obj = tierstore.KVCache(kv)
 tracemalloc.start()
@@ -46,5 +46,7 @@ def test_put_is_zero_copy_and_rss_bounded(store_path):
     # put allocates headers and metadata only: the 32 MiB payload is written from views of the array
     # (buffered) or copied once through fixed, reused bounce buffers (O_DIRECT)
     assert put_peak < 2 << 20, put_peak
-    # array + one read buffer, nothing else of the object's size: peak RSS under 3x
+    # array + one read buffer, nothing else of the object's size: peak RSS under 3x (the issue's
+    # bound), and in fact about 2x (measured 2.02x; the first get is not cached by the DRAM tier)
     assert rss_growth < 3 * size, rss_growth
+    assert rss_growth < 2.25 * size, rss_growth
