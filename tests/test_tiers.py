@@ -411,6 +411,8 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
         s._files.acquire = acquire
         assert len(reads) == 1
         assert dram.used == 2 * a[0].nbytes and s.info("a").tiers == ("dram", "ssd")
+        assert np.array_equal(s.get("a", layers=0).data[0], a[0])  # partly cached: the rest goes in at once
+        assert dram.used == 3 * a[0].nbytes
         s.put("a", tierstore.KVCache(b))  # a new version is a new object: first read again
         assert np.array_equal(s.get("a").data, b) and dram.used == 0
         s.prefetch("b").result()  # explicit promotions do not wait for a second read

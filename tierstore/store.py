@@ -246,8 +246,9 @@ def auto_dram_bytes() -> int:
 
 def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
     """Pop and check the cache tiers' options: dram_bytes, dram_admit, gpu_bytes, gpu_device,
-    policy.  ``dram_bytes`` "auto" (the default) sizes the DRAM tier from physical memory and
-    admits on the second read; a size given admits on the first; 0 or None: no DRAM tier."""
+    policy.  ``dram_bytes`` "auto" (the default) sizes the DRAM tier from the memory available
+    (``auto_dram_bytes``) and admits on the second read; a size given admits on the first; 0 or
+    None: no DRAM tier."""
     dram, gpu = options.pop("dram_bytes", "auto"), options.pop("gpu_bytes", None)
     device, policy = options.pop("gpu_device", None), options.pop("policy", None)
     admit = options.pop("dram_admit", None)
@@ -952,7 +953,7 @@ class Store:
         if m is None:  # nothing unapplied for this key: the index holds its newest record
             return self._index.lookup(ns, k)
         with self._index.read() as view:
-            if m is not None and m.lsn > view.applied().lsn:
+            if m.lsn > view.applied().lsn:
                 return m.location  # None for a delete
             return view.get(ns, k)
 
