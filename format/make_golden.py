@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tierstore  # noqa: E402
 from tierstore import Blob, KVCache, Vectors  # noqa: E402
-from tierstore import format as fmt  # noqa: E402
+from tierstore.format import constants as fmt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # format/v1/ holds the stores of 1.0; each minor version since has its own directory

@@ -15,9 +15,9 @@ import msgpack  # noqa: F401
 import numpy  # noqa: F401
 
 with atheris.instrument_imports():
-    from tierstore import format as fmt
-    from tierstore import record
     from tierstore.errors import CorruptionError
+    from tierstore.format import constants as fmt
+    from tierstore.format import record
 
 
 def test_one_input(data: bytes) -> None:

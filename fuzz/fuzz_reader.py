@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "format"))
 with atheris.instrument_imports():
     import reference_reader as reader
 
-    from tierstore import segment
+    from tierstore.engine import segment
 
 HEADER = segment.new_segment_header(b"\0" * 16, 1, 1).encode()
 STORE = tempfile.mkdtemp(prefix="fuzz-reader-")

@@ -17,8 +17,8 @@ import msgpack  # noqa: F401
 import numpy  # noqa: F401
 
 with atheris.instrument_imports():
-    from tierstore import record
     from tierstore.errors import CorruptionError
+    from tierstore.format import record
 
 VERIFY = os.environ.get("TIERSTORE_FUZZ_NOCRC") != "1"
 

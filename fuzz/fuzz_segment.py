@@ -18,10 +18,10 @@ import msgpack  # noqa: F401
 import numpy  # noqa: F401
 
 with atheris.instrument_imports():
-    from tierstore import format as fmt
-    from tierstore import segment
+    from tierstore.engine import segment
+    from tierstore.engine.fileio import DEFAULT_IO
     from tierstore.errors import TierstoreError
-    from tierstore.fileio import DEFAULT_IO
+    from tierstore.format import constants as fmt
 
 HEADER = segment.new_segment_header(b"\0" * 16, 1, 1).encode()
 PATH = os.path.join(tempfile.mkdtemp(prefix="fuzz-segment-"), "0000000000000001.tseg")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import time
@@ -22,7 +23,16 @@ import time
 import numpy as np
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
+from tierstore import Blob, KVCache
+from tierstore.engine import repair
+
+
+def _crash_after_tail(path: str, tail: int) -> None:
+    """Puts that are durable in the log but never applied to the index, then a crash (no close)."""
+    s = tierstore.open(path, durability="sync", index_commit_ms=1e9, index_batch=10**9)
+    for i in range(tail):
+        s.put(f"tail-{i}", Blob(b"t" * 1000))  # synced to the log before put returns
+    os._exit(0)
 
 
 def main() -> None:
@@ -42,12 +52,9 @@ def main() -> None:
         for i in range(20_000):
             s.put(f"blob-{i}", Blob(i.to_bytes(4, "little") * 256))
     write_s = time.perf_counter() - t0
-    s = tierstore.open(args.path, durability="group", index_commit_ms=1e9, index_batch=10**9)
-    for i in range(args.tail):
-        s.put(f"tail-{i}", Blob(b"t" * 1000))
-    s._log.sync()  # durable in the log, never applied to the index
-    s._closed = True
-    s._teardown()  # a crash: no close
+    child = multiprocessing.get_context("fork").Process(target=_crash_after_tail, args=(args.path, args.tail))
+    child.start()
+    child.join()
     seg_bytes = sum(os.path.getsize(os.path.join(args.path, "segments", f))
                     for f in os.listdir(os.path.join(args.path, "segments")))
     t0 = time.perf_counter()
@@ -60,7 +67,7 @@ def main() -> None:
     with tierstore.open(args.path) as s:
         rebuild_s = time.perf_counter() - t0
         objects = s.stats()["objects_indexed"]
-    result = recovery.recover(args.path)
+    result = repair.recover(args.path)
     print(json.dumps({
         "segment_gb": round(seg_bytes / 1e9, 2), "objects": objects, "write_seconds": round(write_s, 1),
         "open_with_unapplied_tail": {"records": replayed, "seconds": round(replay_s, 3)},

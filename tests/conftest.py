@@ -46,17 +46,26 @@ def checked_state(path: str, *, deep: bool = True) -> dict:
     """Open the store at ``path``: every object's bytes by key (default namespace), after
     asserting that fsck finds nothing wrong."""
     import tierstore
-    from tierstore import Blob, recovery
-    from tierstore.fileio import DEFAULT_IO
+    from tierstore import Blob
+    from tierstore.engine import repair
+    from tierstore.engine.fileio import DEFAULT_IO
 
     with tierstore.open(path) as s:
         state = {}
         for k in s.keys():
             obj = s.get(k)
             state[k] = obj.data if isinstance(obj, Blob) else obj.data.tobytes()
-        report = recovery.check_store(DEFAULT_IO, path, s._index, deep=deep)
+        report = repair.check_store(DEFAULT_IO, path, s._engine.index, deep=deep)
         assert report.ok, report.as_dict()
     return state
+
+
+def crash(store) -> None:
+    """Abandon a handle like a killed process would: no flush, no index commit."""
+    store._closed = True
+    store._tiers.close()
+    store._engine.closed = True
+    store._engine._teardown()
 
 
 def run_threads(target, n: int) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore.fileio import PosixIO
+from tierstore.engine.fileio import PosixIO
 
 PAGE = 4096
 

@@ -48,13 +48,13 @@ def test_partial_layer_read_reads_only_that_layer(store_path, monkeypatch):
         s.put("c", KVCache(kv))
         s.flush()
         reads: list[int] = []
-        real = s._io.preadv
+        real = s._engine.io.preadv
 
         def counting(fd, bufs, offset, *flags):
             reads.append(sum(memoryview(b).nbytes for b in bufs))
             return real(fd, bufs, offset, *flags)
 
-        monkeypatch.setattr(s._io, "preadv", counting)
+        monkeypatch.setattr(s._engine.io, "preadv", counting)
         got = s.get("c", layers=5)
         assert np.array_equal(got.data, kv[5:6])
     assert sum(reads) == layer_bytes
@@ -84,8 +84,8 @@ def test_vectors_rows_read_only_needed_extents(store_path, real_emb, monkeypatch
         s.put("v", Vectors(real_emb))
         s.flush()
         reads: list[int] = []
-        real = s._io.preadv
-        monkeypatch.setattr(s._io, "preadv",
+        real = s._engine.io.preadv
+        monkeypatch.setattr(s._engine.io, "preadv",
                             lambda fd, b, o, *f: reads.append(sum(x.nbytes for x in b)) or real(fd, b, o, *f))
         got = s.get("v", rows=[5, 9, 11])
         assert np.array_equal(got.data, real_emb[[5, 9, 11]])

@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierstore
-from tierstore import Blob, KVCache, Vectors, codecs, recovery
-from tierstore import format as fmt
+from tierstore import Blob, KVCache, Vectors, codecs
 from tierstore.codecs import Extent
+from tierstore.engine import repair
+from tierstore.engine.fileio import DEFAULT_IO
 from tierstore.errors import CorruptionError, InvalidObject
-from tierstore.fileio import DEFAULT_IO
+from tierstore.format import constants as fmt
 
 from .conftest import HAS_TORCH, checked_state
 
@@ -333,16 +334,16 @@ def test_coded_objects_survive_reopen_rebuild_compaction_and_recover(store_path,
         assert {k: s.get(k).data.tobytes() for k in s.keys()} == want
     shutil.rmtree(os.path.join(store_path, "index"))
     assert checked_state(store_path) == want
-    recovery.recover(store_path)
+    repair.recover(store_path)
     assert checked_state(store_path) == want
     with tierstore.open(store_path, readonly=True) as s:
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
 
 
 def test_a_damaged_coded_extent_is_never_decoded(store_path):
     with tierstore.open(store_path) as s:
         s.put("k", KVCache(np.ones((1, 2, 1, 64, 64), np.float16)), codec="int8")
-        loc = s._lookup(b"default", b"k")
+        loc = s._engine.lookup(b"default", b"k")
     seg = os.path.join(store_path, "segments", f"{loc.segment:016x}.tseg")
     with open(seg, "r+b") as f:
         f.seek(loc.offset + loc.header.offsets[0] + 5)
@@ -376,7 +377,7 @@ def test_a_zstd_dictionary_compresses_small_similar_blobs(store_path):
         for i, x in enumerate(samples[400:]):
             s.put(f"d{i}", Blob(x), namespace="chat", codec=f"zstd:dict={did}")
             s.put(f"z{i}", Blob(x), namespace="chat", codec="zstd")
-        stored = {p: sum(s._lookup(b"chat", f"{p}{i}".encode()).header.extent_lengths[0] for i in range(400))
+        stored = {p: sum(s._engine.lookup(b"chat", f"{p}{i}".encode()).header.extent_lengths[0] for i in range(400))
                   for p in "dz"}  # the stored (compressed) bytes of each blob's extent
         raw = sum(len(x) for x in samples[400:])
         assert raw / stored["d"] > 1.8 * raw / stored["z"], (raw, stored)  # measured: about 3.7x vs 1.7x

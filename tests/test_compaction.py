@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob, KVCache
+from tierstore.engine import repair
+from tierstore.engine.fileio import DEFAULT_IO
 
 from .conftest import segment_files
 
@@ -48,7 +49,7 @@ def test_compaction_reclaims_and_preserves(store_path, real_kv):
     shutil.rmtree(os.path.join(store_path, "index"))
     with tierstore.open(store_path) as s:
         assert sorted(s.keys()) == sorted([*live, "blob"])
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
 
 
 def test_tombstones_carried_when_older_segment_survives(store_path):
@@ -91,10 +92,10 @@ def test_interrupted_compaction_keeps_what_it_reclaimed(store_path, monkeypatch)
     """Victims are compacted in batches: a compaction cut short (here an error in its second
     batch; a kill in tests/test_durability.py) has already freed the first batch's segments, so
     a store that is interrupted often still makes progress.  Nothing is lost either way."""
-    from tierstore import compaction
+    from tierstore.engine import compaction
 
     monkeypatch.setattr(compaction, "BATCH_SEGMENTS", 1)
-    real_batch = compaction._compact_batch
+    real_batch = compaction.compact_batch
     calls = {"n": 0}
 
     def failing_second(*a):
@@ -103,7 +104,7 @@ def test_interrupted_compaction_keeps_what_it_reclaimed(store_path, monkeypatch)
             raise OSError(5, "injected: compaction interrupted")
         return real_batch(*a)
 
-    monkeypatch.setattr(compaction, "_compact_batch", failing_second)
+    monkeypatch.setattr(compaction, "compact_batch", failing_second)
     want = {}
     with tierstore.open(store_path, segment_bytes="16KiB") as s:
         for i in range(12):
@@ -121,9 +122,9 @@ def test_interrupted_compaction_keeps_what_it_reclaimed(store_path, monkeypatch)
         assert before[1] in after  # the failed batch's victim is still there
         assert {k: s.get(k).data for k in s.keys()} == want
     with tierstore.open(store_path) as s:
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
         assert {k: s.get(k).data for k in s.keys()} == want
-        monkeypatch.setattr(compaction, "_compact_batch", real_batch)
+        monkeypatch.setattr(compaction, "compact_batch", real_batch)
         s.compact()
         assert {k: s.get(k).data for k in s.keys()} == want and disk_bytes(store_path) < 12 * 9000
 
@@ -143,7 +144,7 @@ def test_frequent_compaction_does_not_pile_up_small_segments(store_path):
             s.compact()
     with tierstore.open(store_path) as s:
         assert {k: s.get(k).data for k in s.keys()} == {f"keep{r}": bytes([r]) * 3000 for r in range(40)}
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
         st = s.stats()
     assert len(segment_files(store_path)) <= 3, segment_files(store_path)
     assert st["segment_bytes"] <= 2 * (256 << 10)

@@ -121,7 +121,7 @@ def test_reader_process_follows_writer(store_path):
         for i in range(200):  # lots of writes: the index map may grow under the reader
             s.put(f"bulk{i}", Blob(b"z" * 200), meta={"pad": "x" * 2000})
         s.flush()
-        assert s._index.env.info()["map_size"] > 128 * 1024
+        assert s._engine.index.env.info()["map_size"] > 128 * 1024
         assert ask("a") == "-" and ask("bulk199") == "z" * 200
         reader.stdin.close()
         assert reader.wait(timeout=30) == 0

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, Vectors, recovery
-from tierstore import format as fmt
-from tierstore import segment as seglib
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob, KVCache, Vectors
+from tierstore.engine import repair
+from tierstore.engine import segment as seglib
+from tierstore.engine.fileio import DEFAULT_IO
+from tierstore.format import constants as fmt
 
 from .conftest import segment_files
 
@@ -132,8 +133,8 @@ def test_flips_in_every_segment_region(template, tmp_path, capsys):
         # fsck (read-only) must see what reads saw, and --deep whatever touches a checksummed byte
         try:
             with tierstore.open(work, readonly=True) as s:
-                shallow = recovery.check_store(DEFAULT_IO, work, s._index, deep=False)
-                deep = recovery.check_store(DEFAULT_IO, work, s._index, deep=True)
+                shallow = repair.check_store(DEFAULT_IO, work, s._engine.index, deep=False)
+                deep = repair.check_store(DEFAULT_IO, work, s._engine.index, deep=True)
         except (tierstore.CorruptionError, tierstore.FormatVersionError):
             shallow = deep = None  # cannot even open: fsck through the CLI reports it (exit code 3)
         if errors and shallow is not None:
@@ -145,7 +146,7 @@ def test_flips_in_every_segment_region(template, tmp_path, capsys):
                                    all(d["quarantined_to"] for d in cut_at_open) and cut_at_open), name
         detected_by_fsck += shallow is None or not deep.ok
         # recover keeps every intact object and quarantines the damage
-        result = recovery.recover(work)
+        result = repair.recover(work)
         after, errors_after = read_all(work)
         assert not errors_after, (name, errors_after)
         for k, v in after.items():
@@ -156,7 +157,7 @@ def test_flips_in_every_segment_region(template, tmp_path, capsys):
             assert all(os.path.exists(d["quarantined_to"]) for d in result["damage"] if d["quarantined_to"])
         assert len(lost) <= 1 or "segment" in name, (name, lost)  # one damaged record costs one object
         with tierstore.open(work, readonly=True) as s:
-            assert recovery.check_store(DEFAULT_IO, work, s._index, deep=True).ok, name
+            assert repair.check_store(DEFAULT_IO, work, s._engine.index, deep=True).ok, name
         shutil.rmtree(work)
     with capsys.disabled():
         print(f"\ncorruptions tried: {tried}, detected by reads: {detected_by_read}, by fsck: {detected_by_fsck}")
@@ -206,13 +207,13 @@ def test_index_file_flips(template, tmp_path):
         work = str(tmp_path / f"i{i}")
         shutil.copytree(template, work)
         flip(os.path.join(work, "index", "data.mdb"), off)
-        from tierstore.index import Index
+        from tierstore.engine.index import Index
         try:
             idx = Index.open(os.path.join(work, "index"), writable=False)
         except tierstore.CorruptionError:
             idx = None  # LMDB itself refuses the file (a damaged meta page)
         try:
-            deep = recovery.check_store(DEFAULT_IO, work, idx, deep=True) if idx is not None else None
+            deep = repair.check_store(DEFAULT_IO, work, idx, deep=True) if idx is not None else None
         except tierstore.CorruptionError:
             deep = None
         finally:
@@ -221,7 +222,7 @@ def test_index_file_flips(template, tmp_path):
         shutil.copytree(work, work + "-open")
         good, errors = read_all(work + "-open")  # a writable open rebuilds an index it cannot use
         assert good == want and not errors, off
-        recovery.recover(work)
+        repair.recover(work)
         good, errors = read_all(work)
         assert good == want and not errors, off
         assert deep is None or deep.ok or deep.findings
@@ -231,13 +232,13 @@ def test_index_file_flips(template, tmp_path):
 def test_cached_index_values_are_exact_and_bounded(store_path):
     """Decoded index values are cached by the whole value: a damaged copy of a cached value is
     still decoded (and refused), never answered from the cache; the cache has a byte budget."""
-    from tierstore import index as ix
+    from tierstore.engine import index as ix
 
     with tierstore.open(store_path) as s:
         s.put("k", tierstore.Blob(b"v" * 100))
         s.flush()
-        with s._index.read() as view:
-            value = view.txn.get(ix.index_key(b"default", b"k"), db=s._index.objects)
+        with s._engine.index.read() as view:
+            value = view.txn.get(ix.index_key(b"default", b"k"), db=s._engine.index.objects)
     loc = ix.decode_location(value, b"default", b"k")
     assert value in ix._HEADER_CACHE and loc.header.key == b"k"
     for pos in (30, len(value) - 3):  # past the location, inside the header and its checksums

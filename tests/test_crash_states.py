@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, compaction, recovery
-from tierstore.fileio import DEFAULT_IO
-from tierstore.index import Index
+from tierstore import Blob, KVCache
+from tierstore.engine import compaction, repair
+from tierstore.engine.fileio import DEFAULT_IO
+from tierstore.engine.index import Index
 
 from .conftest import checked_state
 from .faultfs import FaultFS
@@ -100,13 +101,13 @@ class Explorer:
         Index._write = write
 
         def persist(what: str) -> None:
-            if store._index is None or store._index.closed:
+            if store._engine.index is None or store._engine.index.closed:
                 return
             self.stats["points"] += 1
             point = self.stats["points"]
             shutil.rmtree(snap_dir, ignore_errors=True)
             os.makedirs(snap_dir)
-            store._index.env.copy(snap_dir)  # the index as last committed
+            store._engine.index.env.copy(snap_dir)  # the index as last committed
             if os.path.isdir(prev_dir):  # metasync=False: a power loss may undo the last commit
                 dest = str(wdir / f"p{point}previndex")
                 fs.crash_state(dest, "A", rng, prev_dir)
@@ -240,10 +241,10 @@ class SessionExplorer(Explorer):
         with tierstore.open(image, readonly=True) as s:
             refs = {}
             for k in objs:
-                r = {ANCHOR if x == b"\x00" else x.decode() for x in s._sessions_of(b"default", k.encode())}
+                r = {ANCHOR if x == b"\x00" else x.decode() for x in s._engine.sessions_of(b"default", k.encode())}
                 if r:
                     refs[k] = frozenset(r)
-            assert s._index.ref_count() == sum(len(r) for r in refs.values()), "a reference outlived its object"
+            assert s._engine.index.ref_count() == sum(len(r) for r in refs.values()), "a reference outlived its object"
             for sess in ("a", "b"):
                 assert set(s.session_keys(sess)) == {k for k, r in refs.items() if sess in r}
         return objs, refs
@@ -280,14 +281,14 @@ def fast_tmp(tmp_path):
 def test_power_loss_states(fast_tmp, capsys, monkeypatch):
     monkeypatch.setattr(compaction, "BATCH_SEGMENTS", 1)  # each victim its own batch: cover batch boundaries
     per_compaction: list[int] = []  # how many batches each compaction ran
-    real_batch = compaction._compact_batch
+    real_batch = compaction.compact_batch
 
     def counted_batch(*a):
         per_compaction[-1] += 1
         return real_batch(*a)
 
     real_compact = compaction.compact
-    monkeypatch.setattr(compaction, "_compact_batch", counted_batch)
+    monkeypatch.setattr(compaction, "compact_batch", counted_batch)
     monkeypatch.setattr(compaction, "compact", lambda *a, **k: (per_compaction.append(0), real_compact(*a, **k))[1])
     totals = {"workloads": 0, "points": 0, "states": 0}
     # one store in one segment, and one in five 16 KiB segments (compactions with several victims)
@@ -330,8 +331,8 @@ def test_fsck_runs_on_crash_states_without_index(tmp_path):
             assert s.get("a").data == b"x" * 100
             assert not s.contains("b") or s.get("b").data == b"y" * 50000
         with tierstore.open(st, readonly=True) as s:
-            idx = s._index
-            assert isinstance(idx, Index) and recovery.check_store(DEFAULT_IO, st, idx, deep=True).ok
+            idx = s._engine.index
+            assert isinstance(idx, Index) and repair.check_store(DEFAULT_IO, st, idx, deep=True).ok
 
 
 if __name__ == "__main__":  # python -m tests.test_crash_states: the deep run

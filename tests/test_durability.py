@@ -21,8 +21,9 @@ import time
 import pytest
 
 import tierstore
-from tierstore import Blob, recovery
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob
+from tierstore.engine import repair
+from tierstore.engine.fileio import DEFAULT_IO
 
 from .conftest import checked_state
 from .faultfs import FaultFS
@@ -90,7 +91,7 @@ def test_power_loss_at_every_persistence_point(tmp_path, durability, seed):
 
     io.on_persist = persist
     s = tierstore.open(root, durability=durability, _io=io, segment_bytes="64KiB", index_commit_ms=0.0)
-    io.index_env = s._index.env
+    io.index_env = s._engine.index.env
     for i, op in enumerate(ops):
         kind, key, version = op
         if kind == "put":
@@ -199,7 +200,7 @@ def test_sigkill_writer_loses_nothing_acknowledged(tmp_path):
                     landed_inflight += 1
                 must[key] = got  # an in-flight op that landed is now the truth
             assert set(s.keys()) <= set(must)
-            report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
+            report = repair.check_store(DEFAULT_IO, path, s._engine.index, deep=True)
             assert report.ok, report.as_dict()
     assert len(must) >= 10
     print(f"\nkills: {kills}, keys tracked: {len(must)}, in-flight operations that landed: {landed_inflight}")
@@ -268,16 +269,16 @@ def test_sigkill_session_writer_keeps_reference_counts(tmp_path):
                 inflight = None
                 ops_acked += 1
         with tierstore.open(path) as s:
-            seen = {k: {x.decode() for x in s._sessions_of(b"default", k.encode())} for k in s.keys()}
+            seen = {k: {x.decode() for x in s._engine.sessions_of(b"default", k.encode())} for k in s.keys()}
             allowed = [model] + ([_session_model(model, inflight)] if inflight else [])
             assert seen in allowed, (round_, inflight, seen, model)
             landed += seen != model
             model = seen
-            assert s._index.ref_count() == sum(len(v) for v in seen.values())
+            assert s._engine.index.ref_count() == sum(len(v) for v in seen.values())
             for k in seen:
                 assert s.get(k).data == _chunk(k)
                 assert set(seen[k]) and all(k in s.session_keys(x) for x in seen[k])
-            report = recovery.check_store(DEFAULT_IO, path, s._index, deep=True)
+            report = repair.check_store(DEFAULT_IO, path, s._engine.index, deep=True)
             assert report.ok, report.as_dict()
     assert ops_acked >= kills
     print(f"\nsession kills: {kills}, operations acknowledged: {ops_acked}, in-flight that landed: {landed}")
@@ -313,7 +314,7 @@ def test_fsync_failure_poisons_handle(store_path, monkeypatch):
     def failing(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(s._io, "fdatasync", failing)
+    monkeypatch.setattr(s._engine.io, "fdatasync", failing)
     with pytest.raises(tierstore.StoreIOError) as ei:
         s.put("b", Blob(b"2"))
     assert ei.value.poisoned
@@ -333,7 +334,7 @@ def test_enospc_raises_store_full_and_keeps_store(store_path, monkeypatch):
     def full(fd, bufs, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(s._io, "pwritev", full)
+    monkeypatch.setattr(s._engine.io, "pwritev", full)
     with pytest.raises(tierstore.StoreFull):
         s.put("b", Blob(b"2" * 5000))
     monkeypatch.undo()
@@ -353,13 +354,13 @@ def test_power_loss_with_large_records(tmp_path):
     acked = {"n": 0}
     io.on_persist = lambda what: (io.image(d := str(tmp_path / f"img{len(images)}")), images.append((d, acked["n"])))
     s = tierstore.open(root, _io=io, index_commit_ms=0.0)
-    io.index_env = s._index.env
+    io.index_env = s._engine.index.env
     for i, data in enumerate(big):
         s.put(f"big{i}", Blob(data))
         acked["n"] = i + 1
     s.close()
     io.on_persist = None
-    assert s._files.dio.direct, "O_DIRECT was not available: this test did not cover the direct path"
+    assert s._engine.files.dio.direct, "O_DIRECT was not available: this test did not cover the direct path"
     for d, n in images:
         with tierstore.open(d) as r:
             keys = r.keys()
@@ -370,17 +371,17 @@ def test_power_loss_with_large_records(tmp_path):
 def test_direct_io_unsupported_falls_back(store_path, monkeypatch):
     """A file system that refuses O_DIRECT (EINVAL) gets buffered I/O, with the same bytes."""
     s = tierstore.open(store_path)
-    real = s._io.pwritev
+    real = s._engine.io.pwritev
 
     def no_direct(fd, bufs, offset):
-        if fd == s._log.dfd:
+        if fd == s._engine.log.dfd:
             raise OSError(22, "Invalid argument")
         return real(fd, bufs, offset)
 
-    monkeypatch.setattr(s._io, "pwritev", no_direct)
+    monkeypatch.setattr(s._engine.io, "pwritev", no_direct)
     data = os.urandom(6 << 20)
     s.put("big", Blob(data))
-    assert not s._files.dio.direct  # switched off for this store
+    assert not s._engine.files.dio.direct  # switched off for this store
     s.put("big2", Blob(data[::-1]))
     s.close()
     with tierstore.open(store_path) as s:

@@ -53,7 +53,7 @@ def test_references_in_golden(case, tmp_path):
         for ns in s.namespaces():
             for key in s.keys(namespace=ns):
                 k = key.encode() if isinstance(key, str) else key
-                sessions = sorted("" if x == b"\x00" else x.decode() for x in s._sessions_of(ns.encode(), k))
+                sessions = sorted("" if x == b"\x00" else x.decode() for x in s._engine.sessions_of(ns.encode(), k))
                 if sessions:
                     got[(ns, key if isinstance(key, str) else "0x" + key.hex())] = sessions
         assert got == want

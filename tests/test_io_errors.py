@@ -18,7 +18,7 @@ import pytest
 import tierstore
 from tierstore import Blob, KVCache
 
-from .conftest import checked_state
+from .conftest import checked_state, crash
 from .faultfs import FaultFS
 
 METHODS = ["pwritev", "fdatasync", "fsync", "fsync_dir", "open", "ftruncate", "preadv", "pread", "unlink", "rename"]
@@ -45,8 +45,7 @@ def _torn(root: str, model: dict[str, bytes]) -> dict[str, bytes]:
     s = tierstore.open(root, index_commit_ms=1e9, index_batch=10**9)
     s.put("t1", Blob(b"t1" * 900))
     s.put("t2", Blob(b"t2" * 5))
-    s._closed = True
-    s._teardown()  # a crash: the index never saw t1, t2
+    crash(s)  # a crash: the index never saw t1, t2
     seg = sorted(Path(root, "segments").iterdir())[-1]
     with open(seg, "ab") as f:
         f.write(b"\xd4TRC" + os.urandom(3000))  # a torn record after them
@@ -91,8 +90,7 @@ def _run_case(work: Path, template: str, model: dict, op: str, method: str, n: i
         if store is not None:
             store.close()
     except tierstore.TierstoreError:
-        store._closed = True
-        store._teardown()
+        crash(store)
     after = checked_state(root)  # reopened with the real file system
     want = dict(model)
     effect(want)
@@ -148,7 +146,6 @@ def test_fsync_eio_poisons_and_reopen_recovers(tmp_path):
     assert ei.value.poisoned
     with pytest.raises(tierstore.StoreIOError):
         s.put("c", Blob(b"3"))  # no retry on a poisoned handle, even though fsync would now succeed
-    s._closed = True
-    s._teardown()
+    crash(s)
     with tierstore.open(root) as s:
         assert s.get("a").data == b"1" and not s.contains("c")

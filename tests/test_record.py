@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import format as fmt
-from tierstore import record as rec
 from tierstore.errors import CorruptionError, InvalidObject
+from tierstore.format import constants as fmt
+from tierstore.format import record as rec
 
 
 def kv_record(lsn=7, layers=3, ns=b"ns", key=b"key"):

@@ -9,19 +9,14 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
-from tierstore import format as fmt
-from tierstore import record as rec
-from tierstore import segment as seglib
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob, KVCache
+from tierstore.engine import recovery, repair
+from tierstore.engine import segment as seglib
+from tierstore.engine.fileio import DEFAULT_IO
+from tierstore.format import constants as fmt
+from tierstore.format import record as rec
 
-from .conftest import segment_files
-
-
-def crash(store: tierstore.Store) -> None:
-    """Abandon a handle like a killed process would: no flush, no index commit."""
-    store._closed = True
-    store._teardown()
+from .conftest import crash, segment_files
 
 
 def lagging_store(path, n=5, **kw):
@@ -80,7 +75,7 @@ def test_torn_tail_at_every_boundary(tmp_path):
             s.put("after", Blob(b"new"))
         with tierstore.open(work) as s:  # appending after the cut left a valid log
             assert s.get("after").data == b"new"
-            rep = recovery.check_store(DEFAULT_IO, work, s._index, deep=True)
+            rep = repair.check_store(DEFAULT_IO, work, s._engine.index, deep=True)
             assert rep.ok, rep.as_dict()
 
 
@@ -124,7 +119,7 @@ def test_index_missing_is_rebuilt(store_path, real_kv):
         assert sorted(s.keys()) == [f"kv{i}" for i in range(6)]
         assert s.get("kv0").data == b"overwritten"
         assert np.array_equal(s.get("kv5").data, real_kv[:, :, :, :16])
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
 
 
 def test_readonly_open_without_index_refuses(store_path):
@@ -174,7 +169,7 @@ def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):
         with pytest.raises(tierstore.CorruptionError):
             s.get("c", layers=2)
         for deep in (False, True):
-            report = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=deep)
+            report = repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=deep)
             assert not report.ok and "extent 2 checksum mismatch" in report.findings[0].what
 
 
@@ -211,7 +206,7 @@ def test_rollover_many_segments(store_path):
     with tierstore.open(store_path) as s:
         assert len(s.keys()) == 200
         assert s.get("k100").data == bytes([100]) * 3000
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
 
 
 def test_foreign_segment_is_rejected(tmp_path):
@@ -272,9 +267,10 @@ def test_unknown_ignorable_record_is_skipped(store_path):
     s.put("a", Blob(b"1"))
     rtype = fmt.REC_TYPE_IGNORABLE | 42
     raw = rec._pack_header(rtype, 0, 48, 0, 3, 0, 0, b"", b"", b"", b"", 0, checksum=False)
-    s._log.append(rec.EncodedRecord(rec.RecordHeader(rtype, 0, 0, 48, 0, 3, 0, b"", b"", {}, (), (), 0, raw, ())))
+    hdr = rec.RecordHeader(rtype, 0, 0, 48, 0, 3, 0, b"", b"", {}, (), (), 0, raw, ())
+    s._engine.log.append(rec.EncodedRecord(hdr))
     s.put("b", Blob(b"2"))
-    s._log.sync()
+    s._engine.log.sync()
     crash(s)
     with tierstore.open(store_path) as s:  # replayed from the log
         assert s.keys() == ["a", "b"] and s.stats()["recovery"]["replayed_records"] == 2
@@ -296,8 +292,8 @@ def test_deep_fsck_checks_dead_records_and_lmdb(store_path):
         f.seek(old.offset + 4096 + 10)  # inside the dead record's payload
         f.write(b"\xff")
     with tierstore.open(store_path, readonly=True) as s:
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=False).ok  # live data is intact
-        deep = recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True)
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=False).ok  # live data is intact
+        deep = repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True)
         assert not deep.ok and "log damaged" in deep.findings[0].what
     data = os.path.join(store_path, "index", "data.mdb")
     with open(data, "rb") as f:
@@ -305,10 +301,10 @@ def test_deep_fsck_checks_dead_records_and_lmdb(store_path):
     with open(data, "r+b") as f:
         f.seek(page * 4096)  # smash its page header
         f.write(b"\xde\xad\xbe\xef" * 4)
-    from tierstore.index import Index
+    from tierstore.engine.index import Index
     idx = Index.open(os.path.join(store_path, "index"), writable=False)
     try:  # the verifier runs before liblmdb walks the damaged tree
-        findings = [f.what for f in recovery.check_store(DEFAULT_IO, store_path, idx, deep=True).findings]
+        findings = [f.what for f in repair.check_store(DEFAULT_IO, store_path, idx, deep=True).findings]
     finally:
         idx.close()
     assert any(w.startswith("index (LMDB)") for w in findings), findings
@@ -325,13 +321,13 @@ def test_cold_reads_go_direct_and_are_verified(store_path, real_kv, monkeypatch)
     with tierstore.open(store_path, direct_reads="always") as s:
         s.put("c", KVCache(real_kv))  # 6 layers of 192 KiB: page-aligned extents
         s.flush()
-        seg_fd = s._files.acquire(1)
-        s._files.release(1)
+        seg_fd = s._engine.files.acquire(1)
+        s._engine.files.release(1)
         if DEFAULT_IO.cached_fraction(seg_fd[0], 0, 4096) is None:
             pytest.skip("cachestat(2) is not available on this kernel: cold reads stay buffered")
         used: list[int] = []
-        real = s._io.preadv
-        monkeypatch.setattr(s._io, "preadv", lambda fd, b, o, *f: used.append(fd) or real(fd, b, o, *f))
+        real = s._engine.io.preadv
+        monkeypatch.setattr(s._engine.io, "preadv", lambda fd, b, o, *f: used.append(fd) or real(fd, b, o, *f))
         _evict(store_path)
         assert np.array_equal(s.get("c").data, real_kv)
         assert used and set(used) == {seg_fd[1]}  # the O_DIRECT descriptor
@@ -357,20 +353,20 @@ def test_direct_read_refused_falls_back(store_path, real_kv, monkeypatch):
     with tierstore.open(store_path, direct_reads="always") as s:
         s.put("c", KVCache(real_kv))
         s.flush()
-        fd, dfd = s._files.acquire(1)
-        s._files.release(1)
-        real = s._io.preadv
+        fd, dfd = s._engine.files.acquire(1)
+        s._engine.files.release(1)
+        real = s._engine.io.preadv
 
         def refuse(f, b, o, *flags):
             if f == dfd:
                 raise OSError(22, "Invalid argument")
             return real(f, b, o, *flags)
 
-        monkeypatch.setattr(s._io, "preadv", refuse)
+        monkeypatch.setattr(s._engine.io, "preadv", refuse)
         _evict(store_path)
         assert np.array_equal(s.get("c").data, real_kv)
         if DEFAULT_IO.cached_fraction(fd, 0, 4096) is not None:
-            assert not s._files.dio.direct
+            assert not s._engine.files.dio.direct
 
 
 def test_small_reads_fill_the_page_cache(store_path, real_kv):
@@ -381,8 +377,8 @@ def test_small_reads_fill_the_page_cache(store_path, real_kv):
         s.flush()
         _evict(store_path)
         s.get("c", layers=2)
-        fd, dfd = s._files.acquire(1)
-        s._files.release(1)
+        fd, dfd = s._engine.files.acquire(1)
+        s._engine.files.release(1)
         frac = DEFAULT_IO.cached_fraction(fd, s.info("c").offset, s.info("c").stored_bytes)
         if frac is None:
             pytest.skip("cachestat(2) is not available on this kernel")
@@ -395,13 +391,13 @@ def test_with_a_dram_tier_cold_layer_reads_go_direct(store_path, real_kv, monkey
     with tierstore.open(store_path) as s:
         s.put("c", KVCache(real_kv))
         s.flush()
-        fd, dfd = s._files.acquire(1)
-        s._files.release(1)
+        fd, dfd = s._engine.files.acquire(1)
+        s._engine.files.release(1)
         if DEFAULT_IO.cached_fraction(fd, 0, 4096) is None:
             pytest.skip("cachestat(2) is not available on this kernel: cold reads stay buffered")
         used: list[int] = []
-        real = s._io.preadv
-        monkeypatch.setattr(s._io, "preadv", lambda f, b, o, *fl: used.append(f) or real(f, b, o, *fl))
+        real = s._engine.io.preadv
+        monkeypatch.setattr(s._engine.io, "preadv", lambda f, b, o, *fl: used.append(f) or real(f, b, o, *fl))
         _evict(store_path)
         assert np.array_equal(s.get("c", layers=2).data[0], real_kv[2])  # first read: direct
         assert used == [dfd]
@@ -418,8 +414,8 @@ def test_direct_reads_option_validated(store_path):
         tierstore.open(store_path, direct_reads=True)
     with tierstore.open(store_path, direct_reads="never") as s:
         s.put("a", Blob(b"1" * 10_000_000))
-        assert s._files.acquire(1)[1] == -1
-        s._files.release(1)
+        assert s._engine.files.acquire(1)[1] == -1
+        s._engine.files.release(1)
         assert s.get("a").data == b"1" * 10_000_000
 
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, recovery
-from tierstore import format as fmt
-from tierstore.fileio import DEFAULT_IO
+from tierstore import Blob, KVCache
+from tierstore.engine import repair
+from tierstore.engine.fileio import DEFAULT_IO
+from tierstore.format import constants as fmt
 
 from .conftest import checked_state, segment_files
 
@@ -26,7 +27,7 @@ def kv(seed: int) -> np.ndarray:
 
 def refs(s: tierstore.Store, key: str | bytes, namespace: str = "default") -> set:
     k = key.encode() if isinstance(key, str) else key
-    return {x.decode() if x != fmt.ANCHOR_SESSION else "(anchor)" for x in s._sessions_of(namespace.encode(), k)}
+    return {x.decode() if x != fmt.ANCHOR_SESSION else "(anchor)" for x in s._engine.sessions_of(namespace.encode(), k)}
 
 
 def test_second_session_put_of_the_same_chunk_stores_no_second_copy(store_path):
@@ -141,15 +142,15 @@ def test_references_survive_reopen_rebuild_recover_and_compaction(store_path):
     shutil.rmtree(os.path.join(store_path, "index"))
     with tierstore.open(store_path) as s:  # rebuilt from the segments alone
         assert snapshot(s) == want
-    recovery.recover(store_path)
+    repair.recover(store_path)
     with tierstore.open(store_path) as s:
         assert snapshot(s) == want
-        assert recovery.check_store(DEFAULT_IO, store_path, s._index, deep=True).ok
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
 
 
 def _group_offsets(path: str) -> list[tuple[str, int, int]]:
     """(segment file, offset, record_len) of every GROUP record."""
-    from tierstore import segment as seglib
+    from tierstore.engine import segment as seglib
     out = []
     for f in segment_files(path):
         fd = os.open(f, os.O_RDONLY)
@@ -197,7 +198,7 @@ def test_an_incomplete_group_in_a_sealed_segment_is_corruption_and_recover_repai
         hdr = bytearray(f.read(rlen))
         assert hdr[48:55] == bytes([0x81, 0xA5]) + b"count" and hdr[55] == 2
         hdr[55] = 4
-        from tierstore import record as rec
+        from tierstore.format import record as rec
         hdr[4:8] = rec.crc32c(bytes(hdr[8:])).to_bytes(4, "little")
         f.seek(off)
         f.write(hdr)
@@ -205,7 +206,7 @@ def test_an_incomplete_group_in_a_sealed_segment_is_corruption_and_recover_repai
     with pytest.raises(tierstore.CorruptionError) as e:
         tierstore.open(store_path)
     assert e.value.offset == off and "group" in str(e.value)
-    result = recovery.recover(store_path)
+    result = repair.recover(store_path)
     assert any("group" in d["reason"] for d in result["damage"])
     assert checked_state(store_path) == {"c": b"x" * 100, "d": b"y", "e": b"z" * 20000}
     with tierstore.open(store_path) as s:
@@ -234,13 +235,13 @@ def test_a_commit_racing_a_read_hides_nothing(store_path, monkeypatch):
     """Regression (found by the model test under the full suite's timing): reads took the index
     snapshot, then the memtable; the committer applying in between removed memtable entries
     the snapshot did not have.  Force that interleaving: commit as each snapshot closes."""
-    from tierstore.index import ReadView
+    from tierstore.engine.index import ReadView
     with tierstore.open(store_path, index_commit_ms=1e9, index_batch=10**9) as s:
         real_exit = ReadView.__exit__
 
         def exit_then_commit(view, *exc):
             real_exit(view, *exc)
-            s._commit(force=True, sync=False)
+            s._engine.commit(force=True, sync=False)
 
         s.put(b"h1", Blob(b"1"), session="s1")
         s.put(b"h2", Blob(b"2"), session="s2")

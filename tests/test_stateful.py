@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tierstore
-from tierstore import Blob, KVCache, Vectors, recovery
+from tierstore import Blob, KVCache, Vectors
+from tierstore.engine import repair
 
+from .conftest import crash
 from .faultfs import FaultFS
 
 KEYS = st.sampled_from(["a", "b", "c", "ü-key", "d" * 400])
@@ -46,7 +48,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.io = FaultFS(root)
         # the index applies every 3 records (not on a timer), so runs are deterministic
         self.store = tierstore.open(root, _io=self.io, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=3)
-        self.io.index_env = self.store._index.env
+        self.io.index_env = self.store._engine.index.env
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -173,10 +175,9 @@ class StoreMachine(RuleBasedStateMachine):
         image = os.path.join(self.tmp, f"s{self.generation}")
         note(f"crash -> {image}")
         self.io.image(image)
-        self.store._closed = True
-        self.store._teardown()
+        crash(self.store)
         self._open(image)
-        report = recovery.check_store(self.store._io, image, self.store._index, deep=True)
+        report = repair.check_store(self.store._engine.io, image, self.store._engine.index, deep=True)
         assert report.ok, report.as_dict()
 
     @invariant()
@@ -188,7 +189,7 @@ class StoreMachine(RuleBasedStateMachine):
                 got = sorted(_k(k) for k in self.store.session_keys(sess, namespace=ns))
                 assert got == sorted(k for (n, k), r in self.refs.items() if n == ns and sess in r), (ns, sess)
         for (ns, k), r in self.refs.items():
-            got = {x.decode() if x != b"\x00" else "" for x in self.store._sessions_of(ns.encode(), k)}
+            got = {x.decode() if x != b"\x00" else "" for x in self.store._engine.sessions_of(ns.encode(), k)}
             assert got == r, (ns, k)
 
     def teardown(self) -> None:
@@ -216,7 +217,7 @@ class TieredStoreMachine(StoreMachine):
         self.io = FaultFS(root)
         self.store = tierstore.open(root, _io=self.io, segment_bytes="64KiB", index_commit_ms=1e9, index_batch=3,
                                     dram_bytes="6KiB", gpu_bytes="3KiB", gpu_device="cpu", policy="session")
-        self.io.index_env = self.store._index.env
+        self.io.index_env = self.store._engine.index.env
 
     @precondition(lambda self: any(v[0] == "kv" for v in self.model.values()))
     @rule(data=st.data())
@@ -259,7 +260,7 @@ class SecondReadStoreMachine(TieredStoreMachine):
                                     dram_bytes="6KiB", dram_admit="second")
         assert self.store._tiers.admission is not None
         self.store._tiers.admission.min_bytes = 0  # the model's objects are small: let them in
-        self.io.index_env = self.store._index.env
+        self.io.index_env = self.store._engine.index.env
 
 
 SecondReadStoreMachine.TestCase.settings = StoreMachine.TestCase.settings

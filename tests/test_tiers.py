@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import policy as pol
 from tierstore.errors import InvalidObject, NotFound, StoreFull
+from tierstore.tiers import policy as pol
 
 from .conftest import needs_torch, run_threads
 
@@ -58,9 +58,9 @@ def test_a_hit_is_served_from_dram_not_the_file(store_path):
     with tierstore.open(store_path, dram_bytes="1MiB") as s:
         s.put("a", tierstore.KVCache(a))
         s.prefetch("a").result()
-        s._files.close_all()
+        s._engine.files.close_all()
         # a hit must not touch the segment: make any segment read fail loudly
-        s._files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
+        s._engine.files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
         assert np.array_equal(s.get("a").data, a)
         # the returned array is a copy: changing it leaves the cached bytes alone
         out = s.get("a")
@@ -141,7 +141,7 @@ def test_codec_records_are_cached_encoded_in_dram(store_path):
         s.put("q", tierstore.KVCache(a), codec="int8")
         direct = s.get("q").data
         st = tier_stats(s, "dram")
-        stored = s._lookup(b"default", b"q").header.extent_lengths
+        stored = s._engine.lookup(b"default", b"q").header.extent_lengths
         assert st["bytes_used"] == sum(stored) < a.nbytes  # the int8 codes, not the decoded fp16
         assert np.array_equal(s.get("q").data, direct)
 
@@ -332,8 +332,8 @@ def test_gpu_tier_promotion_hit_and_demotion(store_path):
         assert s.info("k0").tiers == ("dram", "ssd")
         assert tier_stats(s, "dram")["demotions_in"] == 1
         assert tier_stats(s, "gpu")["evictions"] == 1
-        s._files.close_all()
-        s._files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
+        s._engine.files.close_all()
+        s._engine.files.acquire = lambda seg: (_ for _ in ()).throw(AssertionError("read the segment"))
         assert np.array_equal(s.get("k0").data, kv(2, seed=0))  # served by DRAM
         assert_within_capacity(s)
 
@@ -395,7 +395,7 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
     a, b = big_kv(4), big_kv(2, seed=1)
     with tierstore.open(store_path) as s:
         dram = s._tiers.dram
-        assert dram is not None and dram.capacity == tierstore.store.auto_dram_bytes() > 0
+        assert dram is not None and dram.capacity == tierstore.tiers.config.auto_dram_bytes() > 0
         s.put("a", tierstore.KVCache(a))
         s.put("b", tierstore.KVCache(b))
         assert np.array_equal(s.get("a").data, a)  # first read: from the log, nothing cached
@@ -404,11 +404,11 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
         assert st["admissions_deferred"] == 1 and st["promotions"] == 0
         assert np.array_equal(s.get("b", layers=1).data[0], b[1])  # another object's first read
         assert dram.used == 0
-        reads, acquire = [], s._files.acquire
-        s._files.acquire = lambda seg: (reads.append(seg), acquire(seg))[1]
+        reads, acquire = [], s._engine.files.acquire
+        s._engine.files.acquire = lambda seg: (reads.append(seg), acquire(seg))[1]
         assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # second read: promoted
         assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # third: a hit
-        s._files.acquire = acquire
+        s._engine.files.acquire = acquire
         assert len(reads) == 1
         assert dram.used == 2 * a[0].nbytes and s.info("a").tiers == ("dram", "ssd")
         assert np.array_equal(s.get("a", layers=0).data[0], a[0])  # partly cached: the rest goes in at once
@@ -427,7 +427,7 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
 
 
 def test_auto_dram_size_follows_the_container_memory_limit(tmp_path, monkeypatch):
-    from tierstore import store as st
+    from tierstore.tiers import config as st
 
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
@@ -458,7 +458,7 @@ def test_first_read_admission_is_kept_when_a_size_is_given(store_path):
 
 
 def test_second_read_memory_is_bounded():
-    adm = tierstore.policy.SecondRead(remember=3)
+    adm = tierstore.tiers.policy.SecondRead(remember=3)
     assert not adm.admit("a", 1)
     assert adm.admit("a", 1)  # admitted: forgotten again
     assert not adm.admit("a", 1)
@@ -650,7 +650,8 @@ def test_gds_branch_reads_by_kvikio_and_verifies_checksums(store_path, monkeypat
 def test_io_path_probe(monkeypatch):
     import types
 
-    from tierstore import arrays, devio
+    from tierstore import arrays
+    from tierstore.tiers import devio
 
     cuda = types.SimpleNamespace(type="cuda")
     assert devio.probe_io_path(None) == "cpu"

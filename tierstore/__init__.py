@@ -34,11 +34,12 @@ from .objects import Blob, KVCache, ObjectInfo, Vectors
 from .prefix import chunk_hashes
 from .scoped import NamespaceHandle
 from .store import Store
+from .tiers import policy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes", "codecs",
+    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes", "codecs", "policy",
     "TierstoreError", "AccessDenied", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
     "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
 ]
@@ -52,7 +53,7 @@ def open(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = 
     "group" (puts are made durable together by ``flush()`` or within ``group_commit_ms``),
     "none" (no fsync; survives a process crash, not power loss).  ``readonly=True`` opens
     without taking the writer lock; any number of read-only handles may coexist with one
-    writer.  ``options``: see ``tierstore.store.Options`` (segment_bytes, group_commit_ms,
+    writer.  ``options``: see ``tierstore.engine.options.Options`` (segment_bytes, group_commit_ms,
     group_commit_bytes, index_commit_ms, index_batch, lock_timeout, vector_extent_bytes,
     index_map_size).
     """

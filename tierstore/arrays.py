@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import format as fmt
 from .errors import InvalidObject
+from .format import constants as fmt
 
 FRAMEWORK_NUMPY = "numpy"
 FRAMEWORK_TORCH = "torch"
@@ -23,7 +23,7 @@ FRAMEWORK_TORCH = "torch"
 _OPTIONAL: dict[str, Any] = {}
 
 
-def _optional(name: str) -> Any:
+def optional_module(name: str) -> Any:
     """An optional dependency's module, or None when it is not installed (imported lazily)."""
     if name not in _OPTIONAL:
         _OPTIONAL[name] = importlib.import_module(name) if importlib.util.find_spec(name) else None
@@ -32,11 +32,11 @@ def _optional(name: str) -> Any:
 
 def torch_module() -> Any:
     """The torch module, or None when torch is not installed."""
-    return _optional("torch")
+    return optional_module("torch")
 
 
 def _ml_dtypes_module() -> Any:
-    return _optional("ml_dtypes")
+    return optional_module("ml_dtypes")
 
 
 def is_torch_tensor(x: Any) -> bool:

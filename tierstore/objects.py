@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from . import format as fmt
 from .errors import InvalidObject
+from .format import constants as fmt
 
 
 def _check_dims(shape: tuple[int, ...], what: str) -> None:
@@ -47,14 +47,6 @@ class KVCache:
             raise InvalidObject(f"layer_start must be a non-negative int, got {layer_start!r}")
         self.data = data
         self.layer_start = int(layer_start)
-
-    @classmethod
-    def _from_store(cls, data: Any, layer_start: int) -> "KVCache":
-        """An object read back: its shape and dtype come from checked metadata, so the
-        constructor's validation is skipped (it costs more than a hit's copy of a layer)."""
-        obj = cls.__new__(cls)
-        obj.data, obj.layer_start = data, layer_start
-        return obj
 
     @property
     def num_layers(self) -> int:
@@ -119,6 +111,14 @@ def _as_ids(ids: Any, n: int) -> Any:
     return arr.astype("<i8", copy=False)
 
 
+def stored_kv(data: Any, layer_start: int) -> KVCache:
+    """A KVCache read back: its shape and dtype come from checked metadata, so the
+    constructor's validation is skipped (it costs more than a hit's copy of a layer)."""
+    obj = KVCache.__new__(KVCache)
+    obj.data, obj.layer_start = data, layer_start
+    return obj
+
+
 class Blob:
     """Opaque bytes with a media type (e.g. "image/png")."""
 
@@ -134,13 +134,6 @@ class Blob:
             raise InvalidObject(f"media_type must be a non-empty str of at most 255 bytes, got {media_type!r}")
         self.data = data
         self.media_type = media_type
-
-    @classmethod
-    def _from_store(cls, data: bytes, media_type: str) -> "Blob":
-        """A Blob read back from a verified record (its fields were validated when it was put)."""
-        b = cls.__new__(cls)
-        b.data, b.media_type = data, media_type
-        return b
 
     def __len__(self) -> int:
         return memoryview(self.data).nbytes
@@ -175,3 +168,10 @@ class ObjectInfo:
     has_ids: bool | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     sessions: tuple[str, ...] = ()  # sessions holding a reference on it (SPEC.md §5.4)
+
+
+def stored_blob(data: bytes, media_type: str) -> Blob:
+    """A Blob read back from a verified record (its fields were validated when it was put)."""
+    b = Blob.__new__(Blob)
+    b.data, b.media_type = data, media_type
+    return b

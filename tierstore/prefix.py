@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from . import format as fmt
 from .errors import InvalidObject
+from .format import constants as fmt
 
 _ROOT = bytes(fmt.CHUNK_HASH_BYTES)
 

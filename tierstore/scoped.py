@@ -9,13 +9,11 @@ own and never bypasses the Store's checks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import AccessDenied, ReadOnlyError
+from .names import check_namespace
 from .objects import Blob, KVCache, ObjectInfo, Vectors
-
-if TYPE_CHECKING:
-    from .store import Store
 
 
 class NamespaceHandle:
@@ -27,12 +25,11 @@ class NamespaceHandle:
     the handle's own namespace (``readonly=True`` forbids them too).
     """
 
-    def __init__(self, store: "Store", namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
-        from .store import _encode_namespace
-        _encode_namespace(namespace)  # validates
+    def __init__(self, store: Any, namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
+        check_namespace(namespace)
         self._shared = frozenset(shared)
         for name in self._shared:
-            _encode_namespace(name)
+            check_namespace(name)
         self._store = store
         self.name = namespace
         self.readonly = readonly

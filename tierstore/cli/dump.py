@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import format as fmt
-from . import record as rec
-from . import segment as seglib
-from .errors import TierstoreError
-from .fileio import DEFAULT_IO, PosixIO
+from ..engine import segment as seglib
+from ..engine.fileio import DEFAULT_IO, PosixIO
+from ..errors import TierstoreError
+from ..format import constants as fmt
+from ..format import record as rec
 
 
 def _key_text(key: bytes, flags: int) -> str:
@@ -79,7 +79,7 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
 
 def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "default") -> dict[str, Any]:
     """The log of a store (every segment), or, with ``key``, one object: its info and record."""
-    from . import open as open_store
+    from .. import open as open_store
 
     if key is None:
         seg_dir = os.path.join(path, fmt.SEGMENTS_DIR)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import CorruptionError
+from ..errors import CorruptionError
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS

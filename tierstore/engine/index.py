@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-from . import format as fmt
-from . import record as rec
-from .errors import CorruptionError, StoreIOError, TierstoreError
+from ..errors import CorruptionError, StoreIOError, TierstoreError
+from ..format import constants as fmt
+from ..format import record as rec
 
 _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end

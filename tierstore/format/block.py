@@ -16,12 +16,13 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from . import arrays
-from . import codecs as cdc
-from . import format as fmt
+from .. import arrays
+from .. import codecs as cdc
+from ..errors import CorruptionError, InvalidObject
+from ..objects import Blob, KVCache, Vectors, stored_blob, stored_kv
+from . import constants as fmt
 from . import record as rec
-from .errors import CorruptionError, InvalidObject
-from .objects import Blob, KVCache, Vectors
+from .layout import extent_codec, extent_shapes
 
 
 class Block(NamedTuple):
@@ -86,27 +87,6 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
     return Block(kind, meta, extents, align, logical, keep)
 
 
-def extent_shapes(kind: int, meta: dict[str, Any]) -> list[cdc.Extent]:
-    """What each extent of a record holds (SPEC.md §5.3): the codecs' view of them."""
-    if kind == fmt.KIND_KV:
-        name = fmt.DTYPES[meta["dtype"]][0]
-        return [cdc.Extent("kv", tuple(meta["shape"][1:]), name, meta["layer_start"] + i)
-                for i in range(meta["shape"][0])]
-    if kind == fmt.KIND_VECTORS:
-        n, dim = meta["shape"]
-        rpe = meta["rows_per_extent"]
-        name = fmt.DTYPES[meta["dtype"]][0]
-        rows = [min(rpe, n - i) for i in range(0, n, rpe)]
-        out = [cdc.Extent("vectors", (r, dim), name) for r in rows]
-        return out + ([cdc.Extent("ids", (r,), "int64") for r in rows] if meta["ids"] else [])
-    return [cdc.Extent("blob", (meta["size"],), None)]
-
-
-def extent_codec(codec: cdc.Codec, ext: cdc.Extent) -> cdc.Codec:
-    """The codec of one extent: the record's, except that id extents of a lossy codec are raw."""
-    return codec if codec.lossless or ext.kind != "ids" else cdc.BY_ID[fmt.CODEC_RAW]
-
-
 def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | None = None) -> Block:
     """Encode the extents of ``block`` with ``choice`` (None or raw: the block as it is).
 
@@ -154,7 +134,7 @@ def _dtype_name(meta: dict[str, Any]) -> str:
     return fmt.DTYPES[meta["dtype"]][0]
 
 
-def _select_layers(layers: Any, start: int, count: int) -> list[int]:
+def select_layers(layers: Any, start: int, count: int) -> list[int]:
     """Absolute layer ids -> positions in the stored chunk; a contiguous ascending run."""
     if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
         sel = [int(layers)]
@@ -177,7 +157,7 @@ def _select_layers(layers: Any, start: int, count: int) -> list[int]:
     return [x - start for x in sel]
 
 
-def _select_rows(rows: Any, n: int) -> np.ndarray:
+def select_rows(rows: Any, n: int) -> np.ndarray:
     if isinstance(rows, slice):
         return np.arange(n, dtype=np.int64)[rows]
     if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
@@ -229,7 +209,7 @@ class _Decoding:
         return cdc.decode_torch(self.codec, self.reader.read_bytes(i), ext, self.params, device)
 
 
-def _on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers: Any, rows: Any) -> Any:
+def read_on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers: Any, rows: Any) -> Any:
     """A lossy object headed for ``device``: codes and scales go there, values are computed
     there (the CPU never materialises the decoded array)."""
     torch = arrays.torch_module()
@@ -238,14 +218,14 @@ def _on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers: An
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
         count = meta["shape"][0]
-        idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
+        idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
         data = torch.stack([reader.read_tensor(i, device) for i in idx])
-        return KVCache._from_store(data, meta["layer_start"] + idx[0])
+        return stored_kv(data, meta["layer_start"] + idx[0])
     if layers is not None:
         raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
     n, dim = meta["shape"]
     rpe, n_ext = meta["rows_per_extent"], -(-n // meta["rows_per_extent"])
-    sel = None if rows is None else _select_rows(rows, n)
+    sel = None if rows is None else select_rows(rows, n)
     wanted = range(n_ext) if sel is None else sorted({int(e) for e in sel // rpe})
     parts = {e: reader.read_tensor(e, device) for e in wanted}
     ids = None
@@ -277,18 +257,18 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
     if hdr.codec != fmt.CODEC_RAW:
         reader = _Decoding(hdr, reader, dictionaries)
         if device is not None and not reader.codec.lossless:
-            return _on_device(hdr, reader, device, layers, rows)
+            return read_on_device(hdr, reader, device, layers, rows)
     if hdr.kind == fmt.KIND_KV:
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
         count = meta["shape"][0]
-        idx = list(range(count)) if layers is None else _select_layers(layers, meta["layer_start"], count)
+        idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
         out = aligned_empty(lb * len(idx))
         reader.read_into([(i, memoryview(out[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])
         data = arrays.wrap(out, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
-        return KVCache._from_store(data, meta["layer_start"] + idx[0])
+        return stored_kv(data, meta["layer_start"] + idx[0])
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
             raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
@@ -298,7 +278,7 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
             raise InvalidObject("layers= and rows= do not apply to a Blob")
         if device is not None:
             raise InvalidObject("device= does not apply to a Blob")
-        return Blob._from_store(reader.read_bytes(0), meta["media_type"])
+        return stored_blob(reader.read_bytes(0), meta["media_type"])
     raise InvalidObject(f"unknown object kind {hdr.kind}")
 
 
@@ -319,7 +299,7 @@ def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device
         reader.read_into(wanted)
         out = arrays.wrap(data, name, (n, dim), fw, device)
         return Vectors(out, ids=None if ids is None else _ids_like(ids, fw, device), metric=meta["metric"])
-    sel = _select_rows(rows, n)
+    sel = select_rows(rows, n)
     exts = np.unique(sel // rpe)
     pos = {int(e): i for i, e in enumerate(exts)}
     # every needed extent is read whole (checksums cover whole extents); rows gathered after

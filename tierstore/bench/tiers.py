@@ -18,25 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from . import KVCache
-from . import open as open_store
-
-
-def _median_ms(f: Callable[[], Any], reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2] * 1000.0
-
-
-def _drop_pages(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from .. import KVCache
+from .. import open as open_store
+from ..engine.segment import segment_name
+from ..format import constants as fmt
+from ..format import record as rec
+from .common import drop_pages, pyplot, time_ms
 
 
 def bench_hits_and_promotion(root: str, *, reps: int, say: Callable[..., None]) -> dict[str, Any]:
@@ -50,20 +37,20 @@ def bench_hits_and_promotion(root: str, *, reps: int, say: Callable[..., None]) 
         for name, get, copy in (("layer_1mib", lambda: s.get("chunk", layers=5), layer.copy),
                                 ("chunk_32mib", lambda: s.get("chunk"), kv.copy)):
             get()
-            t_get, t_copy = _median_ms(get, reps * 10), _median_ms(copy, reps * 10)
+            t_get, t_copy = time_ms(get, reps * 10), time_ms(copy, reps * 10)
             out[name] = {"dram_hit_get_ms": round(t_get, 4), "numpy_copy_ms": round(t_copy, 4),
                          "ratio_vs_copy": round(t_get / t_copy, 2)}
             say(f"  DRAM-hit get, {name}: {t_get:.3f} ms vs numpy copy {t_copy:.3f} ms "
                 f"({t_get / t_copy:.2f}x; target <= 1.3x)")
-        loc = s._lookup(b"default", b"chunk")
-        path = s._files.path(loc.segment)
-        start, nbytes = loc.offset + loc.header.offsets[0], sum(loc.header.extent_lengths)
+        info = s.info("chunk")
+        path = os.path.join(root, fmt.SEGMENTS_DIR, segment_name(info.segment))
         fd = os.open(path, os.O_RDONLY)
+        hdr = rec.decode_header(os.pread(fd, 1 << 16, info.offset))  # where the extents are, from SPEC.md §4
+        start, nbytes = info.offset + hdr.offsets[0], sum(hdr.extent_lengths)
         buf = np.empty(nbytes, np.uint8)
-        dram = s._tiers.dram
 
         def promote() -> None:
-            dram.invalidate((b"default", b"chunk"))
+            s.drop_cached(tier="dram")
             s.prefetch("chunk").result()
 
         def raw() -> None:
@@ -73,16 +60,16 @@ def bench_hits_and_promotion(root: str, *, reps: int, say: Callable[..., None]) 
             for mode in ("warm", "cold"):
                 if mode == "cold":
                     def prep() -> None:
-                        _drop_pages(path)
+                        drop_pages(path)
                 else:
                     def prep() -> None:
                         pass
                 tp, tr = [], []
                 for _ in range(reps * 2):  # interleaved, so drift hits both alike
                     prep()
-                    tr.append(_median_ms(raw, 1))
+                    tr.append(time_ms(raw, 1))
                     prep()
-                    tp.append(_median_ms(promote, 1))
+                    tp.append(time_ms(promote, 1))
                 p, r = sorted(tp)[len(tp) // 2], sorted(tr)[len(tr) // 2]
                 mib = nbytes / (1 << 20)
                 out[f"promotion_{mode}"] = {"promote_ms": round(p, 3), "raw_pread_ms": round(r, 3),
@@ -199,7 +186,6 @@ def markdown_tiers(t: dict[str, Any]) -> list[str]:
 
 def plot_tiers(t: dict[str, Any], path: str) -> None:
     """Hit rate and log bytes per policy and look-ahead (skipped without matplotlib)."""
-    from .bench import pyplot
 
     plt = pyplot()
     if plt is None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from . import open as open_store
-from . import recovery
-from .objects import Blob, KVCache, Vectors
+from .. import open as open_store
+from ..engine import repair
+from ..objects import Blob, KVCache, Vectors
 
 LAYERS, KV_HEADS, HEAD_DIM, CHUNK_TOKENS = 32, 8, 128, 256  # Llama-3-8B, 256-token chunks: 32 MiB fp16
 
@@ -95,10 +95,9 @@ def run_demo(path: str, *, quiet: bool = False, chunks: int = 4) -> dict[str, An
         say(f"  reopened (a restart): {st['objects_indexed']} objects, all bit-exact; "
             f"{st['segment_bytes'] / 2**20:.0f} MiB in {st['segments']} segment(s); "
             f"replayed {st['recovery']['replayed_records']} log records on open")
-        assert store._index is not None
-        report = recovery.check_store(store._io, store.path, store._index, deep=True)
-        say(f"  fsck --deep: {'ok' if report.ok else 'ERRORS'} ({report.bytes_verified / 2**20:.0f} MiB verified)")
-        result["stats"] = {k: st[k] for k in ("objects_indexed", "segments", "segment_bytes", "live_bytes")}
-        result["fsck_ok"] = report.ok
+    result["stats"] = {k: st[k] for k in ("objects_indexed", "segments", "segment_bytes", "live_bytes")}
+    report = repair.fsck(path, deep=True)
+    say(f"  fsck --deep: {'ok' if report.ok else 'ERRORS'} ({report.bytes_verified / 2**20:.0f} MiB verified)")
+    result["fsck_ok"] = report.ok
     say("done: run `tierstore ls " + path + "` or `tierstore fsck " + path + " --deep` to look around")
     return result

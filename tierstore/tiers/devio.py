@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays
-from .errors import CorruptionError, InvalidObject
-from .record import crc32c
+from .. import arrays
+from ..errors import CorruptionError, InvalidObject
+from ..format.record import crc32c
 
 IO_PATHS = ("gds", "kvikio-compat", "posix", "cpu")
 
@@ -30,7 +30,7 @@ IO_PATHS = ("gds", "kvikio-compat", "posix", "cpu")
 def _kvikio() -> Any:
     """The kvikio module, or None when it is not installed or cannot load."""
     try:
-        return arrays._optional("kvikio")
+        return arrays.optional_module("kvikio")
     except (ImportError, OSError):  # an old kvikio that dlopens CUDA at import
         return None
 
@@ -78,7 +78,7 @@ class DeviceIO:
         use, so promotion to the GPU is one asynchronous DMA; page-aligned otherwise."""
         if self.cuda:
             return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True).numpy()
-        from .block import aligned_empty
+        from ..format.block import aligned_empty
         return aligned_empty(nbytes)
 
     def device_buffer(self, nbytes: int) -> Any:

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from .errors import InvalidObject
+from ..errors import InvalidObject
 
 
 class Policy:

@@ -9,8 +9,10 @@ Read path with tiers:  Store.get -> Hierarchy.read -> (GPU tier hit: one device 
 It owns promotion (SSD -> DRAM, SSD or DRAM -> GPU), demotion (an entry evicted from the
 GPU tier is copied back to DRAM when its bytes are the stored bytes and there is room),
 ``prefetch`` / ``stream_layers`` scheduling on its own threads, and invalidation when a
-key's object changes.  It never writes to the log: the segments are the durable home of
-every object and a tier only ever holds copies (DRAM -> SSD is not a write-back path).
+key's object changes (it subscribes to the engine's writes).  It reads the log through the
+engine's read interface (``reader``, ``hold_segment``, ``segment_path``) and never writes
+to it: the segments are the durable home of every object and a tier only ever holds copies
+(DRAM -> SSD is not a write-back path).
 """
 
 from __future__ import annotations
@@ -19,23 +21,22 @@ import ctypes
 import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import arrays
-from . import block as blk
-from . import codecs as cdc
-from . import format as fmt
+from .. import arrays
+from .. import codecs as cdc
+from ..engine.engine import Engine
+from ..engine.index import Location
+from ..errors import InvalidObject
+from ..format import block as blk
+from ..format import constants as fmt
+from ..format import record as rec
+from ..format.layout import extent_codec, extent_shapes
 from . import policy as pol
-from . import record as rec
 from .devio import DeviceIO
-from .errors import InvalidObject
-from .index import Location
-from .tiers import Entry, Tier
-
-if TYPE_CHECKING:
-    from .store import Store
+from .tier import Entry, Tier
 
 CACHE_TIERS = ("dram", "gpu")
 
@@ -47,13 +48,13 @@ def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
         if rows is not None:
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
         count = meta["shape"][0]
-        return list(range(count)) if layers is None else blk._select_layers(layers, meta["layer_start"], count)
+        return list(range(count)) if layers is None else blk.select_layers(layers, meta["layer_start"], count)
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
             raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
         n, rpe = meta["shape"][0], meta["rows_per_extent"]
         n_ext = -(-n // rpe)
-        exts = list(range(n_ext)) if rows is None else sorted({int(e) for e in blk._select_rows(rows, n) // rpe})
+        exts = list(range(n_ext)) if rows is None else sorted({int(e) for e in blk.select_rows(rows, n) // rpe})
         return exts + ([n_ext + e for e in exts] if meta["ids"] else [])
     if layers is not None or rows is not None:
         raise InvalidObject("layers= and rows= do not apply to a Blob")
@@ -104,11 +105,11 @@ class _HostReader:
 
 
 class _DeviceReader:
-    """The reader ``block._on_device`` takes, over decoded extents in the GPU tier."""
+    """The reader ``block.read_on_device`` takes, over decoded extents in the GPU tier."""
 
     def __init__(self, hdr: rec.RecordHeader, extents: dict[int, Any]) -> None:
         self.extents = extents
-        self.shapes = blk.extent_shapes(hdr.kind, hdr.meta)
+        self.shapes = extent_shapes(hdr.kind, hdr.meta)
 
     def read_tensor(self, i: int, device: str) -> Any:
         ext = self.shapes[i]
@@ -119,11 +120,16 @@ class _DeviceReader:
 
 
 class Hierarchy:
-    """The DRAM and GPU tiers of one Store (either may be absent) and the threads filling them."""
+    """The DRAM and GPU tiers over one engine's log (either may be absent) and the threads filling them.
 
-    def __init__(self, store: "Store", *, dram_bytes: int | None, gpu_bytes: int | None, gpu_device: str | None,
-                 policy: pol.Policy, dram_admit: str = "first") -> None:
-        self.store = store
+    ``sessions(ns, k)`` names the sessions referencing an object, asked when it is cached
+    (the session-aware policy ranks entries by them)."""
+
+    def __init__(self, engine: Engine, *, dram_bytes: int | None, gpu_bytes: int | None, gpu_device: str | None,
+                 policy: pol.Policy, dram_admit: str = "first",
+                 sessions: Callable[[bytes, bytes], tuple[bytes, ...]] = lambda ns, k: ()) -> None:
+        self.engine = engine
+        self.sessions = sessions
         self.admission = pol.SecondRead() if dram_admit == "second" else None  # None: every miss
         self.devio = DeviceIO(gpu_device if gpu_bytes else None)
         self.gpu_device = str(self.devio.device) if gpu_bytes else None
@@ -169,7 +175,7 @@ class Hierarchy:
             if got is None and self._promote_gpu(key, loc, where, wanted, dictionaries, required=False):
                 got = self.gpu.lookup(key, hdr, wanted, count=False)
             if got is not None:
-                return blk._on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
+                return blk.read_on_device(hdr, _DeviceReader(hdr, got), device, layers, rows)
         if self.dram is not None and self._dram_serves(key, hdr, wanted):
             got = self.dram.lookup(key, hdr, wanted)
             if got is None:
@@ -185,7 +191,7 @@ class Hierarchy:
             if got is not None:
                 return blk.read_object(hdr, _HostReader(got), layers=layers, rows=rows,
                                        device=device, dictionaries=dictionaries)
-        return blk.read_object(hdr, self.store._ssd_reader(loc, where), layers=layers, rows=rows, device=device,
+        return blk.read_object(hdr, self.engine.reader(loc, where), layers=layers, rows=rows, device=device,
                                dictionaries=dictionaries)
 
     def _dram_serves(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int]) -> bool:
@@ -202,7 +208,7 @@ class Hierarchy:
     def _sessions(self, key: Hashable) -> tuple[bytes, ...]:
         """The sessions referencing the object (for the policy), asked when it is cached."""
         ns, k = key  # type: ignore[misc]
-        return self.store._cache_sessions(ns, k)
+        return self.sessions(ns, k)
 
     def _promote_dram(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
                       *, required: bool) -> bool:
@@ -237,7 +243,7 @@ class Hierarchy:
         for i in todo:
             views[i] = slab[pos : pos + lengths[i]]
             pos += lengths[i]
-        self.store._ssd_reader(loc, where).read_into([(i, memoryview(v)) for i, v in views.items()])
+        self.engine.reader(loc, where).read_into([(i, memoryview(v)) for i, v in views.items()])
         return views
 
     def _decoded_lengths(self, hdr: rec.RecordHeader) -> list[int]:
@@ -276,11 +282,11 @@ class Hierarchy:
         host = self.dram.lookup(key, hdr, todo, count=False) if self.dram is not None else None
         if host is None and hdr.codec == fmt.CODEC_RAW and devio.io_path in ("gds", "kvikio-compat") \
                 and all((loc.offset + hdr.offsets[i]) % fmt.PAGE == 0 for i in todo):
-            self.store._ssd_reader(loc, where)._ensure_written()
+            self.engine.reader(loc, where).ensure_written()
             # kvikio opens the file by name: if compaction has unlinked it, FileNotFoundError sends
-            # the caller to the object's new location (Store._read / Store._promote)
-            with self.store._segment_fd(loc.segment):
-                bufs = devio.read_direct(self.store._files.path(loc.segment),
+            # the caller to the object's new location (the handle looks the key up again)
+            with self.engine.hold_segment(loc.segment):
+                bufs = devio.read_direct(self.engine.segment_path(loc.segment),
                                          [(loc.offset + hdr.offsets[i], hdr.extent_lengths[i], hdr.extent_crcs[i])
                                           for i in todo], where)
             return dict(zip(todo, bufs))
@@ -290,13 +296,13 @@ class Hierarchy:
             return dict(zip(todo, devio.to_device([host[i] for i in todo])))
         codec = cdc.BY_ID[hdr.codec]
         params = hdr.meta.get("codec_params", {})
-        shapes = blk.extent_shapes(hdr.kind, hdr.meta)
+        shapes = extent_shapes(hdr.kind, hdr.meta)
         did = params.get("dict")
-        assert dictionaries is not None  # the store passes them for every encoded record
+        assert dictionaries is not None  # the handle passes them for every encoded record
         dictionary = dictionaries(did) if did is not None else None
         out = {}
         for i in todo:
-            c = blk.extent_codec(codec, shapes[i])
+            c = extent_codec(codec, shapes[i])
             if c.lossless:  # zstd and friends have no device decoder: decode here, copy once
                 out[i] = devio.to_device([cdc.decode(c, host[i].tobytes(), shapes[i], params, dictionary)])[0]
             else:

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import __version__
-from .errors import CorruptionError, FormatVersionError, StoreLocked, StoreNotFound, TierstoreError
+from .. import __version__
+from ..errors import CorruptionError, FormatVersionError, StoreLocked, StoreNotFound, TierstoreError
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED = 0, 1, 2, 3, 4
 
@@ -51,20 +51,17 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None
 
 
 def _check(args: argparse.Namespace) -> Any:
-    from . import open as open_store
-    from . import recovery
+    from ..engine import repair
 
-    with open_store(args.path, create=False, readonly=True) as store:
-        update, close = _progress(_segments_bytes(args.path), "verifying", not args.json)
-        try:
-            assert store._index is not None
-            return recovery.check_store(store._io, store.path, store._index, deep=args.deep, progress=update)
-        finally:
-            close()
+    update, close = _progress(_segments_bytes(args.path), "verifying", not args.json)
+    try:
+        return repair.fsck(args.path, deep=args.deep, progress=update)
+    finally:
+        close()
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from . import recovery
+    from ..engine import repair
 
     try:
         report = _check(args)
@@ -75,7 +72,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         first_error = str(e)
     repaired = None
     if args.fix and (report is None or not report.ok):
-        repaired = recovery.recover(args.path)
+        repaired = repair.recover(args.path)
         before = report.as_dict() if report is not None else {"ok": False, "error": first_error}
         report = _check(args)
 
@@ -102,12 +99,12 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    from . import recovery
+    from ..engine import repair
 
     path = os.path.abspath(args.path)
     update, close = _progress(_segments_bytes(path), "scanning", not args.json)
     try:
-        result = recovery.recover(path, lock_timeout=args.lock_timeout, progress=update)
+        result = repair.recover(path, lock_timeout=args.lock_timeout, progress=update)
     finally:
         close()
 
@@ -179,7 +176,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from . import open as open_store
+    from .. import open as open_store
 
     with open_store(args.path, create=False, lock_timeout=args.lock_timeout) as store:
         before = store.stats()
@@ -197,7 +194,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from . import open as open_store
+    from .. import open as open_store
 
     rows = []
     with open_store(args.path, create=False, readonly=True) as store:
@@ -219,7 +216,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from . import open as open_store
+    from .. import open as open_store
 
     with open_store(args.path, create=False, readonly=True) as store:
         st = store.stats()
@@ -247,7 +244,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from ..bench import run_bench
 
     result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
                        sections=args.section)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import StoreFull, StoreIOError
+from ..errors import StoreFull, StoreIOError
 
 EINTR_RETRIES = 100  # consecutive EINTRs tolerated by one transfer before it fails
 PARALLEL_MIN = 8 << 20  # transfers at least this large are split across the I/O threads

@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import record as rec
-from .errors import StoreFull
+from ..errors import StoreFull
+from ..format import record as rec
 from .policy import Policy
 
 

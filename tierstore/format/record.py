@@ -23,8 +23,10 @@ from typing import Any, NamedTuple
 import crc32c as _crc32c
 import msgpack
 
-from . import format as fmt
-from .errors import CorruptionError, InvalidObject
+from .. import codecs
+from ..errors import CorruptionError, InvalidObject
+from . import constants as fmt
+from .layout import extent_codec, extent_shapes
 
 _ZERO_PAGE = bytes(fmt.PAGE)
 _U32 = struct.Struct("<I")
@@ -488,8 +490,6 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
 
 def _check_coded_lengths(h: RecordHeader, logical: list[int], **where: Any) -> None:
     """A record with a codec (SPEC.md §6): its kind, parameters and stored extent lengths."""
-    from . import block, codecs
-
     codec = codecs.BY_ID[h.codec]
     kind = fmt.KIND_NAMES.get(h.kind)
     if kind not in codec.kinds:
@@ -505,8 +505,8 @@ def _check_coded_lengths(h: RecordHeader, logical: list[int], **where: Any) -> N
         raise CorruptionError("a zstd dictionary on a record that is not a blob", **where)
     if not codec.lossless and fmt.DTYPES[h.meta["dtype"]][0] not in codecs.LOSSY_DTYPES:
         raise CorruptionError(f"lossy codec {codec.name!r} on {fmt.DTYPES[h.meta['dtype']][0]} data", **where)
-    for ext, n, stored in zip(block.extent_shapes(h.kind, h.meta), logical, h.extent_lengths):
-        c = block.extent_codec(codec, ext)
+    for ext, n, stored in zip(extent_shapes(h.kind, h.meta), logical, h.extent_lengths):
+        c = extent_codec(codec, ext)
         if c.id == fmt.CODEC_RAW:
             ok = stored == n
         elif c.lossless or "zstd" in params or c.id == fmt.CODEC_KV_ANS:

@@ -1,0 +1,71 @@
+"""``tierstore bench``: tierstore next to raw-file baselines and peers, measured in one run.
+
+Chunk section: a Llama-3-8B-shaped KV chunk (256 tokens x 32 layers x 2 x 8 heads x 128
+dims, fp16 = 32 MiB).  Blob section: 4 KiB blobs.  Every system does the same operations on
+the same bytes on the same disk, interleaved, and results are reported as medians and as
+ratios to the file-per-object baseline (one file per object, ``pwrite`` + ``fdatasync`` to
+put, ``preadv`` into a fresh buffer to get).  "Cold" reads first evict the file's pages with
+``posix_fadvise(DONTNEED)``; /proc/self/io ``read_bytes`` counts what a cold read fetched.
+
+Peers (safetensors, torch.save, h5py) are optional (``pip install 'tierstore[bench]'``); a
+missing one is reported as skipped.  Durable puts of peers are followed by an fsync so
+that every system pays for durability.  No assertion here: this module measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from .blobs import bench_blobs
+from .chunk import bench_chunk
+from .codec_quality import bench_codecs
+from .prefix import bench_prefix
+from .report import markdown, plot, print_report
+
+
+def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = True, out: str | None = None,
+              quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
+    say = (lambda *a: None) if quiet else print
+    root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
+    sections = sections or ["chunk", "blobs", "prefix", "codecs", "tiers"]
+    result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
+    try:
+        if "chunk" in sections:
+            say("chunk: Llama-3-8B KV chunk [32, 2, 8, 256, 128] fp16 = 32 MiB")
+            result["chunk"] = bench_chunk(os.path.join(root, "chunk"), reps=3 if quick else 10,
+                                          layer_reps=40 if quick else 200, peers=peers, say=say)
+            shutil.rmtree(os.path.join(root, "chunk"))
+        if "blobs" in sections:
+            say("blobs: 4 KiB")
+            result["blobs"] = bench_blobs(os.path.join(root, "blobs"), n=3000 if quick else 20000, peers=peers, say=say)
+        if "codecs" in sections:
+            say("codecs: the real K/V and embedding sample")
+            result["codecs"] = bench_codecs(say)
+        if "prefix" in sections:
+            say("prefix: match_prefix of 1,000 chunk hashes")
+            result["prefix"] = bench_prefix(os.path.join(root, "prefix"), query=1000, reps=5 if quick else 21,
+                                            sizes=(2000, 20000) if quick else (2000, 20000, 200000), say=say)
+        if "tiers" in sections:
+            from .tiers import bench_tiers
+            say("tiers: DRAM hits, SSD->DRAM promotion, a multi-turn chat trace (LRU vs session-aware)")
+            result["tiers"] = bench_tiers(os.path.join(root, "tiers"), quick=quick, say=say)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if not quiet:
+        print_report(result)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        if "chunk" in result:
+            plot(result, os.path.join(out, "benchmarks.png"))
+        if "tiers" in result:
+            from .tiers import plot_tiers
+            plot_tiers(result["tiers"], os.path.join(out, "tiers.png"))
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(markdown(result))
+    return result

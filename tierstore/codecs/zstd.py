@@ -1,0 +1,99 @@
+"""The zstd family (SPEC.md §6.2): zstd frames, trained dictionaries, and the byte shuffle of shuffle+zstd.
+Pure functions over bytes; a frame is checked against what the record says before it is decompressed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..errors import CorruptionError, InvalidObject
+
+_ZC: dict[int, zstandard.ZstdCompressor] = {}
+_ZD = zstandard.ZstdDecompressor()
+
+
+def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> bytes:
+    if dictionary is not None:
+        zd = zstandard.ZstdCompressionDict(dictionary)
+        return zstandard.ZstdCompressor(level=level, write_content_size=True, dict_data=zd).compress(data)
+    c = _ZC.get(level)
+    if c is None:
+        c = _ZC[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c.compress(data)
+
+
+def dictionary_id(dictionary: bytes) -> int:
+    """The id a zstd dictionary declares (nonzero for a trained one), or CorruptionError."""
+    if len(dictionary) < 8 or dictionary[:4] != b"\x37\xa4\x30\xec":
+        raise CorruptionError("not a zstd dictionary (magic)")
+    did = int.from_bytes(dictionary[4:8], "little")
+    if did == 0:
+        raise CorruptionError("zstd dictionary without an id")
+    return did
+
+
+def train_dictionary(samples: list[bytes], size: int = 16 << 10) -> bytes:
+    """A zstd dictionary trained on ``samples`` (many small, similar blobs)."""
+    try:
+        return zstandard.train_dictionary(size, list(samples)).as_bytes()
+    except zstandard.ZstdError as e:
+        raise InvalidObject(f"cannot train a dictionary on these samples: {e}",
+                            hint="give a few hundred samples of the kind of blob to compress") from None
+
+
+def zstd_bound(n: int) -> int:
+    """The largest zstd frame that can hold ``n`` bytes (ZSTD_compressBound, plus headers)."""
+    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
+
+
+def zstd_decompress(data: Any, expected: int, dictionary: bytes | None = None) -> bytes:
+    """A single zstd frame that declares exactly ``expected`` content bytes (checked first),
+    and the dictionary id of ``dictionary`` (or none)."""
+    try:
+        declared = zstandard.frame_content_size(data)
+        frame_dict = zstandard.get_frame_parameters(data).dict_id
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"bad zstd frame: {e}") from None
+    if declared != expected:
+        raise CorruptionError(f"zstd frame declares {declared} bytes, the record {expected}")
+    want_dict = dictionary_id(dictionary) if dictionary is not None else 0
+    if frame_dict != want_dict:
+        raise CorruptionError(f"zstd frame names dictionary {frame_dict}, the record {want_dict}")
+    try:
+        d = _ZD if dictionary is None else zstandard.ZstdDecompressor(
+            dict_data=zstandard.ZstdCompressionDict(dictionary))
+        out = d.decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"bad zstd frame: {e}") from None
+    if len(out) != expected:
+        raise CorruptionError(f"zstd frame holds {len(out)} bytes, the record {expected}")
+    return out
+
+
+def level(params: dict[str, Any], key: str = "level") -> int:
+    """A stored zstd level parameter, checked."""
+    level = params.get(key)
+    if type(level) is not int or not 1 <= level <= 22:
+        raise CorruptionError(f"codec parameter {key!r} must be an int in 1..22, got {level!r}")
+    return level
+
+
+def shuffle(b: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte shuffle: byte j of every element together (SPEC.md §6.2, shuffle+zstd)."""
+    return np.ascontiguousarray(b.reshape(-1, itemsize).T).reshape(-1)
+
+
+def unshuffle(b: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(b.reshape(itemsize, -1).T).reshape(-1)
+
+
+def dict_for(params: dict[str, Any], dictionary: bytes | None) -> bytes | None:
+    """The dictionary a ``dict`` parameter names, checked against the one given (or None)."""
+    if "dict" not in params:
+        return None
+    if dictionary is None or dictionary_id(dictionary) != params["dict"]:
+        raise CorruptionError(f"zstd dictionary {params['dict']} is missing")
+    return dictionary

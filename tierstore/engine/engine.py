@@ -1,0 +1,601 @@
+"""The engine: one store directory's segment log, LMDB index and the commit protocol between them (SPEC.md §7).
+
+Write path:  Engine.append / append_group -> Log.append (LSN stamped; memtable and subscribers
+             told under the append lock) -> Engine.settle (Log.sync as the durability mode
+             says) -> committer thread -> Engine.commit -> Index.apply
+Read path:   Engine.lookup (memtable, then an index snapshot) -> Engine.reader(location)
+             -> segment.read_extents (preadv into the caller's buffers, checksums verified)
+
+It owns the segment files, the writer lock, the log (LSNs, group commit), the memtable of
+records appended but not yet in the index, the committer thread, and opening a directory
+(create, replay the log tail, rebuild a missing or stale index).  A memtable entry is used
+only while its LSN is newer than the index's applied LSN, read in the same snapshot, so the
+two never disagree.
+
+It knows records, never objects, and never imports the tiers, the handle or the tools: those
+are given an Engine and use only the methods below.  Compaction (compaction.py) and the
+offline tools (repair.py) are its neighbours, given the engine; recovery.py is below it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import (
+    CorruptionError,
+    FormatVersionError,
+    InvalidObject,
+    ReadOnlyError,
+    StoreNotFound,
+    TierstoreError,
+)
+from ..format import constants as fmt
+from ..format import record as rec
+from . import recovery
+from . import segment as seglib
+from .fileio import DEFAULT_IO, PosixIO, io_error
+from .index import Applied, Index, Location, Op
+from .lock import acquire_writer_lock
+from .log import Appended, Log
+from .options import Options
+
+DURABILITY = ("sync", "group", "none")
+
+# called under the log's append lock, in LSN order, for every record appended:
+# (namespace, key) and the record's header for a PUT, None for a DELETE
+WriteListener = Callable[[tuple[bytes, bytes], "rec.RecordHeader | None"], None]
+
+
+class SegmentReader:
+    """Reads the extents of one record where ``Engine.lookup`` found it (an ``ExtentReader``,
+    format/block.py).  Holds the segment's descriptors only while reading, so compaction may
+    retire the segment in between: a read then raises FileNotFoundError and the caller looks
+    the key up again."""
+
+    def __init__(self, engine: "Engine", loc: Location, where: dict[str, Any]) -> None:
+        self.engine, self.loc, self.where = engine, loc, where
+
+    def ensure_written(self) -> None:
+        """Hand the record to the OS if it is still in the log's write buffer."""
+        log = self.engine.log
+        if log is not None and (self.loc.segment, self.loc.offset + self.loc.header.record_len) > log.written:
+            log.flush_buffer()
+
+    def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
+        self.ensure_written()
+        e = self.engine
+        with e.hold_segment(self.loc.segment) as (fd, dfd):
+            seglib.read_extents(e.io, fd, self.loc.offset, self.loc.header, wanted, self.where, e.executor, dfd,
+                                e.files.dio)
+
+    def read_bytes(self, index: int) -> bytes:
+        self.ensure_written()
+        e = self.engine
+        with e.hold_segment(self.loc.segment) as (fd, _):
+            return seglib.read_extent_bytes(e.io, fd, self.loc.offset, self.loc.header, index, self.where)
+
+
+class Engine:
+    """The log and the index of one store directory, opened for writing (one process at a time,
+    under the writer lock) or read-only (any number).  Thread-safe.
+
+    ``write_lock`` serialises read-modify-write sequences of callers (look a key up, decide,
+    append); ``append`` itself needs no lock.  ``close`` makes every write durable and visible,
+    stops the committer and releases the writer lock.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
+                 durability: str = "sync", options: Options | None = None, io: PosixIO | None = None,
+                 dram_tier: bool = False) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.readonly = readonly
+        self.durability = durability
+        self.options = options or Options()
+        self.io = io or DEFAULT_IO
+        self.closed = True
+        if durability not in DURABILITY:
+            raise InvalidObject(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        self.index: Index | None = None
+        self.log: Log | None = None
+        self.store_uuid: bytes | None = None
+        self.recovery: dict[str, Any] = {}  # what opening found and did (replay, rebuild, damage)
+        self.counters = {"syncs": 0, "index_commits": 0}
+        self.write_lock = threading.RLock()
+        self.executor = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                           thread_name_prefix="tierstore-io")
+        self.seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
+        self.files = seglib.SegmentFiles(self.io, self.seg_dir, direct_reads=self.options.direct_reads,
+                                         dram_tier=dram_tier)
+        self._lock_fd = -1
+        self._listeners: list[WriteListener] = []
+        self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
+        self._refs_seen = False  # the store holds (or held) session references
+        self._pending: list[Op] = []
+        self._pending_lock = threading.Lock()
+        self._oldest_pending: float | None = None
+        self._commit_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._committer: threading.Thread | None = None
+        self._committer_error: BaseException | None = None
+        try:
+            self._open(create)
+        except OSError as e:
+            self._teardown()
+            if isinstance(e, TierstoreError):
+                raise
+            raise io_error(e, "open store", path=self.path) from None
+        except BaseException:
+            self._teardown()
+            raise
+        self.closed = False
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def _open(self, create: bool) -> None:
+        io = self.io
+        if not os.path.exists(self.path):
+            if not create or self.readonly:
+                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+            os.makedirs(self.path, exist_ok=True)
+        elif not os.path.isdir(self.path):
+            raise InvalidObject(f"{self.path} exists and is not a directory", path=self.path)
+        if not self.readonly:
+            self._lock_fd = acquire_writer_lock(io, self.path, self.options.lock_timeout)
+        index_dir = os.path.join(self.path, fmt.INDEX_DIR)
+        has_segments = os.path.isdir(self.seg_dir) and bool(seglib.list_segments(io, self.seg_dir))
+        has_index = Index.exists(index_dir)
+        if has_segments and recovery.abandoned_creation(io, self.path) and not self.readonly:
+            seg = seglib.list_segments(io, self.seg_dir)[0]
+            recovery.quarantine_file(io, self.path, self.files.path(seg))  # a crash during creation
+            has_segments = False
+        if not has_segments and not has_index:
+            if self.readonly or not create:
+                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+            self._create_store()
+        elif not has_segments:
+            raise CorruptionError("the index exists but no segment files do", path=self.seg_dir,
+                                  hint="restore the segments/ directory; the index alone holds no data")
+        elif not has_index:
+            if self.readonly:
+                raise CorruptionError("the index is missing", path=index_dir,
+                                      hint="open the store writable (or run `tierstore recover PATH`) to rebuild it")
+            self._rebuild("index missing")
+        try:
+            self.index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size)
+        except CorruptionError as e:
+            if self.readonly:
+                raise
+            self._rebuild(f"index unreadable ({e.message})")  # derived data: rebuild it from the log
+            self.index = Index.open(index_dir, writable=True, map_size=self.options.index_map_size)
+        scan = self._replay()
+        if self.readonly:
+            for op in scan.ops:
+                self._mem[(op.namespace, op.key)] = op
+            return
+        if scan.ops:
+            self.index.apply(scan.ops, scan.last, durable=True)
+        self._refs_seen = self.index.ref_count() > 0
+        self._drop_dead_segments(keep=scan.active)
+        assert self.store_uuid is not None
+        self.log = Log(io, self.seg_dir, self.store_uuid, active=scan.active, tail=scan.tail,
+                       next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
+                       sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio)
+        self.log.on_discard = self._on_discard
+
+    def _create_store(self) -> None:
+        io = self.io
+        uuid = seglib.new_store_uuid()
+        if not os.path.isdir(self.seg_dir):
+            io.mkdir(self.seg_dir)
+        Log.create_segment(io, self.seg_dir, uuid, 1, 1, sync=True)
+        io.fsync_dir(self.path)
+        idx = Index.open(os.path.join(self.path, fmt.INDEX_DIR), writable=True, map_size=self.options.index_map_size)
+        try:
+            idx.initialise(uuid)
+        finally:
+            idx.close()
+        io.fsync_dir(self.path)
+
+    def _rebuild(self, why: str) -> None:
+        t0 = time.perf_counter()
+        scan = recovery.rebuild_index(self.io, self.path, repair=False)
+        self.recovery.update({"rebuilt_index": why, "rebuild_seconds": time.perf_counter() - t0,
+                              "rebuild_bytes_scanned": scan.bytes_scanned})
+        self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
+        self.recovery.setdefault("removed_segments", []).extend(scan.removed_segments)
+
+    def _replay(self) -> recovery.LogScan:
+        """Bring the index up to the end of the log (see recovery.py)."""
+        assert self.index is not None
+        t0 = time.perf_counter()
+        uuid = self.index.store_uuid()
+        version = self.index.format_version()
+        if uuid is None or version is None:
+            raise CorruptionError("index has no store identity", path=self.index.path)
+        if version[0] != fmt.FORMAT_MAJOR:
+            raise FormatVersionError(f"index written by format {version[0]}.{version[1]}", path=self.index.path)
+        self.store_uuid = uuid
+        applied = self.index.applied()
+        try:
+            if not recovery.check_applied(self.io, self.path, applied):
+                raise recovery.IndexAhead("the index's applied position is not in the log")
+            scan = recovery.scan_log(self.io, self.path, uuid, applied, writable=not self.readonly, repair=False)
+        except recovery.IndexAhead as e:
+            if self.readonly:
+                raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
+                                      hint="open the store writable (or run `tierstore recover PATH`) "
+                                           "to rebuild the index") from None
+            self.index.close()
+            self.index = None
+            self._rebuild(e.message)
+            self.index = Index.open(os.path.join(self.path, fmt.INDEX_DIR), writable=True,
+                                    map_size=self.options.index_map_size)
+            applied = self.index.applied()
+            scan = recovery.scan_log(self.io, self.path, uuid, applied, writable=True, repair=False)
+        self.recovery.update({"replayed_records": len(scan.ops), "replay_seconds": time.perf_counter() - t0})
+        self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
+        self.recovery.setdefault("removed_segments", []).extend(scan.removed_segments)
+        return scan
+
+    def _drop_dead_segments(self, keep: int) -> None:
+        """Unlink segments a finished compaction marked dead (a crash may have left them)."""
+        assert self.index is not None
+        dead = [s for s, (_, state) in self.index.segment_stats().items() if state == 1 and s != keep]
+        for seg in dead:
+            path = self.files.path(seg)
+            if os.path.exists(path):
+                self.io.unlink(path)
+        if dead:
+            self.io.fsync_dir(self.seg_dir)
+            self.index.forget_segments(dead)
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Make every write durable and visible, then release everything.  Idempotent."""
+        if self.closed:
+            return
+        try:
+            if self.log is not None and self.log.poisoned is None and self._committer_error is None:
+                self.commit(force=True, sync=True)
+        finally:
+            self.closed = True
+            self._teardown()
+
+    def _teardown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._committer is not None and self._committer is not threading.current_thread():
+            self._committer.join()
+        if self.log is not None:
+            self.log.close()
+        self.files.close_all()
+        self.executor.shutdown(wait=True)
+        if self.index is not None:
+            self.index.close()
+        if self._lock_fd >= 0:
+            self.io.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd = -1
+
+    def check_writable(self) -> Log:
+        """The log, if this engine may write now; else why not (ReadOnlyError, the committer's
+        error, or the log's poisoning)."""
+        if self.readonly or self.log is None:
+            raise ReadOnlyError("the store was opened read-only", path=self.path)
+        if self._committer_error is not None:
+            raise self._committer_error
+        self.log.check()
+        return self.log
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def subscribe(self, listener: WriteListener) -> None:
+        """Call ``listener((namespace, key), header or None)`` for every record appended from now
+        on, under the append lock, in LSN order (the cache tiers drop stale copies this way)."""
+        self._listeners.append(listener)
+
+    def append(self, record: rec.EncodedRecord) -> Appended:
+        """Append one record (not yet durable: ``settle``)."""
+        return self.check_writable().append(record, self._on_written)
+
+    def append_group(self, records: Sequence[rec.EncodedRecord]) -> Appended:
+        """Append records as one atomic group (SPEC.md §7.7): after a crash all of them are in
+        the log or none is.  Returns where the last one landed."""
+        return self.check_writable().append_group(records, self._on_written)[-1]
+
+    def settle(self, where: Appended) -> None:
+        """After an append: make it as durable as the store's mode promises ("sync": synced
+        before this returns, sharing one fdatasync with concurrent callers; "group": synced
+        once enough is waiting or by the committer's deadline; "none": never), and wake the
+        committer that applies it to the index."""
+        log = self.check_writable()
+        if self.durability == "sync":
+            log.sync(where)
+            self.counters["syncs"] += 1
+        elif self.durability == "group" and log.unsynced_bytes >= self.options.group_commit_bytes:
+            log.sync()
+            self.counters["syncs"] += 1
+        self._wake_committer()
+
+    def flush(self) -> None:
+        """Make every earlier write durable and visible to other processes (index committed)."""
+        self.check_writable()
+        self.commit(force=True, sync=True)
+
+    def deletion(self, ns: bytes, k: bytes, flags: int) -> list[rec.EncodedRecord]:
+        """The records that delete (ns, k) together with every session reference on it (SPEC.md
+        §5.4), to be appended as one group.  The caller holds ``write_lock``."""
+        out = [rec.encode_delete(ns, k, flags & fmt.FLAG_KEY_STR)]
+        if self.may_have_refs:
+            out += [rec.encode_delete(fmt.REF_NAMESPACE, rec.ref_key(ns, s, k), 0) for s in self.sessions_of(ns, k)]
+        return out
+
+    def _on_written(self, where: Appended, hdr: rec.RecordHeader) -> None:
+        """Runs under the log's append lock, in LSN order."""
+        loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
+        op = Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc)
+        if hdr.namespace == fmt.REF_NAMESPACE:
+            self._refs_seen = True
+        for listener in self._listeners:
+            listener((hdr.namespace, hdr.key), hdr if loc is not None else None)
+        with self._pending_lock:
+            self._mem[(op.namespace, op.key)] = op
+            self._pending.append(op)
+            if self._oldest_pending is None:
+                self._oldest_pending = time.monotonic()
+
+    def _on_discard(self, first_lsn: int) -> None:
+        """The log took back records from ``first_lsn`` on (a failed write): forget them."""
+        with self._pending_lock:
+            dropped = {(op.namespace, op.key) for op in self._pending if op.lsn >= first_lsn}
+            self._pending = [op for op in self._pending if op.lsn < first_lsn]
+            for k in dropped:
+                older = [op for op in self._pending if (op.namespace, op.key) == k]
+                if older:
+                    self._mem[k] = older[-1]
+                else:
+                    self._mem.pop(k, None)
+
+    # -- the committer ------------------------------------------------------------------------
+
+    def _wake_committer(self) -> None:
+        if self._committer is None:
+            with self._cv:
+                if self._committer is None and not self._stopping:
+                    self._committer = threading.Thread(target=self._committer_loop, name="tierstore-committer",
+                                                       daemon=True)
+                    self._committer.start()
+        if len(self._pending) >= self.options.index_batch:
+            with self._cv:
+                self._cv.notify()
+
+    def _committer_loop(self) -> None:
+        tick = min(self.options.group_commit_ms if self.durability == "group" else self.options.index_commit_ms,
+                   self.options.index_commit_ms) / 1000.0
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                self._cv.wait(timeout=max(tick, 0.001))
+                if self._stopping:
+                    return
+            try:
+                self.commit(force=False, sync=False)
+            except BaseException as e:  # surfaced to the next caller; the engine stops writing
+                self._committer_error = e
+                return
+
+    def commit(self, *, force: bool, sync: bool) -> None:
+        """Sync the log if due (or ``sync``), then apply durable pending records to the index
+        (all of them with ``force``, else only once a batch is due)."""
+        log = self.log
+        if log is None or self.index is None:
+            return
+        with self._commit_lock:
+            now = time.monotonic()
+            due_sync = self.durability == "group" and log.oldest_unsynced is not None and (
+                now - log.oldest_unsynced >= self.options.group_commit_ms / 1000.0)
+            if sync or due_sync:
+                log.sync()
+                self.counters["syncs"] += 1
+            elif self.durability == "none":
+                log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
+            limit = log.written_lsn if self.durability == "none" else log.durable_lsn
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                old = self._oldest_pending or now
+                if not (force or len(self._pending) >= self.options.index_batch
+                        or now - old >= self.options.index_commit_ms / 1000.0):
+                    return
+                n = 0
+                while n < len(self._pending) and self._pending[n].lsn <= limit:
+                    n += 1
+                batch = self._pending[:n]
+            if not batch:
+                return
+            last = batch[-1]
+            self.index.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len),
+                             durable=sync)
+            self.counters["index_commits"] += 1
+            with self._pending_lock:
+                del self._pending[:n]
+                self._oldest_pending = time.monotonic() if self._pending else None
+                for op in batch:
+                    k = (op.namespace, op.key)
+                    m = self._mem.get(k)
+                    if m is not None and m.lsn <= last.lsn:
+                        del self._mem[k]
+
+    # -- looking up ---------------------------------------------------------------------------
+
+    def lookup(self, ns: bytes, k: bytes) -> Location | None:
+        """The newest location of a key, or None.  Memtable first, then an index snapshot."""
+        assert self.index is not None
+        m = self._mem.get((ns, k))
+        if m is None:  # nothing unapplied for this key: the index holds its newest record
+            return self.index.lookup(ns, k)
+        with self.index.read() as view:
+            if m.lsn > view.applied().lsn:
+                return m.location  # None for a delete
+            return view.get(ns, k)
+
+    def _memtable(self, ns: bytes, prefix: bytes = b"") -> dict[bytes, Op]:
+        """Unapplied records of namespace ``ns`` whose key starts with ``prefix``.  Take it
+        *before* the index snapshot (as ``lookup`` does): the committer deletes entries once
+        applied, so an entry missing here is in any snapshot taken after."""
+        with self._pending_lock:
+            return {k: m for (n, k), m in self._mem.items() if n == ns and k.startswith(prefix)}
+
+    def keys(self, ns: bytes) -> dict[bytes, int]:
+        """key -> flags of every object in namespace ``ns``."""
+        assert self.index is not None
+        mem = self._memtable(ns)
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            out: dict[bytes, int] = {k: flags for k, flags in view.keys(ns)}
+        for k, m in mem.items():
+            if m.lsn > applied:
+                if m.location is None:
+                    out.pop(k, None)
+                else:
+                    out[k] = m.location.header.flags
+        return out
+
+    def namespaces(self) -> list[bytes]:
+        """Names of the namespaces holding at least one object (reserved ones left out), sorted."""
+        assert self.index is not None
+        with self.index.read() as view:
+            names = set(view.namespaces())
+        with self._pending_lock:
+            pending = list(self._mem.items())
+        for (ns, _), m in pending:
+            if m.location is not None and not ns.startswith(b"\x00"):
+                names.add(ns)
+        return sorted(n for n in names if self.keys(n))
+
+    def prefix_run(self, ns: bytes, keys: Iterable[bytes]) -> int:
+        """How many leading ``keys`` exist in ``ns``: one index get per key up to the first miss."""
+        assert self.index is not None
+        mem = self._memtable(ns)  # before the snapshot (see _memtable)
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            pending = {k: m.location is not None for k, m in mem.items() if m.lsn > applied}
+            return view.prefix_run(ns, keys, pending)
+
+    @property
+    def may_have_refs(self) -> bool:
+        """Whether session references must be consulted: the store holds (or held) some, or this
+        handle is read-only and another process may be adding them."""
+        return self._refs_seen or self.readonly
+
+    def sessions_of(self, ns: bytes, k: bytes) -> list[bytes]:
+        """Sessions holding a reference on (ns, k) (SPEC.md §5.4): the index, then the memtable."""
+        assert self.index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            sessions = set(view.sessions_of(ns, k))
+        for rk, m in pending.items():
+            if m.lsn <= applied:
+                continue
+            parsed = rec.parse_ref_key(rk)
+            if parsed is not None and rk == rec.ref_key(ns, parsed[1], k):
+                (sessions.add if m.location is not None else sessions.discard)(parsed[1])
+        return sorted(sessions)
+
+    def session_refs(self, ns: bytes, sess: bytes) -> dict[bytes, bytes]:
+        """ref key -> target key of every reference session ``sess`` holds in ``ns``."""
+        assert self.index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns, sess))
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            refs = dict(view.session_refs(ns, sess))
+        for rk, m in pending.items():
+            parsed = rec.parse_ref_key(rk)
+            if m.lsn <= applied or parsed is None or parsed[1] != sess:
+                continue
+            if m.location is not None:
+                refs[rk] = m.location.header.meta["key"]
+            else:
+                refs.pop(rk, None)
+        return refs
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def reader(self, loc: Location, where: dict[str, Any]) -> SegmentReader:
+        """An ExtentReader over the record at ``loc``; ``where`` names it in errors."""
+        return SegmentReader(self, loc, where)
+
+    @contextmanager
+    def hold_segment(self, seg: int) -> Iterator[tuple[int, int]]:
+        """(fd, O_DIRECT fd or -1) of a segment, kept open for the block even if compaction
+        retires it meanwhile; FileNotFoundError if it is already gone."""
+        fds = self.files.acquire(seg)
+        try:
+            yield fds
+        finally:
+            self.files.release(seg)
+
+    def segment_path(self, seg: int) -> str:
+        return self.files.path(seg)
+
+    def segments(self) -> list[int]:
+        """Ids of the segment files, ascending."""
+        return seglib.list_segments(self.io, self.seg_dir)
+
+    # -- segments' lifecycle (compaction) -----------------------------------------------------
+
+    def seal_active(self, min_bytes: int) -> int:
+        """Roll the log over to a fresh segment if the active one holds at least ``min_bytes``;
+        returns the active segment's id afterwards (every older segment is sealed)."""
+        log = self.check_writable()
+        with self.write_lock:
+            return log.seal_if(min_bytes)
+
+    def retire_segments(self, segs: Sequence[int]) -> None:
+        """Segments the index no longer points into: mark them dead (durable), unlink them, and
+        forget them.  A crash in between leaves dead segments that the next open unlinks."""
+        assert self.index is not None
+        self.index.mark_dead(segs)
+        for seg in segs:
+            self.io.unlink(self.files.path(seg))
+            self.files.retire(seg)
+        self.io.fsync_dir(self.seg_dir)
+        self.index.forget_segments(segs)
+
+    # -- figures ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The log's and the index's figures (applies what is durable first, so they are current)."""
+        assert self.index is not None
+        if self.log is not None and self.log.poisoned is None:
+            self.commit(force=True, sync=False)
+        segs = self.index.segment_stats()
+        seg_ids = self.segments()
+        sizes = {s: os.path.getsize(self.files.path(s)) for s in seg_ids}
+        dead = sum(segs.get(s, (0, 0))[0] for s in seg_ids)
+        total = sum(sizes.values())
+        with self._pending_lock:
+            pending = len(self._pending)
+        log = self.log
+        return {
+            "objects_indexed": self.index.count(),
+            "session_refs_indexed": self.index.ref_count(),
+            "pending_index_records": pending,
+            "segments": len(seg_ids),
+            "segment_bytes": total,
+            "live_bytes": total - dead,  # segment bytes not superseded (headers and padding included)
+            "dead_bytes": dead,  # overwritten and deleted objects' records, and DELETE records
+            "applied_lsn": self.index.applied().lsn,
+            "next_lsn": log.next_lsn if log else None,
+            "durable_lsn": log.durable_lsn if log else None,
+        }

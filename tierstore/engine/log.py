@@ -1,0 +1,416 @@
+"""The log writer (SPEC.md §7): LSNs, appends, padding (§4.2), group-commit sync, rollover to a new segment.
+
+It owns the active segment's write descriptors and the durable / written positions.  It never
+reads records back, never touches the index and never decides what is live: the engine hands
+it records and is told, under the append lock, where each landed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from ..errors import StoreIOError
+from ..format import constants as fmt
+from ..format import record as rec
+from .fileio import PAGE, DirectIO, PosixIO, io_error, write_all, write_all_parallel
+from .segment import aligned_buffer, new_segment_header, segment_name
+
+
+class Appended(NamedTuple):
+    """Where an appended record landed."""
+
+    segment: int
+    offset: int
+    lsn: int
+    end: int
+
+
+class Log:
+    """The writer side of the segment log: LSNs, appends, padding, group-commit sync, rollover.
+
+    Thread-safe.  ``append`` runs ``on_written`` under the append lock, so callers can keep
+    in-memory state in LSN order.  Small records are gathered in a write buffer and reach
+    the OS together (``flush_buffer``; every ``sync`` flushes first); large ones are written
+    straight from the caller's buffers.  A failed write of buffered records or a failed
+    fdatasync poisons the log: every later write raises (the kernel may have dropped the
+    dirty pages; retrying would lie).
+    """
+
+    SMALL_RECORD = 64 << 10  # records up to this size are buffered
+    BUFFER_BYTES = 1 << 20  # the buffer is written out when it grows past this
+    DIRECT_MIN = 4 << 20  # with sync/group durability, records this large are written with O_DIRECT
+    BOUNCE_BYTES = 8 << 20  # O_DIRECT writes go through three page-aligned buffers of this size
+
+    def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
+                 segment_bytes: int, sync_enabled: bool, executor: Any = None, dio: DirectIO | None = None) -> None:
+        self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
+        self.executor = executor
+        self.dio = dio or DirectIO()
+        self.dfd: int | None = None  # O_DIRECT descriptor of the active segment, opened on first use
+        self._bounce: list[memoryview] = []
+        self.segment_bytes = segment_bytes
+        self.sync_enabled = sync_enabled
+        self.append_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self.active = active
+        self.tail = tail  # end of the log, buffered bytes included
+        self.next_lsn = next_lsn
+        self.fd = io.open(self._path(active), os.O_RDWR)
+        self._buf = bytearray()  # bytes [tail - len(_buf), tail) of the active segment, not yet written
+        self.written = (active, tail)  # the OS holds every byte before this position
+        self.written_lsn = next_lsn - 1
+        self.durable = (active, tail)  # every byte before this position is synced
+        self.durable_lsn = next_lsn - 1
+        self.unsynced_bytes = 0
+        self.oldest_unsynced: float | None = None
+        self.poisoned: BaseException | None = None
+        self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
+        self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
+        self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
+        if tail % fmt.PAGE:
+            self.sync()  # start on a page boundary: never write into a page holding recovered records
+
+    def _path(self, seg_id: int) -> str:
+        return os.path.join(self.seg_dir, segment_name(seg_id))
+
+    def check(self) -> None:
+        if self.poisoned is not None:
+            raise StoreIOError(f"the store handle is poisoned by an earlier I/O failure: {self.poisoned}",
+                               poisoned=True, errno=getattr(self.poisoned, "errno", None))
+
+    @staticmethod
+    def create_segment(io: PosixIO, seg_dir: str, store_uuid: bytes, seg_id: int, base_lsn: int, sync: bool) -> None:
+        """Create a segment file holding only its header: write, fdatasync, fsync the directory."""
+        path = os.path.join(seg_dir, segment_name(seg_id))
+        fd = io.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(io, fd, [new_segment_header(store_uuid, seg_id, base_lsn).encode()], 0)
+            if sync:
+                io.fdatasync(fd)
+        except BaseException:
+            io.close(fd)
+            try:
+                io.unlink(path)  # nothing was appended to it: take it back so a retry can create it
+            except OSError:
+                pass  # recovery removes a segment whose header never became durable
+            raise
+        io.close(fd)
+        if sync:
+            io.fsync_dir(seg_dir)
+
+    # -- appending ------------------------------------------------------------------------
+
+    def _pad_iov(self, start: int, target: int) -> list[bytes]:
+        """Bytes that take the log from ``start`` to ``target``: a PAD record, or zeros when the
+        gap is a page-end gap shorter than a record header (SPEC.md §4.2)."""
+        gap = target - start
+        if gap == 0:
+            return []
+        if gap < fmt.MIN_RECORD_GAP:
+            return [bytes(gap)]
+        return [rec.encode_pad(gap)]
+
+    def _start_for(self, align_log2: int, p: int | None = None) -> int:
+        p = self.tail if p is None else p
+        page_end = rec.align_up(p, fmt.PAGE)
+        if p % fmt.PAGE and page_end - p < fmt.MIN_RECORD_GAP:
+            p = page_end
+        return rec.align_up(p, 1 << align_log2)
+
+    def append(self, record: rec.EncodedRecord,
+               on_written: Callable[[Appended, rec.RecordHeader], None] | None = None) -> Appended:
+        """Stamp the next LSN on ``record`` and write it (or buffer it, if small).
+
+        Not durable until ``sync``.  ``on_written(where, header)`` runs under the append lock.
+        """
+        with self.append_lock:
+            if self.poisoned is not None:
+                self.check()
+            record_len = record.header.record_len
+            start = self._start_for(record.header.align_log2)
+            if start + record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+                self._rollover()
+                start = self._start_for(record.header.align_log2)
+            lsn = self.next_lsn
+            header = record.header.stamped(lsn)
+            end = start + record_len
+            new_tail = (end + 7) & ~7  # the tail stays 8-aligned: no holes
+            if new_tail - self.tail <= self.SMALL_RECORD:
+                buf = self._buf
+                if start > self.tail:
+                    buf += self._pad_iov(self.tail, start)[0]
+                for b in record.iovecs(header):
+                    buf += b
+                if new_tail > end:
+                    buf += rec.zeros(new_tail - end)
+                self._advance(new_tail, lsn, buffered=True)
+                if len(buf) >= self.BUFFER_BYTES:
+                    self._flush_buffer()
+            else:
+                self._flush_buffer()
+                try:
+                    if self._direct_ok(start, record_len):
+                        write_all(self.io, self.fd, self._pad_iov(self.tail, start), self.tail)
+                        self._write_direct(record.iovecs(header), start)
+                    else:
+                        iov = self._pad_iov(self.tail, start) + record.iovecs(header) + [rec.zeros(new_tail - end)]
+                        write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
+                except OSError as e:
+                    self._undo_partial_write()
+                    raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+                self._advance(new_tail, lsn, buffered=False)
+            where = Appended(self.active, start, lsn, end)
+            if on_written is not None:
+                on_written(where, header)
+            return where
+
+    def append_group(self, records: Sequence[rec.EncodedRecord],
+                     on_written: Callable[[Appended, rec.RecordHeader], None] | None = None) -> list[Appended]:
+        """Append ``records`` as one atomic group (SPEC.md §7.7): a GROUP record naming their
+        count, then the records, contiguous in one segment and handed to the OS in one write,
+        so that they become durable together and recovery applies all of them or none.
+
+        A failed write takes the whole group back.  ``on_written`` runs for each record (not
+        for the GROUP record) under the append lock.  One record is a plain ``append``.
+        """
+        if len(records) == 1:
+            return [self.append(records[0], on_written)]
+        group = [rec.encode_group(len(records)), *records]
+        with self.append_lock:
+            if self.poisoned is not None:
+                self.check()
+            if self._group_end(group, self.tail) > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+                self._rollover()
+            pos, lsn = self.tail, self.next_lsn
+            iov: list[memoryview | bytes] = []
+            placed: list[tuple[Appended, rec.RecordHeader]] = []
+            for r in group:
+                start = self._start_for(r.header.align_log2, pos)
+                header = r.header.stamped(lsn)
+                end = start + r.header.record_len
+                new_pos = (end + 7) & ~7
+                iov += self._pad_iov(pos, start) + r.iovecs(header) + ([rec.zeros(new_pos - end)] if new_pos > end
+                                                                          else [])
+                placed.append((Appended(self.active, start, lsn, end), header))
+                pos, lsn = new_pos, lsn + 1
+            if pos - self.tail <= self.SMALL_RECORD:
+                for b in iov:
+                    self._buf += b
+                self._advance(pos, lsn - 1, buffered=True)
+                if len(self._buf) >= self.BUFFER_BYTES:
+                    self._flush_buffer()
+            else:
+                self._flush_buffer()
+                try:
+                    write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
+                except OSError as e:
+                    self._undo_partial_write()  # the file is cut where the group began
+                    raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+                self._advance(pos, lsn - 1, buffered=False)
+            if on_written is not None:
+                for where, header in placed[1:]:
+                    on_written(where, header)
+            return [where for where, _ in placed[1:]]
+
+    def _group_end(self, group: Sequence[rec.EncodedRecord], pos: int) -> int:
+        for r in group:
+            pos = self._start_for(r.header.align_log2, pos) + r.header.record_len
+        return pos
+
+    def _direct_ok(self, start: int, record_len: int) -> bool:
+        return (self.sync_enabled and record_len >= self.DIRECT_MIN and start % PAGE == 0
+                and self.dio.direct and self._dfd() >= 0)
+
+    def _dfd(self) -> int:
+        """The O_DIRECT write descriptor of the active segment (-1 when unsupported)."""
+        if self.dfd is None:
+            self.dfd = self.dio.open_direct(self.io, self._path(self.active), os.O_WRONLY)
+        return self.dfd
+
+    def _write_direct(self, iov: list[memoryview | bytes], start: int) -> None:
+        """Write a record with O_DIRECT, through page-aligned bounce buffers (caller holds
+        append_lock).  Copying chunk k+1 overlaps the device writing chunk k; the last page is
+        zero-filled (those bytes are padding).  Not durable until ``sync``: the page cache is
+        bypassed, but the device's own cache still needs the fdatasync.
+        """
+        total = sum(memoryview(b).nbytes for b in iov)
+        size = rec.align_up(total, PAGE)
+        if not self._bounce:
+            self._bounce = [memoryview(aligned_buffer(self.BOUNCE_BYTES)) for _ in range(3)]
+        pieces = [memoryview(b).cast("B") for b in iov]
+        futures: list[Any] = []
+        for k, pos in enumerate(range(0, size, self.BOUNCE_BYTES)):
+            n = min(self.BOUNCE_BYTES, size - pos)
+            buf = self._bounce[k % 3]
+            if len(futures) >= 3:
+                futures[-3].result()  # that buffer's write is done: reuse it
+            filled = 0
+            while pieces and filled < n:
+                take = min(n - filled, pieces[0].nbytes)
+                buf[filled : filled + take] = pieces[0][:take]
+                filled += take
+                pieces[0] = pieces[0][take:]
+                if not pieces[0].nbytes:
+                    pieces.pop(0)
+            if filled < n:
+                buf[filled:n] = bytes(n - filled)
+            if self.executor is None:
+                write_all(self.io, self.dfd, [buf[:n]], start + pos)
+            else:
+                futures.append(self.executor.submit(write_all, self.io, self.dfd, [buf[:n]], start + pos))
+        error = None
+        for f in futures:  # wait for every write before the buffers can be reused or returned
+            e = f.exception()
+            error = error or e
+        if error is not None:
+            if isinstance(error, OSError) and self.dio.unsupported(error):
+                self.dio.direct = False  # the file system refuses O_DIRECT writes: buffered from now on
+                write_all(self.io, self.fd, iov, start)
+                return
+            raise error
+
+    def _advance(self, new_tail: int, lsn: int, *, buffered: bool) -> None:
+        self.next_lsn = lsn + 1
+        self.unsynced_bytes += new_tail - self.tail
+        self.tail = new_tail
+        if not buffered:
+            self.written = (self.active, new_tail)
+            self.written_lsn = lsn
+        if self.oldest_unsynced is None:
+            self.oldest_unsynced = time.monotonic()
+
+    def _flush_buffer(self) -> None:
+        """Write the buffered records (caller holds append_lock).
+
+        On failure the buffered records are taken back: the file is cut where the buffer
+        began, their LSNs are reused, and ``on_discard(first_lsn)`` tells the owner to forget
+        them.  None of them was durable, so no acknowledged write is lost.  If the cut itself
+        fails the log is poisoned.
+        """
+        if not self._buf:
+            return
+        start = self.tail - len(self._buf)
+        try:
+            write_all(self.io, self.fd, [self._buf], start)
+        except OSError as e:
+            first = self.written_lsn + 1
+            self._buf = bytearray()
+            self.tail = start
+            self.next_lsn = first
+            self.unsynced_bytes = 0
+            self._undo_partial_write()
+            if self.on_discard is not None:
+                self.on_discard(first)
+            raise io_error(e, "write to segment", path=self._path(self.active), segment=self.active) from None
+        self._buf = bytearray()
+        self.written = (self.active, self.tail)
+        self.written_lsn = self.next_lsn - 1
+
+    def flush_buffer(self) -> None:
+        """Hand every appended record to the OS (no fsync)."""
+        with self.append_lock:
+            self._flush_buffer()
+
+    def _undo_partial_write(self) -> None:
+        """Cut what a failed write may have left past the tail; poison the log if that fails."""
+        try:
+            self.io.ftruncate(self.fd, self.tail)
+        except OSError as e:
+            self.poisoned = e
+
+    def seal_if(self, min_tail: int) -> int:
+        """Roll over if the active segment's tail is at least ``min_tail``; the active id after."""
+        with self.append_lock:
+            if self.tail >= min_tail:
+                self._rollover()
+            return self.active
+
+    def _rollover(self) -> None:
+        """Seal the active segment and start the next one (caller holds append_lock).
+
+        The sealed segment is synced first (unless durability is "none", where the next
+        ``sync`` does it), so a sealed segment never has a torn tail.
+        """
+        self._pad_to_page()
+        self._flush_buffer()
+        if self.sync_enabled:
+            self._fdatasync(self.fd)
+        else:
+            self._sealed_unsynced.append(self.fd)
+        new_id = self.active + 1
+        try:
+            self.create_segment(self.io, self.seg_dir, self.store_uuid, new_id, self.next_lsn, self.sync_enabled)
+            fd = self.io.open(self._path(new_id), os.O_RDWR)
+        except OSError as e:
+            raise io_error(e, "create segment", path=self._path(new_id), segment=new_id) from None
+        if self.fd not in self._sealed_unsynced:
+            self._to_close.append(self.fd)  # a concurrent sync() may still be using it
+        if self.dfd is not None and self.dfd >= 0:
+            self.io.close(self.dfd)  # only appends use it, and they hold append_lock
+        self.dfd = None
+        if self.sync_enabled:
+            self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
+            self.durable_lsn = self.next_lsn - 1
+            self.unsynced_bytes = 0
+            self.oldest_unsynced = None
+        self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
+        self.written = (new_id, self.tail)
+
+    # -- syncing ----------------------------------------------------------------------------
+
+    def _pad_to_page(self) -> None:
+        """Append padding up to the next page boundary (caller holds append_lock)."""
+        if self.tail % fmt.PAGE:
+            target = rec.align_up(self.tail, fmt.PAGE)
+            for b in self._pad_iov(self.tail, target):
+                self._buf += b
+            self.tail = target
+
+    def _fdatasync(self, fd: int) -> None:
+        try:
+            self.io.fdatasync(fd)
+        except OSError as e:
+            self.poisoned = e
+            raise StoreIOError(f"fdatasync failed: {e.strerror or e}; the handle is now poisoned",
+                               errno=e.errno, poisoned=True, segment=self.active) from None
+
+    def sync(self, upto: Appended | None = None) -> None:
+        """Make every record appended so far (or at least up to ``upto``) durable.
+
+        Group commit: a thread that finds its record already covered by another thread's
+        fdatasync returns at once; otherwise it pads the tail to a page boundary (so no later
+        write touches a synced page), writes the buffer, and issues one fdatasync for
+        everything appended.
+        """
+        with self._sync_lock:
+            self.check()
+            if upto is not None and (upto.segment, upto.end) <= self.durable:
+                return
+            with self.append_lock:
+                self.check()
+                self._pad_to_page()
+                self._flush_buffer()
+                fd, pos, lsn = self.fd, (self.active, self.tail), self.next_lsn - 1
+                sealed, self._sealed_unsynced = self._sealed_unsynced, []
+                to_close, self._to_close = self._to_close, []
+                self.unsynced_bytes = 0
+                self.oldest_unsynced = None
+            for old in sealed:  # older segments first: the log stays a prefix on disk
+                self._fdatasync(old)
+            self._fdatasync(fd)  # outside append_lock: appends continue during the sync
+            for old in sealed + to_close:
+                self.io.close(old)
+            self.durable = max(self.durable, pos)
+            self.durable_lsn = max(self.durable_lsn, lsn)
+
+    def close(self) -> None:
+        with self._sync_lock, self.append_lock:
+            for fd in self._sealed_unsynced + self._to_close + ([self.fd] if self.fd >= 0 else []):
+                self.io.close(fd)
+            if self.dfd is not None and self.dfd >= 0:
+                self.io.close(self.dfd)
+            self._sealed_unsynced, self._to_close, self.fd, self.dfd = [], [], -1, None

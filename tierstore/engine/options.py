@@ -1,0 +1,76 @@
+"""Options of ``tierstore.open``: sizes parsed, every knob checked, before anything is opened.
+
+Pure: parsing and checking only.  The engine reads the log and index knobs, the handle the
+rest (``vector_extent_bytes``); the cache tiers' options are the tiers' own (tiers/config.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidObject
+from ..format import constants as fmt
+from .segment import DIRECT_READS
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes from an int or a string like "16GiB", "512MB", "4096"."""
+    if isinstance(value, bool):
+        raise InvalidObject(f"{name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
+        power = "BKMGT".index(unit[0]) if unit != "B" else 0
+        n = int(float(m.group(1)) * base**power)
+    else:
+        raise InvalidObject(f"{name} must be an int or a size string like '16GiB', got {value!r}")
+    if n <= 0:
+        raise InvalidObject(f"{name} must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class Options:
+    """Tuning knobs of ``tierstore.open`` (all optional).  Sizes take ints or "64MiB" strings."""
+
+    segment_bytes: int = 1 << 30  # roll over to a new segment past this size
+    group_commit_ms: float = 10.0  # durability="group": sync at most this long after a put
+    group_commit_bytes: int = 64 << 20  # durability="group": or once this much is unsynced
+    index_commit_ms: float = 50.0  # apply the index at most this long after a durable record
+    index_batch: int = 1024  # or once this many records are waiting
+    lock_timeout: float = 60.0  # seconds to wait for another writer to close
+    vector_extent_bytes: int = 64 << 10  # target extent size of a vector row range
+    index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
+    direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidObject(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        vals: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            if k.endswith("_bytes") or k == "index_map_size":
+                vals[k] = parse_size(v, k)
+            elif k == "direct_reads":
+                if v not in DIRECT_READS:
+                    raise InvalidObject(f"{k} must be one of {', '.join(DIRECT_READS)}, got {v!r}")
+                vals[k] = v
+            elif k in ("index_batch",):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise InvalidObject(f"{k} must be a positive int, got {v!r}")
+                vals[k] = v
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise InvalidObject(f"{k} must be a non-negative number, got {v!r}")
+                vals[k] = float(v)
+        if vals.get("segment_bytes", cls.segment_bytes) < 2 * fmt.PAGE:
+            raise InvalidObject("segment_bytes must be at least 8 KiB")
+        return cls(**vals)

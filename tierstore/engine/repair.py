@@ -1,0 +1,296 @@
+"""The offline tools over a store directory: ``recover`` (verify every record, quarantine damage, rebuild
+the index) and ``check_store`` (fsck: index and log checked against each other, every live checksum).
+
+``check_store`` never changes a byte.  ``recover`` works under the writer lock and never deletes
+user data (damaged bytes go to quarantine/).  Both are given paths or an Engine; the scanning
+itself is recovery.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb.verify
+
+from ..errors import CorruptionError, StoreNotFound, TierstoreError
+from ..format import constants as fmt
+from ..format import record as rec
+from . import segment as seglib
+from .engine import Engine
+from .fileio import PosixIO
+from .index import Applied, Index, Location, decode_location
+from .lock import acquire_writer_lock
+from .options import Options
+from .recovery import rebuild_index
+
+
+def verify_lmdb(path: str) -> list[str]:
+    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
+    try:
+        return list(lmdb.verify.verify(path))
+    except lmdb.verify.VerifyError as e:
+        return [str(e)]
+
+
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
+    """The old index's view -- {(namespace, key): LSN} and its applied LSN -- when the index is
+    there and passes LMDB's offline verifier; None otherwise."""
+    path = os.path.join(root, fmt.INDEX_DIR)
+    if not Index.exists(path) or verify_lmdb(path):
+        return None
+    try:
+        idx = Index.open(path, writable=False)
+    except TierstoreError:
+        return None
+    try:
+        with idx.read() as view:
+            applied = view.applied().lsn
+            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied
+    except TierstoreError:
+        return None
+    finally:
+        idx.close()
+
+
+def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """``tierstore recover``: under the writer lock, scan every segment verifying every
+    checksum, cut a torn tail, quarantine damaged records (hiding their keys, so that older
+    versions do not come back in their place) and damaged segment headers (rewritten), and
+    rebuild the index from what remains.  Nothing is deleted: damaged bytes go to quarantine/.
+
+    When the previous index is readable, it is a second witness: a key it did not hold (or
+    held at a newer LSN) whose rebuilt version is older than what it had applied lost the
+    record that deleted or replaced it, and is deleted rather than brought back."""
+    io = io or PosixIO()
+    root = os.path.abspath(path)
+    if not os.path.isdir(os.path.join(root, fmt.SEGMENTS_DIR)):
+        raise StoreNotFound(f"no store at {root}", path=root)
+    lock = acquire_writer_lock(io, root, lock_timeout)
+    t0 = time.perf_counter()
+    try:
+        previous = _previous_index(root)
+        scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress)
+        leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
+        if os.path.exists(leftover):
+            shutil.rmtree(leftover)
+    finally:
+        io.close(lock)
+    stale: list[tuple[bytes, bytes]] = []
+    if previous is not None and scan.damage:
+        known, applied = previous
+        idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
+        try:
+            with idx.read() as view:
+                for ns, key, loc in view.items():
+                    was = known.get((ns, key))
+                    if loc.header.lsn <= applied and (was is None or was > loc.header.lsn):
+                        stale.append((ns, key))
+        finally:
+            idx.close()
+    if stale:
+        engine = Engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
+        try:
+            with engine.write_lock:
+                for ns, key in stale:
+                    loc = engine.lookup(ns, key)
+                    if loc is not None:  # the object goes with its session references, as a delete does
+                        engine.append_group(engine.deletion(ns, key, loc.header.flags))
+            engine.flush()
+        finally:
+            engine.close()
+    seconds = time.perf_counter() - t0
+    return {"path": root, "records": len(scan.ops), "bytes_scanned": scan.bytes_scanned, "seconds": seconds,
+            "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
+            "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
+            "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": key.decode("utf-8", "replace")}
+                                   for ns, key in stale],
+            "next_lsn": scan.next_lsn}
+
+
+# --- checking (fsck) ---------------------------------------------------------------------------
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" | "warning"
+    what: str
+    segment: int | None = None
+    offset: int | None = None
+    namespace: str | None = None
+    key: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if v is not None}
+        if isinstance(d.get("key"), bytes):
+            d["key"] = "0x" + d["key"].hex()
+        return d
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    objects: int = 0
+    references: int = 0
+    segments: int = 0
+    bytes_verified: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def error(self, what: str, **where: Any) -> None:
+        self.findings.append(Finding("error", what, **where))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "objects": self.objects, "references": self.references, "segments": self.segments,
+                "bytes_verified": self.bytes_verified, "findings": [f.as_dict() for f in self.findings]}
+
+
+def _ns(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def fsck(path: str, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> Report:
+    """``tierstore fsck``: open the store read-only and ``check_store`` it."""
+    engine = Engine(path, create=False, readonly=True)
+    try:
+        assert engine.index is not None
+        return check_store(engine.io, engine.path, engine.index, deep=deep, progress=progress)
+    finally:
+        engine.close()
+
+
+def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
+                progress: Callable[[int], None] | None = None) -> Report:
+    """Check the store at ``root`` against its open ``index`` without changing either.
+
+    Always: both directions (every index entry points at a record with the same header
+    bytes; the newest record of every key in the applied log is what the index holds) and
+    every checksum of every live object.  ``deep`` adds every record of the log (overwritten
+    and deleted ones too) and LMDB's own structural verifier over the index file.
+    """
+    report = Report()
+    seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
+    segs = seglib.list_segments(io, seg_dir)
+    report.segments = len(segs)
+    fds = {seg: io.open(os.path.join(seg_dir, seglib.segment_name(seg)), os.O_RDONLY) for seg in segs}
+    try:
+        if deep:
+            # verify-then-trust: LMDB's offline verifier walks the file in Python first, since
+            # liblmdb itself may crash on a damaged file
+            problems = verify_lmdb(index.path)
+            for problem in problems:
+                report.error(f"index (LMDB): {problem}")
+            if problems:
+                report.error("index failed verification and was not read; `tierstore recover PATH` rebuilds it")
+                return report
+        with index.read() as view:
+            applied = view.applied()
+            indexed = _check_index_to_log(io, view, fds, report, progress)
+            if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
+                report.error(f"the index's refs table holds {view.txn.stat(index.refs)['entries']} entries for "
+                             f"{report.references} references")
+        _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
+        qdir = os.path.join(root, fmt.QUARANTINE_DIR)
+        if os.path.isdir(qdir) and os.listdir(qdir):
+            report.findings.append(Finding("warning", f"quarantine/ holds {len(os.listdir(qdir))} file(s) "
+                                                      "from earlier recoveries"))
+        if os.path.exists(os.path.join(root, fmt.INDEX_DIR + ".rebuild")):
+            report.findings.append(Finding("warning", "an interrupted index rebuild left index.rebuild/ "
+                                                      "(the next recover removes it)"))
+        for seg, (_dead, state) in index.segment_stats().items():
+            if state == 1 and seg in fds:
+                report.findings.append(Finding("warning", "segment marked dead by compaction is still on disk "
+                                                          "(the next writable open deletes it)", segment=seg))
+    finally:
+        for fd in fds.values():
+            io.close(fd)
+    return report
+
+
+def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Report,
+                        progress: Callable[[int], None] | None) -> dict[tuple[bytes, bytes], Location]:
+    indexed: dict[tuple[bytes, bytes], Location] = {}
+    for k, v in view.txn.cursor(db=view.index.objects):
+        ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
+        try:
+            loc = decode_location(v, ns, key)
+        except CorruptionError as e:
+            report.error(f"bad index entry: {e.message}", namespace=_ns(ns), key=key)
+            continue
+        indexed[(ns, key)] = loc
+        if ns == fmt.REF_NAMESPACE:
+            _check_reference(view, key, loc, report)
+        else:
+            report.objects += 1
+        shown = key.decode("utf-8", "replace") if loc.header.key_is_str else key
+        where = {"segment": loc.segment, "offset": loc.offset, "namespace": _ns(ns), "key": shown}
+        fd = fds.get(loc.segment)
+        if fd is None:
+            report.error("index entry points at a missing segment", **where)
+        elif io.pread(fd, loc.header.header_len, loc.offset) != loc.header.raw:
+            report.error("index entry does not match the record in the segment", **where)
+        elif io.size(fd) < loc.offset + loc.header.record_len:
+            report.error("record extends past the end of its segment", **where)
+        else:
+            bad = seglib.verify_extents(io, fd, loc.offset, loc.header)
+            if bad is not None:
+                report.error(f"extent {bad} checksum mismatch", **where)
+            report.bytes_verified += sum(loc.header.extent_lengths)
+            if progress is not None:
+                progress(sum(loc.header.extent_lengths))
+    return indexed
+
+
+def _check_reference(view: Any, key: bytes, loc: Location, report: Report) -> None:
+    """A session reference (SPEC.md §5.4) points at a live object and is in the derived refs table."""
+    report.references += 1
+    ns, session, digest = rec.parse_ref_key(key) or (b"", b"", b"")  # decode_location validated it
+    target = loc.header.meta["key"]
+    where = {"namespace": _ns(ns), "key": target, "segment": loc.segment, "offset": loc.offset}
+    if not view.contains(ns, target):
+        report.error(f"session {_ns(session)!r} holds a reference on a missing object", **where)
+    refs = view.index.refs
+    if refs is None or view.txn.get(bytes((len(ns),)) + ns + digest + session, db=refs) is None:
+        report.error("reference missing from the index's refs table", **where)
+
+
+def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[int, int], applied: Applied,
+                        indexed: dict[tuple[bytes, bytes], Location], report: Report, deep: bool) -> None:
+    newest: dict[tuple[bytes, bytes], tuple[int, int, int]] = {}  # key -> (lsn, segment, offset); -1: deleted
+    for seg in segs:
+        path = os.path.join(seg_dir, seglib.segment_name(seg))
+        try:
+            seglib.read_segment_header(io, fds[seg], path=path, seg_id=seg)
+        except TierstoreError as e:
+            report.error(f"bad segment header: {e.message}", segment=seg, offset=0)
+            continue
+        scanner = seglib.SegmentScanner(io, fds[seg], seg, path=path, verify_payload=deep)
+        for off, hdr in scanner.records():
+            if hdr.lsn > applied.lsn:
+                break
+            if hdr.type == fmt.REC_PUT:
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, seg, off)
+            elif hdr.type == fmt.REC_DELETE:
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, -1, -1)
+        stop = scanner.stop
+        if stop is not None and stop.reason != "end":
+            severity = "error" if stop.valid_after or seg != segs[-1] else "warning"
+            report.findings.append(Finding(severity, f"log damaged ({stop.reason}: {stop.detail})", segment=seg,
+                                           offset=stop.offset))
+    for (ns, key), (lsn, seg, off) in newest.items():
+        loc = indexed.get((ns, key))
+        where = {"namespace": _ns(ns), "key": key}
+        if seg == -1:
+            if loc is not None and loc.header.lsn < lsn:
+                report.error("deleted object is still indexed", **where)
+        elif loc is None:
+            report.error("live record is not indexed", segment=seg, offset=off, **where)
+        elif (loc.segment, loc.offset) != (seg, off) and loc.header.lsn < lsn:
+            report.error("index points at an older version", segment=seg, offset=off, **where)
