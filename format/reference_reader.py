@@ -223,7 +223,7 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
         pos += length
     rec = Record(name, p, rtype, flags, lsn, record_len, kind, align_log2, codec, namespace, key, meta, extents)
     if rtype == PAD:
-        if lsn or kind or ns_len or key_len or meta_len or n_ext:
+        if lsn or kind or ns_len or key_len or meta_len or n_ext or header_len != 48:
             raise FormatError("PAD with content")
     elif rtype == HOLE:
         if kind or ns_len or key_len or n_ext or lsn == 0 or type(meta.get("count")) is not int or meta["count"] < 1:
@@ -245,6 +245,8 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
             raise FormatError("extents do not match the metadata")
         if codec and KINDS.get(kind) not in CODECS[codec][1]:
             raise FormatError("codec does not apply to this kind")
+        if codec >= 3 and meta.get("dtype") not in (1, 2, 3, 4):  # §6: lossy codecs take float data only
+            raise FormatError("lossy codec on a dtype that is not float16/bfloat16/float32/float64")
         if (namespace == REF_NAMESPACE) != (kind == REF_KIND):
             raise FormatError("ref records belong to the reserved namespace, and only they do")
         if kind == REF_KIND:
@@ -318,7 +320,13 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
         with open(os.path.join(seg_dir, name), "rb") as f:
             data = f.read()
         files[name] = data
-        hdr = read_segment_header(data, name)
+        try:
+            hdr = read_segment_header(data, name)
+        except FormatError:
+            # §7.4: the last of several segments, created but never durable (no record follows)
+            if i == len(names) - 1 and i > 0 and data[PAGE : PAGE + 4] != RECORD_MAGIC:
+                break
+            raise
         if uuid is not None and hdr["store_uuid"] != uuid:
             raise FormatError(f"{name}: belongs to another store")
         uuid = hdr["store_uuid"]
@@ -407,12 +415,38 @@ def rans_decode(b: bytes, f: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     return out.reshape(-1)[:n], start + 2 * n_words
 
 
-def unzstd(b: bytes, size: int, dictionary: bytes | None = None) -> bytes:
-    """§6.2: one frame declaring exactly `size` bytes (checked before decompressing)."""
+def zstd_frame_length(b: bytes) -> int:
+    """RFC 8878 §3.1.1: the length of the frame at the start of `b` (header, blocks, checksum)."""
+    import zstandard
+    if b[:4] != b"\x28\xb5\x2f\xfd":
+        raise FormatError("not a zstd frame")
+    p = zstandard.frame_header_size(b)
+    while True:
+        if p + 3 > len(b):
+            raise FormatError("zstd frame cut short")
+        h = int.from_bytes(b[p : p + 3], "little")
+        if (h >> 1) & 3 == 3:
+            raise FormatError("reserved zstd block type")
+        p += 3 + (1 if (h >> 1) & 3 == 1 else h >> 3)
+        if h & 1:
+            break
+    return p + (4 if zstandard.get_frame_parameters(b).has_checksum else 0)
+
+
+def unzstd(b: bytes, size: int | None, dictionary: bytes | None = None, limit: int = 0) -> bytes:
+    """§6.2: exactly one frame (nothing after it) declaring exactly `size` bytes -- or, when `size`
+    is None, whatever it declares up to `limit` -- checked before decompressing."""
     import zstandard
     try:
         declared = zstandard.frame_content_size(b)
-        if declared != size:
+        if zstd_frame_length(b) != len(b):
+            raise FormatError("bytes after the zstd frame")
+        if zstandard.get_frame_parameters(b).dict_id != (0 if dictionary is None else
+                                                        int.from_bytes(dictionary[4:8], "little")):
+            raise FormatError("zstd frame names another dictionary")
+        if size is None:
+            size = declared if 0 <= declared <= limit else -1
+        if declared != size or declared < 0:
             raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
         if dictionary is None:
             dec = zstandard.ZstdDecompressor()
@@ -478,12 +512,16 @@ def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str,
             else:
                 sv = f16_up_down(take(2 * h * t))
             sv = sv.reshape(h, t, 1)
-            table = (lambda q: np.frombuffer(q, np.int8).astype(F32)) if codec == 3 else \
-                (lambda q: E4M3[np.frombuffer(q, np.uint8)])
+            def fp8(q: bytes) -> np.ndarray:
+                c = np.frombuffer(q, np.uint8)
+                if ((c & 0x7F) == 0x7F).any():
+                    raise FormatError("fp8 NaN code (never written)")  # §6.3
+                return E4M3[c]
+            table = (lambda q: np.frombuffer(q, np.int8).astype(F32)) if codec == 3 else fp8
             k = table(take(h * t * d)).reshape(h, t, d) * sk
             v = table(take(h * t * d)).reshape(h, t, d) * sv
         else:
-            bits, g = (4 if codec == 4 else 2), params["group"]
+            bits, g = (4 if codec == 4 else 2), params.get("group", 32)  # §6: group defaults to 32
             gt, gd = -(-t // g), -(-d // g)
             pk = f16_up_down(take(4 * h * d * gt)).reshape(h, d, gt, 2)
             pv = f16_up_down(take(4 * h * t * gd)).reshape(h, t, gd, 2)
@@ -508,6 +546,8 @@ def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str,
             x = np.where(bits == 1, m, -m)
     if b:
         raise FormatError("coded extent too long")
+    if x.size and not np.abs(x).max() <= 66000:  # §6.6 (NaN fails the comparison too)
+        raise FormatError("decoded lossy value out of range")
     return x.astype(np.float32)
 
 
@@ -547,11 +587,7 @@ def decode_extent(r: Record, i: int, b: bytes, dictionary: bytes | None = None) 
         rpe = m["rows_per_extent"]
         shape = (min(rpe, m["shape"][0] - i * rpe), m["shape"][1])
     if "zstd" in params:  # §6.2: the codec's output in a zstd frame (decode_lossy checks its length)
-        import zstandard
-        try:
-            b = zstandard.ZstdDecompressor().decompress(b, max_output_size=logical * 2 + 8 * shape[0] + 4096)
-        except zstandard.ZstdError as e:
-            raise FormatError(f"zstd: {e}") from None
+        b = unzstd(b, None, limit=2 * logical + 8 * shape[0] + 4096)  # the codec's output is shorter
     layer = m["layer_start"] + i if r.kind == 1 else 0
     out = to_stored(decode_lossy(codec, b, shape, params, layer), m["dtype"])
     if len(out) != logical:

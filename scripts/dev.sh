@@ -3,23 +3,38 @@
 #   bash scripts/dev.sh demo     write and read KV caches, vectors and blobs; show timings
 #   bash scripts/dev.sh test     the test suite (what CI runs)
 #   bash scripts/dev.sh bench    the benchmarks (installs the optional peers first)
+# The first run installs into .venv/ (about a minute); later runs skip pip unless pyproject.toml
+# or this script changed (a stamp in .venv/ remembers what was installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job="${1:-test}"
 shift || true
 PY="${PYTHON:-python3}"
+say() { echo "dev.sh: $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv/ with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-# torch is pinned: 2.13.0 is the CPU build this machine has on disk (a bare `torch` would pull a
-# multi-GB CUDA build).  tierstore itself only needs torch>=2.1, as an optional extra.
-"${pip[@]}" "torch==2.13.0" -e ".[dev]"
+stamp=.venv/.tierstore-installed
+want="$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing tierstore (editable) with numpy, lmdb, msgpack, crc32c, zstandard, tqdm, torch 2.13.0 (CPU)"
+  say "and the test tools into .venv/ -- about a minute the first time"
+  # torch is pinned: 2.13.0 is the CPU build this machine has on disk (a bare `torch` would pull a
+  # multi-GB CUDA build).  tierstore itself only needs torch>=2.1, as an optional extra.
+  "${pip[@]}" "torch==2.13.0" -e ".[dev]"
+  echo "$want" > "$stamp"
+  say "installed"
+fi
 case "$job" in
   demo) exec .venv/bin/tierstore demo "$@" ;;
   test) exec .venv/bin/python -m pytest -q "$@" ;;
   bench)
-    "${pip[@]}" -e ".[bench]"
+    if [ ! -f .venv/.tierstore-bench ]; then
+      say "installing the benchmark peers (safetensors, h5py, matplotlib)"
+      "${pip[@]}" -e ".[bench]" && touch .venv/.tierstore-bench
+    fi
     exec .venv/bin/tierstore bench "$@" ;;
   *) echo "usage: bash scripts/dev.sh demo|test|bench [args]" >&2; exit 2 ;;
 esac

@@ -63,6 +63,7 @@ def checked_state(path: str, *, deep: bool = True) -> dict:
 def crash(store) -> None:
     """Abandon a handle like a killed process would: no flush, no index commit."""
     store._closed = True
+    store._finalizer.detach()
     store._tiers.close()
     store._engine.closed = True
     store._engine._teardown()

@@ -69,7 +69,7 @@ def test_output_into_a_closed_pipe_stops_quietly(store_path):
             s.put(f"a-rather-long-key-name-so-the-listing-is-large-{i:06d}", Blob(b"x"))
     proc = subprocess.Popen([sys.executable, "-m", "tierstore", "ls", store_path],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdout.readline().startswith(b"default\t")
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"NAMESPACE")
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and err == b"", err
@@ -98,7 +98,60 @@ def test_cannot_open_exit_codes(tmp_path, filled):
 
 def test_help_documents_exit_codes():
     code, out = run("--help")
-    assert code == 0 and "exit codes" in out and "fsck found errors" in out
+    assert code == 0 and "exit codes" in out and "1 damage found" in out and "5 no such object" in out
+
+
+def test_exit_codes_of_dump(filled, tmp_path):
+    code, out = run("dump", filled, "no-such-key")
+    assert code == 5 and "no object 'no-such-key'" in out  # not "bad arguments"
+    assert run("dump", filled, "note")[0] == 0  # the twin
+    bad = tmp_path / "0000000000000009.tseg"
+    bad.write_bytes(b"not a segment" * 400)
+    code, out = run("dump", str(bad))
+    assert code == 1 and "bad header" in out
+    code, out = run("ls", str(tmp_path / "nothing"))
+    assert code == 3 and "create=True" not in out and "check the path" in out
+
+
+def test_ls_has_a_header_codec_and_stored_size(filled):
+    code, out = run("ls", filled)
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED"]
+    assert any("note" in x and "raw" in x and "5 B" in x for x in lines)
+    assert lines[-1].startswith("3 object(s)")
+
+
+def test_stats_shows_no_per_handle_counters(filled):
+    code, out = run("stats", filled, "--json")
+    st = json.loads(out)
+    assert code == 0 and "counters" not in st and "tiers" not in st and st["namespaces"]["rag"] == 1
+
+
+def test_dump_shows_session_references_plainly(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("k", Blob(b"x"), session="chat-7")
+        s.put("k", Blob(b"x"))  # also put without a session
+        s.drop_session("chat-7")
+    code, out = run("dump", store_path)
+    assert code == 0
+    assert "default/k referenced by session 'chat-7'" in out
+    assert "referenced by the object's own (it was put without a session)" in out
+    assert "reference of session 'chat-7' released" in out
+    assert "(anchor)" not in out and "ref_key" not in out
+
+
+def test_quarantine_command(filled):
+    (seg,) = segment_files(filled)
+    with open(seg, "ab") as f:
+        f.write(b"\xd4TRC" + b"\x01" * 300)  # a torn record that held bytes
+    with tierstore.open(filled):
+        pass
+    code, out = run("quarantine", filled, "--json")
+    items = json.loads(out)["items"]
+    assert code == 0 and len(items) == 1 and items[0]["bytes"] == 304
+    code, out = run("quarantine", filled, "--clear")
+    assert code == 0 and "deleted 1 item(s)" in out
+    assert json.loads(run("quarantine", filled, "--json")[1])["items"] == []
 
 
 def test_demo(tmp_path):
@@ -118,3 +171,36 @@ def test_bench_smoke(tmp_path):
     assert chunk["targets"]["cold_layer_read_bytes_vs_layer"] > 0
     blobs = bench_blobs(str(tmp_path / "b"), n=200, peers=False, say=quiet)
     assert blobs["tierstore_group_put_ops"] > 0 and blobs["tierstore_warm_get_ops"] > 0
+
+
+def test_cli_says_it_waits_for_a_writer_and_gives_a_cli_hint(filled):
+    with tierstore.open(filled):  # this process writes
+        code, out = run("compact", filled, "--lock-timeout", "0.5")
+    assert code == 4
+    assert "waiting up to 0.5 s" in out and "--lock-timeout" in out and "readonly=True" not in out
+
+
+def test_json_errors_are_json(filled):
+    code, out = run("dump", filled, "nope", "--json")
+    assert code == 5
+    doc = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert doc["exit_code"] == 5 and "nope" in doc["error"]
+
+
+def test_missing_key_names_the_namespace_that_has_it(filled):
+    code, out = run("dump", filled, "doc")  # it lives in namespace "rag"
+    assert code == 5 and "namespace 'rag' holds that key" in out
+
+
+def test_recover_reports_bytes_keys_in_hex_and_dump_reads_the_quarantined_range(filled):
+    (seg,) = segment_files(filled)
+    with tierstore.open(filled) as s:
+        info = s.info(b"\x01\x02", namespace="minilm")
+    with open(seg, "r+b") as f:  # damage the KV chunk's payload
+        f.seek(info.offset + 4096 * 2)
+        f.write(b"\xff" * 8)
+    code, out = run("recover", filled)
+    assert code == 0 and "minilm/0x0102 is gone" in out and "\x01" not in out
+    (item,) = json.loads(run("quarantine", filled, "--json")[1])["items"]
+    code, out = run("dump", os.path.join(filled, "quarantine", item["name"]))
+    assert code == 0 and "minilm/0x0102" in out and "put" in out

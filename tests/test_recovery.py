@@ -86,7 +86,8 @@ def test_garbage_tail_is_torn_not_corrupt(store_path):
         f.write(os.urandom(5000))
     with tierstore.open(store_path) as s:
         assert s.keys() == ["k0", "k1"]
-        assert s.stats()["recovery"]["damage"][0]["quarantined_to"] is None
+        kept = s.stats()["recovery"]["damage"][0]["quarantined_to"]  # non-zero bytes cut: kept, not deleted
+        assert kept is not None and os.path.getsize(kept) == 5000
 
 
 def test_invalid_then_valid_in_tail_is_quarantined(store_path):

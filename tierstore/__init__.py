@@ -2,7 +2,8 @@
 
 Typed objects (KV-cache chunks, vector shards, blobs) in one versioned, checksummed block
 format, with a segment log as write-ahead log and an LMDB index.  See README.md, SPEC.md and
-docs/guide.md.
+docs/guide.md.  This module is the public face only: it defines ``open`` and names the public
+classes, errors and modules, and holds no logic of its own.
 
     import tierstore
     with tierstore.open("/data/kv") as store:
@@ -13,6 +14,7 @@ docs/guide.md.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from . import codecs
@@ -35,6 +37,8 @@ from .prefix import chunk_hashes
 from .scoped import NamespaceHandle
 from .store import Store
 from .tiers import policy
+
+sys.modules[__name__ + ".policy"] = policy  # `tierstore.policy` as before the tiers became a package
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""``python -m tierstore``: the same as the ``tierstore`` command."""
+"""``python -m tierstore``: the same as the ``tierstore`` command, and nothing else."""
 
 import sys
 

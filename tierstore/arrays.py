@@ -129,8 +129,9 @@ def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, dev
         if device is not None and device != "cpu":
             try:
                 dev = torch.device(device)
-            except RuntimeError as e:
-                raise InvalidObject(f"bad device {device!r}: {e}") from None
+            except RuntimeError:
+                raise InvalidObject(f"bad device {device!r}: tierstore reads into \"cpu\" or "
+                                    "\"cuda:N\" memory") from None
             if dev.type != "cpu":
                 t = t.to(dev, non_blocking=False)
         return t
@@ -156,7 +157,10 @@ def validate_device(device: str | None) -> None:
         raise InvalidObject(f"device={device!r} needs torch", hint="pip install 'tierstore[torch]'")
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise InvalidObject(f"bad device {device!r}: {e}") from None
+    except RuntimeError:
+        raise InvalidObject(f"bad device {device!r}: tierstore reads into \"cpu\" or \"cuda:N\" memory") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidObject(f"device {device!r}: tierstore reads into \"cpu\" or \"cuda:N\" memory, not {dev.type}",
+                            hint='read with device="cpu", then move the tensor with .to(...)')
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidObject(f"device {device!r} requested but CUDA is not available")

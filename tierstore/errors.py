@@ -108,9 +108,9 @@ class AccessDenied(TierstoreError, PermissionError):
 
 
 class StoreFull(TierstoreError):
-    """No space left: the disk returned ENOSPC, or a capacity limit was reached."""
+    """No space left: the disk returned ENOSPC, or a cache tier's capacity was reached."""
 
-    hint = "free disk space, delete objects and run compact(), or raise the capacity limit"
+    hint = "free disk space, or delete objects and run compact() (it reclaims their bytes)"
 
 
 class StoreLocked(TierstoreError):

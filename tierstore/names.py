@@ -14,23 +14,40 @@ from .errors import InvalidObject
 from .format import constants as fmt
 
 _NAMESPACES: dict[str, bytes] = {}
-_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f/\\]")
+_BAD_NAME_CHARS = re.compile(r"[\x00-\x1f\x7f/\\]")  # namespaces and session ids
+_BAD_KEY_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")  # text keys: "/" is allowed (path- and URL-like keys)
 
 
 def bad_text(text: str) -> bool:
     """Control characters (NUL included), path separators, or a name that is . or .."""
-    return _BAD_CHARS.search(text) is not None or text in (".", "..")
+    return _BAD_NAME_CHARS.search(text) is not None or text in (".", "..")
+
+
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidObject(f"{what} {text!r} is not valid text: {e.reason} at position {e.start}",
+                            hint="text must be encodable as UTF-8 (a lone surrogate is not)") from None
+
+
+def _why_bad(text: str, what: str, chars: re.Pattern[str]) -> str:
+    m = chars.search(text)
+    if m is None:
+        return f"{what} {text!r} may not be . or .."
+    return f"{what} {text!r} contains {m.group()!r} at position {m.start()} (control characters" + \
+        (", / and \\" if "/" in chars.pattern else " and \\") + " are not allowed)"
 
 
 def check_namespace(namespace: Any) -> bytes:
     """A namespace name's UTF-8 bytes, or InvalidObject."""
     if not isinstance(namespace, str):
         raise InvalidObject(f"namespace must be a str, got {type(namespace).__name__}")
-    b = namespace.encode("utf-8")
+    b = _utf8(namespace, "namespace")
     if not 1 <= len(b) <= fmt.NAMESPACE_MAX_BYTES:
         raise InvalidObject(f"namespace must be 1 to {fmt.NAMESPACE_MAX_BYTES} bytes of UTF-8, got {len(b)}")
     if bad_text(namespace):
-        raise InvalidObject(f"namespace {namespace!r} contains a control character, a path separator, or is . / ..")
+        raise InvalidObject(_why_bad(namespace, "namespace", _BAD_NAME_CHARS))
     return b
 
 
@@ -48,10 +65,10 @@ def encode_namespace(namespace: Any) -> bytes:
 def encode_key(key: Any) -> tuple[bytes, int]:
     """A key's bytes and its flags (``FLAG_KEY_STR`` for a str key), or InvalidObject."""
     if isinstance(key, str):
-        b, flags = key.encode("utf-8"), fmt.FLAG_KEY_STR
-        if bad_text(key):
-            raise InvalidObject(f"str key {key!r} contains a control character (NUL included) or a path separator, "
-                                "or is . / ..", hint="bytes keys are opaque and may hold any byte")
+        b, flags = _utf8(key, "str key"), fmt.FLAG_KEY_STR
+        if _BAD_KEY_CHARS.search(key) is not None or key in (".", ".."):
+            raise InvalidObject(_why_bad(key, "str key", _BAD_KEY_CHARS),
+                                hint="bytes keys are opaque and may hold any byte")
     elif isinstance(key, (bytes, bytearray, memoryview)):
         b, flags = bytes(key), 0
     else:
@@ -71,7 +88,7 @@ def encode_session(session: Any) -> bytes:
     """A session id's UTF-8 bytes, or InvalidObject."""
     if not isinstance(session, str):
         raise InvalidObject(f"session must be a str, got {type(session).__name__}")
-    b = session.encode("utf-8")
+    b = _utf8(session, "session id")
     if bad_text(session) or not 1 <= len(b) <= fmt.SESSION_MAX_BYTES:
         raise InvalidObject(f"session id {session!r} must be 1 to {fmt.SESSION_MAX_BYTES} bytes of UTF-8 without "
                             "control characters or path separators, and not . / ..")

@@ -2,7 +2,8 @@
 
 This module owns argument validation of objects: shapes, dtypes, ids and media types are
 checked when an object is constructed, so a bad object never reaches the log.  Objects keep
-a reference to the caller's array (no copy); the store reads it during ``put``.
+a reference to the caller's array (no copy); the store reads it during ``put``.  It never does
+I/O and never knows the on-disk layout (format/block.py maps objects to extents).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class KVCache:
     """
 
     kind = "kv"
-    __slots__ = ("data", "layer_start")
+    __slots__ = ("data", "layer_start", "meta")
 
     def __init__(self, data: Any, *, layer_start: int = 0) -> None:
         name = arrays.dtype_name(data)
@@ -39,14 +40,17 @@ class KVCache:
             raise InvalidObject(f"KVCache needs a floating dtype, got {name}")
         shape = tuple(int(d) for d in data.shape)
         if len(shape) != 5 or shape[1] != 2:
+            why = f"it has {len(shape)} dimensions" if len(shape) != 5 else \
+                f"dimension 1 is {shape[1]}, not 2 (K and V)"
             raise InvalidObject(
-                f"KVCache data must be shaped [layers, 2, kv_heads, tokens, head_dim], got {list(shape)}"
-            )
+                f"KVCache data must be shaped [layers, 2, kv_heads, tokens, head_dim], got {list(shape)}: {why}",
+                hint="stack K and V of each layer on dimension 1: np.stack([k, v], axis=1)")
         _check_dims(shape, "KVCache data")
         if isinstance(layer_start, bool) or not isinstance(layer_start, (int, np.integer)) or layer_start < 0:
             raise InvalidObject(f"layer_start must be a non-negative int, got {layer_start!r}")
         self.data = data
         self.layer_start = int(layer_start)
+        self.meta: dict[str, Any] = {}  # the user metadata a get returns (put(meta=)); {} when none
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +68,7 @@ class Vectors:
     """
 
     kind = "vectors"
-    __slots__ = ("data", "ids", "metric")
+    __slots__ = ("data", "ids", "metric", "meta")
 
     def __init__(self, data: Any, *, ids: Any = None, metric: str = "cosine") -> None:
         name = arrays.dtype_name(data)
@@ -81,6 +85,7 @@ class Vectors:
         self.data = data
         self.ids = ids
         self.metric = metric
+        self.meta: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return int(self.data.shape[0])
@@ -115,7 +120,7 @@ def stored_kv(data: Any, layer_start: int) -> KVCache:
     """A KVCache read back: its shape and dtype come from checked metadata, so the
     constructor's validation is skipped (it costs more than a hit's copy of a layer)."""
     obj = KVCache.__new__(KVCache)
-    obj.data, obj.layer_start = data, layer_start
+    obj.data, obj.layer_start, obj.meta = data, layer_start, {}
     return obj
 
 
@@ -123,7 +128,7 @@ class Blob:
     """Opaque bytes with a media type (e.g. "image/png")."""
 
     kind = "blob"
-    __slots__ = ("data", "media_type")
+    __slots__ = ("data", "media_type", "meta")
 
     def __init__(self, data: bytes | bytearray | memoryview, *, media_type: str = "application/octet-stream") -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -134,6 +139,7 @@ class Blob:
             raise InvalidObject(f"media_type must be a non-empty str of at most 255 bytes, got {media_type!r}")
         self.data = data
         self.media_type = media_type
+        self.meta: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return memoryview(self.data).nbytes
@@ -157,7 +163,7 @@ class ObjectInfo:
     lossless: bool
     bound: str  # the codec's declared error bound ("exact" for lossless codecs)
     checksum: str  # "crc32c:<hex>" over the record header, which holds every extent's crc32c
-    extent_checksums: tuple[int, ...]
+    extent_checksums: tuple[int, ...] = field(repr=False)  # one per extent: hundreds for a large object
     tiers: tuple[str, ...]
     lsn: int
     segment: int
@@ -173,5 +179,5 @@ class ObjectInfo:
 def stored_blob(data: bytes, media_type: str) -> Blob:
     """A Blob read back from a verified record (its fields were validated when it was put)."""
     b = Blob.__new__(Blob)
-    b.data, b.media_type = data, media_type
+    b.data, b.media_type, b.meta = data, media_type, {}
     return b

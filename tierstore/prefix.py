@@ -43,9 +43,10 @@ def _token_bytes(tokens: Any) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
-def chunk_hashes(tokens: Any, *, chunk_tokens: int, salt: str | bytes = b"",
+def chunk_hashes(tokens: Any, *, chunk_tokens: int = 256, salt: str | bytes = b"",
                  include_partial: bool = False) -> list[bytes]:
     """The chained hash of each ``chunk_tokens``-token chunk of ``tokens`` (32-byte keys).
+    ``chunk_tokens`` defaults to 256, the chunk size of LMCache and of vLLM's KV connectors.
 
     Chunk i's hash covers the salt, chunk i-1's hash and chunk i's token ids, so equal hashes
     mean equal prefixes (up to SHA-256 collisions) and a change to one token changes the hash

@@ -8,7 +8,8 @@ own and never bypasses the Store's checks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import AccessDenied, ReadOnlyError
@@ -20,8 +21,9 @@ class NamespaceHandle:
     """The part of a Store one tenant may use: its own namespace, plus read-only shared ones.
 
     ``namespace=`` arguments default to the handle's own namespace; naming a shared one is
-    allowed for reads (``get``, ``contains``, ``keys``, ``info``, ``match_prefix``); any
-    other raises ``AccessDenied``.  Writes (``put``, ``delete``, ``drop_session``) go only to
+    allowed for reads (``get``, ``contains``, ``keys``, ``info``, ``match_prefix``, and the
+    tiers' ``prefetch``, ``stream_layers``, ``pin`` / ``unpin`` / ``pinned``); any other
+    raises ``AccessDenied``.  Writes (``put``, ``delete``, ``drop_session``) go only to
     the handle's own namespace (``readonly=True`` forbids them too).
     """
 
@@ -50,7 +52,9 @@ class NamespaceHandle:
 
     def _write_ns(self) -> str:
         if self.readonly:
-            raise ReadOnlyError(f"this handle of namespace {self.name!r} is read-only", namespace=self.name)
+            raise ReadOnlyError(f"this handle of namespace {self.name!r} is read-only", namespace=self.name,
+                                hint="write through a handle from store.namespace(name) without readonly=True, "
+                                     "on a store opened writable")
         return self.name
 
     # -- reads -------------------------------------------------------------------------------
@@ -76,6 +80,30 @@ class NamespaceHandle:
 
     def session_keys(self, session: str) -> list[str | bytes]:
         return self._store.session_keys(session, namespace=self.name)
+
+    # -- cache tiers (reads: its own namespace and the shared ones) --------------------------
+
+    def prefetch(self, keys: Any, *, namespace: str | None = None, tier: str = "dram", layers: Any = None) -> Any:
+        return self._store.prefetch(keys, namespace=self._read_ns(namespace), tier=tier, layers=layers)
+
+    def prefetch_session(self, session: str, *, tier: str = "dram") -> Any:
+        return self._store.prefetch_session(session, namespace=self.name, tier=tier)
+
+    def stream_layers(self, key: str | bytes, *, namespace: str | None = None, device: str | None = None,
+                      layers: Any = None) -> Iterator[tuple[int, Any]]:
+        return self._store.stream_layers(key, namespace=self._read_ns(namespace), device=device, layers=layers)
+
+    def pin(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram", layers: Any = None) -> None:
+        self._store.pin(key, namespace=self._read_ns(namespace), tier=tier, layers=layers)
+
+    def unpin(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram") -> None:
+        self._store.unpin(key, namespace=self._read_ns(namespace), tier=tier)
+
+    @contextmanager
+    def pinned(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram",
+               layers: Any = None) -> Iterator["NamespaceHandle"]:
+        with self._store.pinned(key, namespace=self._read_ns(namespace), tier=tier, layers=layers):
+            yield self
 
     # -- writes ------------------------------------------------------------------------------
 

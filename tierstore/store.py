@@ -15,9 +15,13 @@ Never use a Store across ``fork()``.
 
 from __future__ import annotations
 
+import atexit
+import copy
 import functools
 import os
-from collections.abc import Iterator
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -25,10 +29,9 @@ from typing import Any
 from . import arrays
 from . import codecs as cdc
 from .engine import compaction
-from .engine.engine import Engine
+from .engine.engine import Engine, open_engine
 from .engine.fileio import PosixIO, io_error
 from .engine.index import Location
-from .engine.log import Appended
 from .engine.options import Options
 from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, TierstoreError
 from .format import block as blk
@@ -37,8 +40,8 @@ from .format import record as rec
 from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 from .scoped import NamespaceHandle
-from .tiers.config import tier_options
-from .tiers.hierarchy import Hierarchy
+from .tiers.config import TIER_OPTIONS, tier_options
+from .tiers.hierarchy import Hierarchy, wanted_extents
 
 TIERS = ("ssd", "dram", "gpu")
 KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.OBJECT_KINDS}
@@ -76,6 +79,41 @@ def codec_table(spec: Any) -> dict[tuple[str | None, str], cdc.Choice]:
     return out
 
 
+def cache_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
+    """Sessions referencing (ns, k), for the tiers' policy and ``info`` (the anchor is not a session)."""
+    if not engine.may_have_refs:
+        return ()
+    return tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
+
+
+def release(engine: Engine, tiers: Hierarchy) -> None:
+    """Close a handle's tiers and its share of the engine (what ``close`` does)."""
+    engine.unsubscribe(tiers.invalidate)
+    try:
+        tiers.close()
+    finally:
+        engine.close()
+
+
+_EXIT_HOOKED = False
+_EXITING = False  # set at interpreter exit, before weakref runs the finalizers still pending
+
+
+def _exiting() -> None:
+    global _EXITING
+    _EXITING = True
+
+
+def collected(engine: Engine, tiers: Hierarchy) -> None:
+    """A handle was garbage-collected without ``close()``: release it on a thread of its own
+    (the collector may run on a thread that holds one of the engine's locks), or inline at
+    interpreter exit, when no new thread may start."""
+    if _EXITING:
+        release(engine, tiers)
+    else:
+        threading.Thread(target=release, args=(engine, tiers), name="tierstore-release").start()
+
+
 class Store:
     """A handle on a tierstore directory.  Create with ``tierstore.open``.
 
@@ -88,21 +126,30 @@ class Store:
         self._closed = True
         self.codecs = codec_table(options.pop("codecs", None))
         tiers = tier_options(options)
-        self.options = Options.from_kwargs(options)
-        self.path = os.path.abspath(os.fspath(path))
+        self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, "codecs"))
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidObject(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self.readonly = readonly
         self.durability = durability
         self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
         self._tiers: Hierarchy | None = None
-        self._engine = Engine(self.path, create=create, readonly=readonly, durability=durability,
-                              options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None)
+        self._engine = open_engine(self.path, create=create, readonly=readonly, durability=durability,
+                                   options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None)
         try:
-            self._tiers = Hierarchy(self._engine, sessions=self._cache_sessions, **tiers)
+            self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
         except BaseException:
             self._engine.close()
             raise
         self._engine.subscribe(self._tiers.invalidate)  # a cached copy of an older object goes
+        # a handle dropped without close() is closed when it is garbage-collected (or at exit):
+        # nothing below refers back to the Store, so dropping the last reference is enough
+        self._finalizer = weakref.finalize(self, collected, self._engine, self._tiers)
+        global _EXIT_HOOKED
+        if not _EXIT_HOOKED:  # registered after weakref's own exit hook, so it runs before it
+            atexit.register(_exiting)
+            _EXIT_HOOKED = True
         self._closed = False
 
     @property
@@ -117,11 +164,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self._tiers is not None:
-                self._tiers.close()
-        finally:
-            self._engine.close()
+        if self._finalizer.detach() is not None:  # None: the collector got there first
+            release(self._engine, self._tiers)
 
     def __enter__(self) -> "Store":
         return self
@@ -157,7 +201,8 @@ class Store:
         processes see it once the index batch commits (``index_commit_ms``) or after ``flush()``.
 
         ``meta`` is an optional dict of str -> (str, bytes, int, float, bool, None, list,
-        dict) stored with the object and returned by ``info``.
+        dict) stored with the object and returned by ``get`` (as ``obj.meta``) and ``info``;
+        without it, an object that came from ``get`` keeps the metadata it was read with.
 
         ``session`` tags the object with a session id: the session holds a reference on it
         (``session_keys``, ``drop_session``).  If the key already holds the same object
@@ -177,6 +222,8 @@ class Store:
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
         sess = encode_session(session) if session is not None else None
+        if meta is None:
+            meta = getattr(obj, "meta", None) or None  # an object read back keeps its metadata
         user_meta = rec.check_user_meta(meta) if meta is not None else None
         block = blk.encode_block(obj, user_meta, vector_extent_bytes=self.options.vector_extent_bytes)
         choice = self._codec_for(block.kind, namespace, codec)
@@ -197,7 +244,7 @@ class Store:
                 else:  # already stored and referenced: make sure it is durable, as a put would
                     cur = engine.lookup(ns, k)
                     assert cur is not None
-                    where = Appended(cur.segment, cur.offset, cur.header.lsn, cur.offset + cur.header.record_len)
+                    where = engine.appended_at(cur)
         counters["puts"] += 1
         counters["dedup_puts"] += all(r is not record for r in records)
         counters["bytes_written"] += sum(r.header.record_len for r in records)
@@ -229,7 +276,7 @@ class Store:
         ns = encode_namespace(namespace)
         data = cdc.train_dictionary([bytes(x) for x in samples], size)
         did = cdc.dictionary_id(data)
-        key = bytes((len(ns),)) + ns + did.to_bytes(4, "big")
+        key = rec.dict_key(ns, did)
         with engine.write_lock:
             if engine.lookup(fmt.DICT_NAMESPACE, key) is None:
                 block = blk.encode_block(Blob(data, media_type=fmt.DICT_MEDIA_TYPE), None,
@@ -241,7 +288,7 @@ class Store:
 
     def _dictionary(self, ns: bytes, did: int, missing: type[TierstoreError] = CorruptionError) -> bytes:
         """The zstd dictionary ``did`` of namespace ``ns`` (dictionaries never change: cached)."""
-        key = bytes((len(ns),)) + ns + did.to_bytes(4, "big")
+        key = rec.dict_key(ns, did)
         data = self._dicts.get(key)
         if data is None:
             loc = self._engine.lookup(fmt.DICT_NAMESPACE, key)
@@ -293,12 +340,6 @@ class Store:
         if sess not in refs:
             out.append(rec.encode_ref(ns, sess, k, bool(kflags)))
         return out
-
-    def _cache_sessions(self, ns: bytes, k: bytes) -> tuple[bytes, ...]:
-        """Sessions referencing (ns, k), for the tiers' policy (the anchor is not a session)."""
-        if not self._engine.may_have_refs:
-            return ()
-        return tuple(s for s in self._engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
 
     def session_keys(self, session: str, *, namespace: str = "default") -> list[str | bytes]:
         """Keys in ``namespace`` that ``session`` holds a reference on, sorted like ``keys``."""
@@ -356,6 +397,9 @@ class Store:
         matched hash (plus one for the first miss), whatever the size of the store."""
         self._check_open()
         ns = encode_namespace(namespace)
+        if isinstance(hashes, (str, bytes, bytearray, memoryview)):
+            raise InvalidObject("match_prefix takes a sequence of hashes (chunk_hashes' list), got one key",
+                                hint="match_prefix([h]) asks about one hash; contains(h) does too")
         keys = (h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in hashes)
         return self._engine.prefix_run(ns, keys)
 
@@ -373,8 +417,17 @@ class Store:
         k, _ = encode_key(key)
         loc = self._engine.lookup(ns, k)
         if loc is None:
-            raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace)
+            raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace,
+                           hint=self._elsewhere(k, ns))
         return ns, k, loc
+
+    def _elsewhere(self, k: bytes, ns: bytes) -> str | None:
+        """For a NotFound: the (first few) other namespaces that hold the key, if any."""
+        names = [n for n in self._engine.namespaces()[:1000] if n != ns and self._engine.lookup(n, k) is not None]
+        if not names:
+            return None
+        shown = ", ".join(repr(n.decode("utf-8")) for n in names[:3])
+        return f"namespace {shown} {'holds' if len(names) == 1 else 'hold'} that key"
 
     def get(self, key: str | bytes, *, namespace: str = "default", layers: Any = None, rows: Any = None,
             device: str | None = None) -> KVCache | Vectors | Blob:
@@ -394,27 +447,44 @@ class Store:
             arrays.validate_device(device)
         ns, k, loc = self._locate(key, namespace)
         obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device)
-        self._counters["gets"] += 1
+        user_meta = loc.header.meta.get("meta")
+        if user_meta:
+            obj.meta = copy.deepcopy(user_meta)  # the caller's to change: not the cached header's
+        counters = self._counters
+        counters["gets"] += 1
+        lengths = loc.header.extent_lengths
+        counters["bytes_read"] += sum(lengths) if layers is None and rows is None else \
+            sum(lengths[i] for i in wanted_extents(loc.header, layers, rows))
         return obj
 
     def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
               **sel: Any) -> Any:
-        """Read the object at ``loc`` (through the tiers when the store has them).  If compaction
-        moved it meanwhile, follow it to its new location (with ``same``: only if it is still
-        the same object, else NotFound)."""
+        """Read the object at ``loc`` (through the tiers when the store has them)."""
+        dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
+
+        def read(at: Location, where: dict[str, Any]) -> Any:
+            if self._tiers is not None and self._tiers.active:
+                return self._tiers.read(ns, k, at, where, dictionaries=dicts, **sel)
+            return blk.read_object(at.header, self._engine.reader(at, where), dictionaries=dicts, **sel)
+
+        return self._follow(key, namespace, ns, k, loc, read, same=same)
+
+    def _follow(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location,
+                fn: Callable[[Location, dict[str, Any]], Any], *, same: bool = False) -> Any:
+        """``fn(location, where)`` at the object's location; if compaction moved the object
+        meanwhile (its old segment is gone: FileNotFoundError), look the key up again and retry
+        there (with ``same``: only while it is still the same object, else NotFound).  Errors
+        name the segment file."""
         engine = self._engine
         for attempt in range(3):
             where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
             try:
-                dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
-                if self._tiers is not None and self._tiers.active:
-                    return self._tiers.read(ns, k, loc, where, dictionaries=dicts, **sel)
-                return blk.read_object(loc.header, engine.reader(loc, where), dictionaries=dicts, **sel)
+                return fn(loc, where)
             except FileNotFoundError:
                 if attempt == 2:
                     raise CorruptionError("segment file missing", path=engine.segment_path(loc.segment),
                                           **where) from None
-                new = engine.lookup(ns, k)  # compaction moved the object between lookup and read
+                new = engine.lookup(ns, k)
                 if new is None:
                     raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key,
                                    namespace=namespace) from None
@@ -427,6 +497,8 @@ class Store:
                     e.path = engine.segment_path(loc.segment)
                 raise
             except OSError as e:
+                if isinstance(e, TierstoreError):
+                    raise
                 raise io_error(e, "read", path=engine.segment_path(loc.segment), **where) from None
         raise AssertionError("unreachable")
 
@@ -456,7 +528,7 @@ class Store:
         """Describe a stored object without reading its payload."""
         ns, k, loc = self._locate(key, namespace)
         h = loc.header
-        sessions = tuple(x.decode("utf-8", "replace") for x in self._cache_sessions(ns, k))
+        sessions = tuple(x.decode("utf-8", "replace") for x in cache_sessions(self._engine, ns, k))
         meta = h.meta
         kind = fmt.KIND_NAMES[h.kind]
         dtype = fmt.DTYPES[meta["dtype"]][0] if "dtype" in meta else None
@@ -465,7 +537,7 @@ class Store:
             namespace=namespace, key=decode_key(h.key, h.flags), kind=kind, shape=shape, dtype=dtype,
             logical_bytes=sum(rec.expected_extent_lengths(h.kind, meta)), stored_bytes=h.record_len,
             codec=cdc.Choice(cdc.BY_ID[h.codec], meta.get("codec_params", {})).spec,
-            lossless=cdc.BY_ID[h.codec].lossless, bound=cdc.BY_ID[h.codec].bound,
+            lossless=cdc.BY_ID[h.codec].lossless, bound=cdc.BY_ID[h.codec].bound_for(meta.get("codec_params", {})),
             checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs,
             tiers=(*self._tiers.where((ns, k), h), "ssd") if self._tiers is not None else ("ssd",),
             lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
@@ -483,7 +555,7 @@ class Store:
             "readonly": self.readonly,
             "durability": self.durability,
             **engine,
-            "counters": {**self._counters, **self._engine.counters},
+            "counters": {**self._counters, **engine.pop("counters")},
             "recovery": dict(self.recovery),
             "tiers": {"ssd": {"bytes_used": engine["segment_bytes"], "capacity_bytes": None, "io_path": "posix"},
                       **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())}},
@@ -498,17 +570,9 @@ class Store:
 
     def _promote(self, tier: str, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, layers: Any) -> int:
         assert self._tiers is not None
-        for attempt in range(3):
-            where = {"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
-            try:
-                return self._tiers.promote(tier, ns, k, loc, where, layers, functools.partial(self._dictionary, ns))
-            except FileNotFoundError:  # compaction moved it: promote it from where it is now
-                new = self._engine.lookup(ns, k)
-                if new is None or attempt == 2:
-                    raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key,
-                                   namespace=namespace) from None
-                loc = new
-        raise AssertionError("unreachable")
+        tiers, dicts = self._tiers, functools.partial(self._dictionary, ns)
+        return self._follow(key, namespace, ns, k, loc,
+                            lambda at, where: tiers.promote(tier, ns, k, at, where, layers, dicts))
 
     def prefetch(self, keys: Any, *, namespace: str = "default", tier: str = "dram", layers: Any = None) -> Future:
         """Promote objects into ``tier`` ("dram" or "gpu") in the background.
@@ -615,16 +679,17 @@ class Store:
 
     # -- maintenance --------------------------------------------------------------------------
 
-    def compact(self, *, min_dead_ratio: float = 0.0) -> dict[str, Any]:
+    def compact(self, *, min_dead_ratio: float = 0.0, progress: Any = None) -> dict[str, Any]:
         """Rewrite the live records of sealed segments holding dead bytes, then delete them.
 
         Crash-safe at every step: copies are appended to the log and synced, the index is
         repointed in one durable transaction, and only then are old segments unlinked.
         Writers are paused only while each record is copied.  Returns what was done.
+        ``progress(n)``, if given, is called with the bytes of each batch of victims compacted.
         """
         self._check_writable()
         try:
-            return compaction.compact(self._engine, min_dead_ratio=min_dead_ratio)
+            return compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress)
         except OSError as e:
             if isinstance(e, TierstoreError):
                 raise

@@ -23,6 +23,7 @@ from typing import Any
 from .blobs import bench_blobs
 from .chunk import bench_chunk
 from .codec_quality import bench_codecs
+from .common import pyplot
 from .prefix import bench_prefix
 from .report import markdown, plot, print_report
 
@@ -61,11 +62,15 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
-        if "chunk" in result:
-            plot(result, os.path.join(out, "benchmarks.png"))
-        if "tiers" in result:
-            from .tiers import plot_tiers
-            plot_tiers(result["tiers"], os.path.join(out, "tiers.png"))
+        if pyplot() is None:
+            say("plots skipped: matplotlib is not installed (pip install 'tierstore[bench]')")
+        else:
+            if "chunk" in result:
+                plot(result, os.path.join(out, "benchmarks.png"))
+            if "tiers" in result:
+                from .tiers import plot_tiers
+                plot_tiers(result["tiers"], os.path.join(out, "tiers.png"))
+        say(f"results: {os.path.join(out, 'results.json')}, {os.path.join(out, 'results.md')}")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(markdown(result))
     return result

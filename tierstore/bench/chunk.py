@@ -1,5 +1,6 @@
 """The chunk section of ``tierstore bench``: a 32 MiB Llama-3-8B KV chunk put, read whole (cold and
 warm) and one layer at a time, by every system, interleaved, as ratios to file-per-object.
+It measures and reports; it never asserts (targets are flagged by report.py).
 """
 
 from __future__ import annotations

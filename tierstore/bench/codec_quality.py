@@ -1,5 +1,5 @@
 """The codecs section of ``tierstore bench``: every codec on the real K/V and embedding sample (ratio,
-encode / decode speed, error, recall).
+encode / decode speed, error, recall).  It reads the sample and never writes a store.
 """
 
 from __future__ import annotations

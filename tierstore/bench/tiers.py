@@ -6,6 +6,8 @@ Three measurements, each against a baseline run in the same process:
     from the segment file, both from the page cache and both cold (pages dropped first);
   - a multi-turn chat trace replayed against the LRU and the session-aware policy with a
     DRAM budget of 10% of the data: hit rate and bytes read from the log.
+It uses only the public API (and the segment file's bytes, read as SPEC.md describes them);
+it measures and never asserts.
 """
 
 from __future__ import annotations

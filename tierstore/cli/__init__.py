@@ -1,4 +1,5 @@
-"""The ``tierstore`` command: a thin shell over library functions.
+"""The ``tierstore`` command: a thin shell over library functions; it parses, prints and maps errors
+to exit codes, and holds no storage logic of its own.
 
     tierstore demo    [--path DIR]                 write KV caches, vectors, blobs; read them back
     tierstore bench   [--quick] [--out DIR]        benchmarks against raw-file baselines and peers
@@ -7,10 +8,12 @@
     tierstore dump    PATH [KEY] [--namespace NS]  decode the log, one object, or one segment file
     tierstore compact PATH                         reclaim the space of overwritten and deleted objects
     tierstore ls      PATH [--namespace NS]        list objects
-    tierstore stats   PATH                         sizes and counters
+    tierstore stats   PATH                         sizes: objects, segments, live and dead bytes
+    tierstore quarantine PATH [--clear]            what recoveries set aside; --clear deletes it
 
-Every command takes --json.  Exit codes: 0 ok; 1 fsck found errors; 2 bad arguments;
-3 the store cannot be opened (missing, corrupt, newer format); 4 another writer holds it.
+Every command takes --json.  Exit codes: 0 ok; 1 damage found (fsck, or dump of a damaged
+file); 2 bad arguments; 3 the store cannot be opened (missing, corrupt, newer format);
+4 another writer holds it; 5 the object asked for does not exist.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import __version__
-from ..errors import CorruptionError, FormatVersionError, StoreLocked, StoreNotFound, TierstoreError
+from ..errors import CorruptionError, FormatVersionError, NotFound, StoreLocked, StoreNotFound, TierstoreError
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5
 
 
 def _progress(total: int | None, desc: str, enabled: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -77,7 +80,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         report = _check(args)
 
     def text() -> None:
-        print(f"{args.path}: {report.objects} objects in {report.segments} segments, "
+        print(f"{args.path}: {_n(report.objects, 'object')} in {_n(report.segments, 'segment')}, "
               f"{report.bytes_verified / 2**20:.1f} MiB of live extents verified"
               + ("; every log record and the LMDB index file checked" if args.deep else ""))
         for f in report.findings:
@@ -120,14 +123,29 @@ def cmd_recover(args: argparse.Namespace) -> int:
             print(f"  segment {s}: header never became durable; moved to quarantine/")
         if not result["damage"] and not result["removed_segments"]:
             print("  no damage found")
+        if result.get("old_index"):
+            print(f"  the previous index: {result['old_index']}")
 
     _emit(args, result, text)
     return EXIT_OK
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from .dump import dump_segment, dump_store
+    from .dump import dump_range, dump_segment, dump_store
 
+    if os.path.isfile(args.path) and args.path.endswith(".bin"):  # a range recovery set aside
+        ranged = dump_range(args.path)
+
+        def text_range() -> None:
+            print(f"{ranged['path']}: {ranged['size']} bytes" + (f" ({ranged['note']})" if ranged["note"] else ""))
+            for r in ranged["records"]:
+                print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {r.get('namespace', '')}/"
+                      f"{r.get('key', '')} ({r['record_len']} B)")
+            for u in ranged["undecodable"]:
+                print(f"  @{u['offset']:<10} {u['length']} bytes do not decode: {u['why']}")
+
+        _emit(args, ranged, text_range)
+        return EXIT_FINDINGS if ranged["undecodable"] else EXIT_OK
     if os.path.isfile(args.path):
         result = dump_segment(args.path)
         segments = [result]
@@ -144,7 +162,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     def text() -> None:
         if args.key is not None and not os.path.isfile(args.path):
             r, i = result["record"], result["info"]
-            print(f"{result['namespace']}/{i['key']}: {i['kind']} {i['shape']} {i['dtype'] or ''} "
+            what = " ".join(x for x in (i["kind"], str(i["shape"]) if i["shape"] else "", i["dtype"] or "") if x)
+            print(f"{result['namespace']}/{i['key']}: {what} "
                   f"codec={i['codec']} lsn={i['lsn']} segment={i['segment']} offset={i['offset']}")
             print(f"  meta: {r.get('meta')}")
             for e in r.get("extents", []):
@@ -160,19 +179,26 @@ def cmd_dump(args: argparse.Namespace) -> int:
                     continue
                 if r["type"] in ("group", "hole"):
                     what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
-                elif "session" in r:
-                    what = f"{r['namespace']}/{r.get('key', r['ref_key'])}"
-                    extra = f" ref of session {r['session']}" if r["type"] == "put" else f" (session {r['session']})"
+                elif "session" in r:  # a session's reference on an object (SPEC.md §5.4)
+                    who = r["session"]
+                    if r["type"] == "put":
+                        what = f"{r['namespace']}/{r['key']}"
+                        extra = f" referenced by {who}"
+                    else:
+                        what = f"{r['namespace']}/(key hash {r['key_hash'][:12]})"
+                        extra = f" reference of {who} released"
                 else:
                     what = f"{r.get('namespace')}/{r.get('key')}"
-                    extra = f" {r['kind']} {len(r['extents'])} extents" if r["type"] == "put" else ""
+                    extra = f" {r['kind']} {_n(len(r['extents']), 'extent')}" if r["type"] == "put" else ""
                 print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
             if "end" in sg:
                 e = sg["end"]
                 print(f"  end @{e['offset']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else ""))
 
     _emit(args, result, text)
-    return EXIT_OK
+    damaged = [sg for sg in segments if "error" in sg["header"]
+               or sg.get("end", {}).get("reason") not in (None, "end", "torn")]
+    return EXIT_FINDINGS if damaged else EXIT_OK
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -180,17 +206,35 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
     with open_store(args.path, create=False, lock_timeout=args.lock_timeout) as store:
         before = store.stats()
-        result = store.compact(min_dead_ratio=args.min_dead_ratio)
+        update, close = _progress(before["segment_bytes"], "compacting", not args.json)
+        try:
+            result = store.compact(min_dead_ratio=args.min_dead_ratio, progress=update)
+        finally:
+            close()
         after = store.stats()
     result.update(segment_bytes_before=before["segment_bytes"], segment_bytes_after=after["segment_bytes"])
 
     def text() -> None:
-        print(f"{args.path}: {len(result['victims'])} segment(s) rewritten, {result['copied']} records copied, "
-              f"{result['dropped']} dropped; {before['segment_bytes'] / 2**20:.1f} MiB -> "
-              f"{after['segment_bytes'] / 2**20:.1f} MiB in {result['seconds']:.2f} s")
+        freed = before["segment_bytes"] - after["segment_bytes"]
+        print(f"{args.path}: {_n(len(result['victims']), 'segment')} rewritten, {_n(result['copied'], 'record')} "
+              f"copied, {result['dropped']} dropped; {_size(before['segment_bytes'])} -> "
+              f"{_size(after['segment_bytes'])} ({_size(max(freed, 0))} reclaimed) in {result['seconds']:.2f} s")
 
     _emit(args, result, text)
     return EXIT_OK
+
+
+def _n(count: int, noun: str) -> str:
+    """ "1 segment", "2 segments"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -203,13 +247,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
             for key in store.keys(namespace=ns):
                 info = store.info(key, namespace=ns)
                 rows.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
+                             "key_type": "text" if isinstance(key, str) else "bytes",
                              "kind": info.kind, "shape": list(info.shape), "dtype": info.dtype,
-                             "bytes": info.logical_bytes, "codec": info.codec, "lsn": info.lsn})
+                             "bytes": info.logical_bytes, "stored_bytes": info.stored_bytes, "codec": info.codec,
+                             "lsn": info.lsn})
 
     def text() -> None:
+        table = [("NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED")]
         for r in rows:
-            shape = "x".join(map(str, r["shape"])) or "-"
-            print(f"{r['namespace']}\t{r['key']}\t{r['kind']}\t{shape}\t{r['dtype'] or '-'}\t{r['bytes']}")
+            table.append((r["namespace"], r["key"], r["kind"], "x".join(map(str, r["shape"])) or "-",
+                          r["dtype"] or "-", r["codec"], _size(r["bytes"]), _size(r["stored_bytes"])))
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            print("  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        print(f"{len(rows)} object(s), {_size(sum(r['bytes'] for r in rows))} "
+              f"({_size(sum(r['stored_bytes'] for r in rows))} stored)")
 
     _emit(args, rows, text)
     return EXIT_OK
@@ -217,20 +269,54 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from .. import open as open_store
+    from ..engine import repair
 
     with open_store(args.path, create=False, readonly=True) as store:
         st = store.stats()
         st["namespaces"] = {ns: len(store.keys(namespace=ns)) for ns in store.namespaces()}
+    # operation counters and cache tiers belong to a handle (this command's own is new and empty):
+    # a process that writes reads them from its Store.stats()
+    for k in ("counters", "tiers", "recovery", "readonly", "durability", "pending_index_records", "next_lsn",
+              "durable_lsn"):
+        st.pop(k, None)
+    st["quarantine"] = repair.quarantine_list(args.path)
 
     def text() -> None:
-        print(f"{st['path']}: {sum(st['namespaces'].values())} objects in {len(st['namespaces'])} namespaces")
-        print(f"  segments: {st['segments']} ({st['segment_bytes'] / 2**20:.1f} MiB; "
-              f"live {st['live_bytes'] / 2**20:.1f} MiB, dead {st['dead_bytes'] / 2**20:.1f} MiB)")
-        print(f"  applied LSN: {st['applied_lsn']}")
+        print(f"{st['path']}: {sum(st['namespaces'].values())} objects in {len(st['namespaces'])} namespace(s)")
+        dead = f"dead {_size(st['dead_bytes'])}" + (": `tierstore compact` reclaims it" if st["dead_bytes"] else "")
+        print(f"  {_n(st['segments'], 'segment')} ({_size(st['segment_bytes'])}; live {_size(st['live_bytes'])}, "
+              f"{dead})")
+        print(f"  applied LSN: {st['applied_lsn']}; session references: {st['session_refs_indexed']}")
         for ns, n in st["namespaces"].items():
             print(f"  {ns}: {n}")
+        if st["quarantine"]:
+            print(f"  quarantine/: {len(st['quarantine'])} item(s) (`tierstore quarantine {args.path}`)")
 
     _emit(args, st, text)
+    return EXIT_OK
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from ..engine import repair
+
+    if not os.path.isdir(os.path.join(args.path, "segments")):
+        raise StoreNotFound(f"no store at {args.path}", path=args.path)
+    items = repair.quarantine_list(args.path)
+    cleared = repair.quarantine_clear(args.path, lock_timeout=args.lock_timeout) if args.clear else None
+
+    def text() -> None:
+        if not items:
+            print(f"{args.path}: quarantine/ is empty")
+            return
+        for it in items:
+            print(f"  {it['name']}  {_size(it['bytes'])}  {it['reason'] or ''}")
+        if cleared is not None:
+            print(f"deleted {cleared} item(s)")
+        else:
+            print(f"{len(items)} item(s); `tierstore quarantine {args.path} --clear` deletes them "
+                  "(they are not part of the store: recover kept every intact record)")
+
+    _emit(args, {"items": items, "cleared": cleared}, text)
     return EXIT_OK
 
 
@@ -256,8 +342,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore", description="tierstore: typed KV-cache / vector / blob storage for LLM systems.",
-        epilog="exit codes: 0 ok; 1 fsck found errors; 2 bad arguments; 3 the store cannot be opened "
-               "(missing, corrupt, newer format); 4 another writer holds the store",
+        epilog="exit codes: 0 ok; 1 damage found (fsck, dump); 2 bad arguments; 3 the store cannot be opened "
+               "(missing, corrupt, newer format); 4 another writer holds the store; 5 no such object",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -292,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("dump", cmd_dump, "decode a store's log, one object (KEY), or a single segment file, read-only")
     sp.add_argument("path", help="a store directory or a .tseg segment file")
     sp.add_argument("key", nargs="?", default=None, help="an object's key (0x... for bytes keys)")
-    sp.add_argument("--namespace", default="default")
+    sp.add_argument("--namespace", default="default", help="the namespace of KEY (default: default)")
     sp = add("compact", cmd_compact, "reclaim the space of overwritten and deleted objects (crash-safe)")
     sp.add_argument("path")
     sp.add_argument("--min-dead-ratio", type=float, default=0.0,
@@ -301,31 +387,61 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("ls", cmd_ls, "list the objects of a store")
     sp.add_argument("path")
     sp.add_argument("--namespace", default=None)
-    sp = add("stats", cmd_stats, "sizes and counters of a store")
+    sp = add("stats", cmd_stats, "sizes of a store: objects per namespace, segments, live and dead bytes")
     sp.add_argument("path")
+    sp = add("quarantine", cmd_quarantine, "list what recoveries set aside in quarantine/, or --clear it")
+    sp.add_argument("path")
+    sp.add_argument("--clear", action="store_true", help="delete everything in quarantine/")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, help="seconds to wait for a running writer")
     return p
+
+
+def _fail(args: argparse.Namespace, code: int, message: str) -> int:
+    """An error: one line on stderr, and with --json also ``{"error", "exit_code"}`` on stdout."""
+    print(f"tierstore: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "exit_code": code}))
+    return code
+
+
+def _warn_if_waiting(args: argparse.Namespace) -> None:
+    """Say so before a command waits for another process's writer lock (up to --lock-timeout)."""
+    from ..engine.fileio import DEFAULT_IO
+    from ..engine.lock import acquire_writer_lock
+
+    if not os.path.isdir(os.path.join(args.path, "segments")):
+        return  # the command itself says there is no store
+    try:
+        DEFAULT_IO.close(acquire_writer_lock(DEFAULT_IO, args.path, 0))
+    except StoreLocked:
+        print(f"tierstore: another process is writing to {args.path}; waiting up to {args.lock_timeout:g} s "
+              "for it to close (--lock-timeout)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "lock_timeout", None) is not None and (args.command != "quarantine" or args.clear):
+            _warn_if_waiting(args)
         return args.fn(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
         return EXIT_OK
     except StoreLocked as e:
-        print(f"tierstore: {e}", file=sys.stderr)
-        return EXIT_LOCKED
-    except (StoreNotFound, CorruptionError, FormatVersionError) as e:
-        print(f"tierstore: {e}", file=sys.stderr)
-        return EXIT_CANNOT_OPEN
+        return _fail(args, EXIT_LOCKED, f"{e.message} (hint: stop the process that writes to the store, or wait "
+                                        "longer with --lock-timeout SECONDS)")
+    except StoreNotFound as e:
+        return _fail(args, EXIT_CANNOT_OPEN, f"{e.message} (hint: check the path; a store is created by "
+                                             "tierstore.open(path) from Python, or try `tierstore demo --path DIR`)")
+    except NotFound as e:
+        return _fail(args, EXIT_NOT_FOUND, str(e))
+    except (CorruptionError, FormatVersionError) as e:
+        return _fail(args, EXIT_CANNOT_OPEN, str(e))
     except TierstoreError as e:
-        print(f"tierstore: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, EXIT_USAGE, str(e))
     except OSError as e:  # e.g. permission denied on the store directory
-        print(f"tierstore: {e}", file=sys.stderr)
-        return EXIT_CANNOT_OPEN
+        return _fail(args, EXIT_CANNOT_OPEN, str(e))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Writes a Llama-3-8B-shaped prompt's KV cache (chunks of 256 tokens), a shard of embeddings
 with ids and a few blobs; reads them back whole and in part; closes and reopens the store
-(a restart) and checks everything is still there, bit for bit; then runs fsck.
+(a restart) and checks everything is still there, bit for bit; then runs fsck.  It uses only
+the public API and the repair tools, and writes only under the path it is given.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -76,9 +78,11 @@ def run_demo(path: str, *, quiet: bool = False, chunks: int = 4) -> dict[str, An
         assert np.array_equal(four.data, kv[1][:4]) and four.layer_start == 0
         rows = timed("get vectors (rows 5, 9, 11)", lambda: store.get("doc-17", namespace="rag", rows=[5, 9, 11]))
         assert np.array_equal(rows.data, emb[[5, 9, 11]]) and list(rows.ids) == list(ids[[5, 9, 11]])
+        timed("get vectors (rows 7, 8, 900), again", lambda: store.get("doc-17", namespace="rag", rows=[7, 8, 900]))
         say(f"  get full chunk {t['get kv chunk (full)']:.1f} ms; layers 0-3 only "
             f"{t['get kv chunk (layers 0-3)']:.1f} ms (reads 4 of 32 layers); 3 vector rows "
-            f"{t['get vectors (rows 5, 9, 11)']:.2f} ms")
+            f"{t['get vectors (rows 5, 9, 11)']:.2f} ms (the first rows= call; "
+            f"{t['get vectors (rows 7, 8, 900), again']:.2f} ms the next)")
         info = store.info(keys[0], namespace="llama3-8b")
         say(f"  info: kind={info.kind} shape={list(info.shape)} dtype={info.dtype} codec={info.codec} "
             f"checksum={info.checksum} segment={info.segment} offset={info.offset}")
@@ -99,5 +103,6 @@ def run_demo(path: str, *, quiet: bool = False, chunks: int = 4) -> dict[str, An
     report = repair.fsck(path, deep=True)
     say(f"  fsck --deep: {'ok' if report.ok else 'ERRORS'} ({report.bytes_verified / 2**20:.0f} MiB verified)")
     result["fsck_ok"] = report.ok
-    say("done: run `tierstore ls " + path + "` or `tierstore fsck " + path + " --deep` to look around")
+    cli = "tierstore" if shutil.which("tierstore") else f"{sys.executable} -m tierstore"
+    say(f"done: run `{cli} ls {path}` or `{cli} fsck {path} --deep` to look around")
     return result

@@ -1,7 +1,8 @@
 """Inspecting stores and segment files without opening anything for writing (``tierstore dump``).
 
 ``dump_segment`` decodes one segment file, header and records, from its bytes alone (no
-index, no lock): it works on a copy, a quarantined file or a damaged store.  ``dump_store``
+index, no lock): it works on a copy, a whole segment moved to quarantine/ or a damaged store;
+``dump_range`` decodes what still decodes in a quarantined byte range (``quarantine/*.bin``).  ``dump_store``
 lists a store's log (every record, live or not) or describes one object in detail.  Both
 return plain dicts for ``--json``; this module never writes.
 """
@@ -34,8 +35,9 @@ def describe_record(off: int, h: rec.RecordHeader) -> dict[str, Any]:
     if ref is not None:  # a session's reference (SPEC.md §5.4): show what it points at
         ns, session, _ = ref
         out.update(namespace=ns.decode("utf-8", "replace"),
-                   session="(anchor)" if session == fmt.ANCHOR_SESSION else session.decode("utf-8", "replace"),
-                   ref_key="0x" + h.key.hex())
+                   session="the object's own (it was put without a session)" if session == fmt.ANCHOR_SESSION
+                   else f"session {session.decode('utf-8', 'replace')!r}",
+                   key_hash=h.key[-fmt.REF_KEY_HASH_BYTES:].hex(), ref_key="0x" + h.key.hex())
         if h.type == fmt.REC_PUT:
             out.update(kind="ref", key=_key_text(h.meta["key"], fmt.FLAG_KEY_STR if h.meta["key_str"] else 0))
         return out
@@ -75,6 +77,34 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
         return out
     finally:
         io.close(fd)
+
+
+def dump_range(path: str) -> dict[str, Any]:
+    """A range of a segment that a recovery moved to ``quarantine/`` (``*.bin``, its note beside it):
+    the records that still decode in it, from its first byte (a damaged record's start), and where
+    bytes do not decode (resuming at the next record magic, 8-aligned)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    note = None
+    if os.path.exists(path + ".txt"):
+        with open(path + ".txt") as f:
+            note = f.read().strip()
+    out: dict[str, Any] = {"path": path, "size": len(data), "note": note, "records": [], "undecodable": []}
+    p = 0
+    while p + fmt.RECORD_HEADER_SIZE <= len(data):
+        try:
+            hdr = rec.decode_header(data[p : p + fmt.HEADER_MAX_BYTES])
+        except TierstoreError as e:
+            nxt = data.find(fmt.RECORD_MAGIC, p + fmt.RECORD_ALIGN)
+            while nxt != -1 and nxt % fmt.RECORD_ALIGN:
+                nxt = data.find(fmt.RECORD_MAGIC, nxt + 1)
+            end = len(data) if nxt == -1 else nxt
+            out["undecodable"].append({"offset": p, "length": end - p, "why": e.message})
+            p = end
+            continue
+        out["records"].append(describe_record(p, hdr))
+        p = rec.align_up(p + hdr.record_len, fmt.RECORD_ALIGN)
+    return out
 
 
 def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "default") -> dict[str, Any]:

@@ -45,6 +45,16 @@ class Codec:
     expected_ratio: str  # versus the raw bytes, on the project's real sample (docs/benchmarks.md)
     defaults: dict[str, Any] = field(default_factory=dict)
 
+    def bound_for(self, params: dict[str, Any]) -> str:
+        """The declared bound with this object's parameters filled in (group size, bins)."""
+        text = self.bound
+        if "group" in params:
+            text = text.replace("per group of 32", f"per group of {params['group']}")
+        if "bins" in params:
+            bins, shallow = params["bins"], params.get("shallow", 0)
+            text += f" (B = {bins[0]} for layers below {shallow}, {bins[1]} from there)"
+        return text
+
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "lossless": self.lossless, "kinds": list(self.kinds),
                 "bound": self.bound, "expected_ratio": self.expected_ratio, "defaults": dict(self.defaults)}

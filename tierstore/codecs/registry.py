@@ -125,14 +125,14 @@ def decode_torch(codec: Codec, data: Any, ext: Extent, params: dict[str, Any], d
     if codec.lossless:
         raise InvalidObject("decode_torch is for lossy array codecs")
     x = assemble_torch(lossy_parts(codec, data, ext, params), device)
-    if x.numel() and not bool((x.abs().max() <= 66000).item()):
+    if x.numel() and not bool((x.abs().max() <= fmt.LOSSY_VALUE_MAX).item()):
         raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
     return x.to(torch_dtype(ext.dtype))
 
 
 def _checked_out(codec: Codec, x: np.ndarray, dtype: str) -> np.ndarray:
     with np.errstate(invalid="ignore"):
-        out_of_range = x.size and not (np.abs(x).max() <= 66000)  # NaN compares false
+        out_of_range = x.size and not (np.abs(x).max() <= fmt.LOSSY_VALUE_MAX)  # NaN compares false
     if out_of_range:  # encoders take |x| <= 65504: anything else was damaged
         raise CorruptionError(f"{codec.name} extent decodes to values out of range (a damaged scale)")
     return from_float32(x, dtype)

@@ -1,5 +1,6 @@
 """Vector codecs (SPEC.md §6.4): fp16, int8 (per-vector minimum and step) and binary (signs and one
-magnitude per vector) on a row range ``[rows, dim]``.  Pure functions: values -> bytes, bytes -> parts.
+magnitude per vector) on a row range ``[rows, dim]``.  Pure functions: values -> bytes, bytes -> parts;
+no I/O, no codec registry (registry.py dispatches here), nothing about records.
 """
 
 from __future__ import annotations

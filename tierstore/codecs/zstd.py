@@ -1,5 +1,6 @@
 """The zstd family (SPEC.md §6.2): zstd frames, trained dictionaries, and the byte shuffle of shuffle+zstd.
-Pure functions over bytes; a frame is checked against what the record says before it is decompressed.
+Pure functions over bytes, no I/O; a frame is checked against what the record says before it is
+decompressed, and nothing is allocated for a size the record does not state.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptionError, InvalidObject
+from ..format import constants as fmt
 
 _ZC: dict[int, zstandard.ZstdCompressor] = {}
 _ZD = zstandard.ZstdDecompressor()
@@ -27,7 +29,7 @@ def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> byt
 
 def dictionary_id(dictionary: bytes) -> int:
     """The id a zstd dictionary declares (nonzero for a trained one), or CorruptionError."""
-    if len(dictionary) < 8 or dictionary[:4] != b"\x37\xa4\x30\xec":
+    if len(dictionary) < 8 or dictionary[:4] != fmt.ZSTD_DICT_MAGIC:
         raise CorruptionError("not a zstd dictionary (magic)")
     did = int.from_bytes(dictionary[4:8], "little")
     if did == 0:
@@ -49,12 +51,39 @@ def zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
 
 
+def frame_length(data: Any) -> int:
+    """The length of the zstd frame at the start of ``data`` (RFC 8878 §3.1.1: the frame header,
+    then blocks of 3-byte headers -- last flag, type, size; an RLE block holds one byte -- then
+    the optional 4-byte checksum), or CorruptionError if it runs past the end."""
+    mv = memoryview(data)
+    if bytes(mv[:4]) != fmt.ZSTD_FRAME_MAGIC:
+        raise CorruptionError("not a zstd frame (magic; a skippable frame is not allowed)")
+    p = zstandard.frame_header_size(mv)
+    while True:
+        if p + 3 > len(mv):
+            raise CorruptionError("zstd frame cut short")
+        b = mv[p] | mv[p + 1] << 8 | mv[p + 2] << 16
+        kind, size = (b >> 1) & 3, b >> 3
+        if kind == 3:
+            raise CorruptionError("zstd block of the reserved type")
+        p += 3 + (1 if kind == 1 else size)
+        if b & 1:
+            break
+    if zstandard.get_frame_parameters(mv).has_checksum:
+        p += 4
+    if p > len(mv):
+        raise CorruptionError("zstd frame cut short")
+    return p
+
+
 def zstd_decompress(data: Any, expected: int, dictionary: bytes | None = None) -> bytes:
-    """A single zstd frame that declares exactly ``expected`` content bytes (checked first),
-    and the dictionary id of ``dictionary`` (or none)."""
+    """Exactly one zstd frame and nothing after it, declaring exactly ``expected`` content
+    bytes (checked first) and the dictionary id of ``dictionary`` (or none) -- SPEC.md §6.2."""
     try:
         declared = zstandard.frame_content_size(data)
         frame_dict = zstandard.get_frame_parameters(data).dict_id
+        if frame_length(data) != len(data):
+            raise CorruptionError("bytes after the zstd frame (a second frame, or garbage)")
     except zstandard.ZstdError as e:
         raise CorruptionError(f"bad zstd frame: {e}") from None
     if declared != expected:

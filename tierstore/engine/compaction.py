@@ -3,7 +3,8 @@
 Steps, each crash-safe:
 
 1. Flush, so the index reflects the whole log, and roll the log over to a fresh segment
-   unless the active segment is still small: victims are always sealed segments.
+   unless the active segment is still small and holds no dead bytes: victims are always
+   sealed segments, and every dead byte is in one.
 2. Victims: sealed segments whose dead fraction is at least ``min_dead_ratio``, and sealed
    segments smaller than a quarter of ``segment_bytes`` (merged, so that frequent
    compactions or restarts never leave a growing number of small files).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CorruptionError
@@ -44,16 +46,20 @@ BATCH_SEGMENTS = 16
 SMALL_FRACTION = 4
 
 
-def compact(engine: Engine, *, min_dead_ratio: float) -> dict[str, Any]:
-    """Steps 1-5 above; returns what was done (victims, records copied / carried / dropped)."""
+def compact(engine: Engine, *, min_dead_ratio: float,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Steps 1-5 above; returns what was done (victims, records copied / carried / dropped).
+    ``progress(n)`` is told the bytes of each victim segment once it is done."""
     t0 = time.perf_counter()
     engine.check_writable()
-    index = engine.index
-    assert index is not None
     engine.commit(force=True, sync=True)
     small = engine.options.segment_bytes // SMALL_FRACTION
-    active = engine.seal_active(small)  # a small active segment stays open: the copies join it
-    stats = index.segment_stats()
+    stats = engine.segment_stats()
+    active = engine.segments()[-1]
+    # a small active segment stays open (the copies join it) unless it holds dead bytes itself:
+    # then it is sealed and merged like any small segment, so that compact() always reclaims
+    active = engine.seal_active(1 if stats.get(active, (0, 0))[0] > 0 else small)
+    stats = engine.segment_stats()
     victims = []
     for seg in engine.segments():
         if seg >= active:
@@ -74,15 +80,17 @@ def compact(engine: Engine, *, min_dead_ratio: float) -> dict[str, Any]:
         batch.append(seg)
         batch_bytes += os.path.getsize(engine.segment_path(seg))
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
-            compact_batch(engine, batch, oldest_survivor, counts)
+            compact_batch(engine, batch, oldest_survivor, counts, progress)
             batch, batch_bytes = [], 0
     return {"victims": victims, **counts, "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
 
 
-def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int]) -> None:
+def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int],
+                  progress: Callable[[int], None] | None = None) -> None:
     """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, unlink."""
     io = engine.io
     moved: list[tuple[bytes, bytes]] = []
+    sizes = {seg: os.path.getsize(engine.segment_path(seg)) for seg in batch}
     for seg in batch:
         older_survivor = oldest_survivor is not None and oldest_survivor < seg
         path = engine.segment_path(seg)
@@ -114,6 +122,8 @@ def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None,
         if loc is not None and loc.segment in batch:
             raise AssertionError(f"compaction left {key!r} in victim segment {loc.segment}")
     engine.retire_segments(batch)
+    if progress is not None:
+        progress(sum(sizes.values()))
 
 
 def _copy_record(engine: Engine, src_fd: int, off: int, hdr: rec.RecordHeader) -> None:

@@ -13,7 +13,8 @@ only while its LSN is newer than the index's applied LSN, read in the same snaps
 two never disagree.
 
 It knows records, never objects, and never imports the tiers, the handle or the tools: those
-are given an Engine and use only the methods below.  Compaction (compaction.py) and the
+are given an Engine and use only its public methods and attributes (``io``, ``index``,
+``options``, ``path``); docs/design.md lists them.  Compaction (compaction.py) and the
 offline tools (repair.py) are its neighbours, given the engine; recovery.py is below it.
 """
 
@@ -22,9 +23,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 from ..errors import (
@@ -46,10 +46,34 @@ from .log import Appended, Log
 from .options import Options
 
 DURABILITY = ("sync", "group", "none")
+# what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
+STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
+                           fmt.INDEX_DIR + ".rebuild"})
+
+# The writable engines of this process, by the store's real path: a second writable handle on a
+# store this process already writes shares that engine (the writer lock is per process).
+_WRITERS: dict[str, "Engine"] = {}
+_WRITERS_LOCK = threading.Lock()
+_OPENING: dict[str, threading.Lock] = {}  # one open at a time per path
 
 # called under the log's append lock, in LSN order, for every record appended:
 # (namespace, key) and the record's header for a PUT, None for a DELETE
 WriteListener = Callable[[tuple[bytes, bytes], "rec.RecordHeader | None"], None]
+
+
+class HeldSegment:
+    """The context manager of ``Engine.hold_segment`` (a class, not a generator: it is on every read)."""
+
+    __slots__ = ("files", "seg")
+
+    def __init__(self, files: seglib.SegmentFiles, seg: int) -> None:
+        self.files, self.seg = files, seg
+
+    def __enter__(self) -> tuple[int, int]:
+        return self.files.acquire(self.seg)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.files.release(self.seg)
 
 
 class SegmentReader:
@@ -105,7 +129,7 @@ class Engine:
         self.log: Log | None = None
         self.store_uuid: bytes | None = None
         self.recovery: dict[str, Any] = {}  # what opening found and did (replay, rebuild, damage)
-        self.counters = {"syncs": 0, "index_commits": 0}
+        self.counters = {"sync_requests": 0, "index_commits": 0}  # and "syncs", from the log (stats)
         self.write_lock = threading.RLock()
         self.executor = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                            thread_name_prefix="tierstore-io")
@@ -124,6 +148,8 @@ class Engine:
         self._stopping = False
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
+        self.users = 1  # handles sharing this engine (open_engine); the last close closes it
+        self._close_lock = threading.Lock()
         try:
             self._open(create)
         except OSError as e:
@@ -142,10 +168,17 @@ class Engine:
         io = self.io
         if not os.path.exists(self.path):
             if not create or self.readonly:
-                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+                raise StoreNotFound(f"no store at {self.path}", path=self.path, hint=self._not_found_hint(create))
             os.makedirs(self.path, exist_ok=True)
         elif not os.path.isdir(self.path):
             raise InvalidObject(f"{self.path} exists and is not a directory", path=self.path)
+        elif create and not self.readonly and not Index.exists(os.path.join(self.path, fmt.INDEX_DIR)) \
+                and not (os.path.isdir(self.seg_dir) and seglib.list_segments(io, self.seg_dir)):
+            others = sorted(set(os.listdir(self.path)) - STORE_ENTRIES)
+            if others:  # never scatter LOCK, index/ and segments/ among someone's files
+                raise InvalidObject(f"{self.path} is not empty and holds no store "
+                                    f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''})",
+                                    path=self.path, hint="create a store in a new or empty directory")
         if not self.readonly:
             self._lock_fd = acquire_writer_lock(io, self.path, self.options.lock_timeout)
         index_dir = os.path.join(self.path, fmt.INDEX_DIR)
@@ -157,7 +190,7 @@ class Engine:
             has_segments = False
         if not has_segments and not has_index:
             if self.readonly or not create:
-                raise StoreNotFound(f"no store at {self.path}", path=self.path)
+                raise StoreNotFound(f"no store at {self.path}", path=self.path, hint=self._not_found_hint(create))
             self._create_store()
         elif not has_segments:
             raise CorruptionError("the index exists but no segment files do", path=self.seg_dir,
@@ -188,6 +221,11 @@ class Engine:
                        next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
                        sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio)
         self.log.on_discard = self._on_discard
+
+    def _not_found_hint(self, create: bool) -> str:
+        if self.readonly:
+            return "a read-only open never creates a store: open it writable once to create it"
+        return "pass create=True to make a new store" if not create else "check the path"
 
     def _create_store(self) -> None:
         io = self.io
@@ -259,15 +297,29 @@ class Engine:
     # -- closing ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Make every write durable and visible, then release everything.  Idempotent."""
-        if self.closed:
-            return
-        try:
-            if self.log is not None and self.log.poisoned is None and self._committer_error is None:
-                self.commit(force=True, sync=True)
-        finally:
-            self.closed = True
-            self._teardown()
+        """Make every write durable and visible; the last of the handles sharing this engine
+        (``open_engine``) also releases everything.  Each handle that opened the engine closes
+        it once (``Store`` makes its own ``close`` idempotent)."""
+        with self._close_lock:  # a closer never commits on an engine another closer tears down
+            with _WRITERS_LOCK:
+                if self.closed:
+                    return
+                self.users -= 1
+                last = self.users == 0
+                real = os.path.realpath(self.path)
+                if last and _WRITERS.get(real) is self:
+                    del _WRITERS[real]
+            healthy = self.log is not None and self.log.poisoned is None and self._committer_error is None
+            if not last:  # outside the process-wide lock: an fdatasync holds up no other store
+                if healthy:
+                    self.commit(force=True, sync=True)
+                return
+            try:
+                if healthy:
+                    self.commit(force=True, sync=True)
+            finally:
+                self.closed = True
+                self._teardown()
 
     def _teardown(self) -> None:
         with self._cv:
@@ -300,30 +352,58 @@ class Engine:
     def subscribe(self, listener: WriteListener) -> None:
         """Call ``listener((namespace, key), header or None)`` for every record appended from now
         on, under the append lock, in LSN order (the cache tiers drop stale copies this way)."""
-        self._listeners.append(listener)
+        log = self.log
+        if log is None:
+            self._listeners = [*self._listeners, listener]
+            return
+        with log.append_lock:  # a new list: an append in flight keeps iterating the old one
+            self._listeners = [*self._listeners, listener]
+
+    def unsubscribe(self, listener: WriteListener) -> None:
+        """Stop calling ``listener`` (a handle sharing this engine closed).  Bound methods compare
+        equal, not identical, so this compares with ``==``."""
+        log = self.log
+        if log is None:
+            self._listeners = [x for x in self._listeners if x != listener]
+            return
+        with log.append_lock:
+            self._listeners = [x for x in self._listeners if x != listener]
 
     def append(self, record: rec.EncodedRecord) -> Appended:
-        """Append one record (not yet durable: ``settle``)."""
-        return self.check_writable().append(record, self._on_written)
+        """Append one record (not yet durable: ``settle``).  Callers check ``check_writable``
+        first; the log itself refuses to append once poisoned."""
+        log = self.log
+        if log is None:
+            raise ReadOnlyError("the store was opened read-only", path=self.path)
+        return log.append(record, self._on_written)
 
     def append_group(self, records: Sequence[rec.EncodedRecord]) -> Appended:
         """Append records as one atomic group (SPEC.md §7.7): after a crash all of them are in
         the log or none is.  Returns where the last one landed."""
-        return self.check_writable().append_group(records, self._on_written)[-1]
+        log = self.log
+        if log is None:
+            raise ReadOnlyError("the store was opened read-only", path=self.path)
+        return log.append_group(records, self._on_written)[-1]
 
     def settle(self, where: Appended) -> None:
         """After an append: make it as durable as the store's mode promises ("sync": synced
         before this returns, sharing one fdatasync with concurrent callers; "group": synced
         once enough is waiting or by the committer's deadline; "none": never), and wake the
         committer that applies it to the index."""
-        log = self.check_writable()
+        log = self.log
+        assert log is not None  # something was appended
         if self.durability == "sync":
+            self.counters["sync_requests"] += 1
             log.sync(where)
-            self.counters["syncs"] += 1
         elif self.durability == "group" and log.unsynced_bytes >= self.options.group_commit_bytes:
+            self.counters["sync_requests"] += 1
             log.sync()
-            self.counters["syncs"] += 1
         self._wake_committer()
+
+    def appended_at(self, loc: Location) -> Appended:
+        """The append position of the record at ``loc`` (to ``settle`` a write that found its
+        record already in the log)."""
+        return Appended(loc.segment, loc.offset, loc.header.lsn, loc.offset + loc.header.record_len)
 
     def flush(self) -> None:
         """Make every earlier write durable and visible to other processes (index committed)."""
@@ -404,8 +484,8 @@ class Engine:
             due_sync = self.durability == "group" and log.oldest_unsynced is not None and (
                 now - log.oldest_unsynced >= self.options.group_commit_ms / 1000.0)
             if sync or due_sync:
+                self.counters["sync_requests"] += 1
                 log.sync()
-                self.counters["syncs"] += 1
             elif self.durability == "none":
                 log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
             limit = log.written_lsn if self.durability == "none" else log.durable_lsn
@@ -535,18 +615,19 @@ class Engine:
         """An ExtentReader over the record at ``loc``; ``where`` names it in errors."""
         return SegmentReader(self, loc, where)
 
-    @contextmanager
-    def hold_segment(self, seg: int) -> Iterator[tuple[int, int]]:
-        """(fd, O_DIRECT fd or -1) of a segment, kept open for the block even if compaction
-        retires it meanwhile; FileNotFoundError if it is already gone."""
-        fds = self.files.acquire(seg)
-        try:
-            yield fds
-        finally:
-            self.files.release(seg)
+    def hold_segment(self, seg: int) -> "HeldSegment":
+        """``with engine.hold_segment(seg) as (fd, dfd)``: the segment's descriptors (dfd: O_DIRECT,
+        or -1), kept open for the block even if compaction retires it meanwhile;
+        FileNotFoundError if it is already gone."""
+        return HeldSegment(self.files, seg)
 
     def segment_path(self, seg: int) -> str:
         return self.files.path(seg)
+
+    def segment_stats(self) -> dict[int, tuple[int, int]]:
+        """segment id -> (dead bytes, state: 0 live, 1 dead), from the index (SPEC.md §9)."""
+        assert self.index is not None
+        return self.index.segment_stats()
 
     def segments(self) -> list[int]:
         """Ids of the segment files, ascending."""
@@ -598,4 +679,52 @@ class Engine:
             "applied_lsn": self.index.applied().lsn,
             "next_lsn": log.next_lsn if log else None,
             "durable_lsn": log.durable_lsn if log else None,
+            "counters": {**self.counters, "syncs": log.fdatasyncs if log else 0},
         }
+
+
+def open_engine(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
+                durability: str = "sync", options: Options | None = None, io: PosixIO | None = None,
+                dram_tier: bool = False) -> Engine:
+    """An Engine for ``path``: a new one, or -- for a writable open of a store this process
+    already has open for writing -- the same engine, shared (its ``close`` then counts the
+    handles, and the last one closes it).  The writer lock is per process, so a second
+    writable handle in the same process would otherwise wait for itself.  Sharing needs the
+    same durability, engine options and I/O layer (InvalidObject names the difference
+    otherwise); a handle sharing the engine also shares its cold-read path (the O_DIRECT
+    threshold the first handle's DRAM tier chose), its recovery report and its counters."""
+    options = options or Options()
+    if readonly:
+        return Engine(path, create=create, readonly=True, durability=durability, options=options, io=io,
+                      dram_tier=dram_tier)
+    real = os.path.realpath(os.path.abspath(os.fspath(path)))
+    with _WRITERS_LOCK:
+        opening = _OPENING.setdefault(real, threading.Lock())
+    with opening:  # one open of this path at a time in this process; other paths are not held up
+        with _WRITERS_LOCK:
+            engine = _WRITERS.get(real)
+            if engine is not None and not engine.closed:
+                mine = {"durability": engine.durability, **engine.options.engine_settings(),
+                        "io": engine.io}
+                asked = {"durability": durability, **options.engine_settings(), "io": io or DEFAULT_IO}
+                diff = sorted(k for k in mine if mine[k] != asked[k])
+                if diff:
+                    raise InvalidObject(
+                        f"this process already has {engine.path} open for writing with other settings "
+                        f"({', '.join(f'{k}={mine[k]!r}' for k in diff)}); a second handle shares that one's engine",
+                        path=engine.path, hint="open it with the same settings, or close the other handle first")
+                engine.check_writable()
+                engine.users += 1
+                return engine
+        engine = Engine(path, create=create, readonly=False, durability=durability, options=options, io=io,
+                        dram_tier=dram_tier)
+        with _WRITERS_LOCK:
+            _WRITERS[real] = engine
+        return engine
+
+
+def writing_in_process(path: str | os.PathLike[str]) -> bool:
+    """Whether this process has the store at ``path`` open for writing (a handle not closed)."""
+    with _WRITERS_LOCK:
+        engine = _WRITERS.get(os.path.realpath(os.path.abspath(os.fspath(path))))
+        return engine is not None and not engine.closed

@@ -68,6 +68,7 @@ class Log:
         self.unsynced_bytes = 0
         self.oldest_unsynced: float | None = None
         self.poisoned: BaseException | None = None
+        self.fdatasyncs = 0  # fdatasync calls made (concurrent syncs share one)
         self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
         self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
@@ -371,6 +372,7 @@ class Log:
             self.tail = target
 
     def _fdatasync(self, fd: int) -> None:
+        self.fdatasyncs += 1
         try:
             self.io.fdatasync(fd)
         except OSError as e:

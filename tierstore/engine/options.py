@@ -1,12 +1,15 @@
 """Options of ``tierstore.open``: sizes parsed, every knob checked, before anything is opened.
 
-Pure: parsing and checking only.  The engine reads the log and index knobs, the handle the
-rest (``vector_extent_bytes``); the cache tiers' options are the tiers' own (tiers/config.py).
+Pure: parsing and checking only; it opens, creates and allocates nothing.  The engine reads
+the log and index knobs, the handle the rest (``vector_extent_bytes``); the cache tiers'
+options are the tiers' own (tiers/config.py).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,18 +52,29 @@ class Options:
     index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
     direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
 
+    def engine_settings(self) -> dict[str, Any]:
+        """The settings the log and the index run with (what handles sharing an engine must agree on)."""
+        return {k: getattr(self, k) for k in ("segment_bytes", "group_commit_ms", "group_commit_bytes",
+                                              "index_commit_ms", "index_batch", "index_map_size", "direct_reads")}
+
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
+    def from_kwargs(cls, kwargs: dict[str, Any], *, also: Sequence[str] = ()) -> "Options":
+        """Parse ``kwargs`` (the options of ``open`` left over once ``also``, the options other
+        layers took, were popped); an unknown one names every option there is."""
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise InvalidObject(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            everything = sorted(known | set(also))
+            near = {u: difflib.get_close_matches(u, everything, n=1) for u in unknown}
+            guess = "; ".join(f"{u}: did you mean {m[0]}?" for u, m in near.items() if m)
+            raise InvalidObject(f"unknown option(s) {', '.join(unknown)}" + (f" ({guess})" if guess else "")
+                                + f"; known: {', '.join(everything)}")
         vals: dict[str, Any] = {}
         for k, v in kwargs.items():
             if k.endswith("_bytes") or k == "index_map_size":
                 vals[k] = parse_size(v, k)
             elif k == "direct_reads":
-                if v not in DIRECT_READS:
+                if not isinstance(v, str) or v not in DIRECT_READS:
                     raise InvalidObject(f"{k} must be one of {', '.join(DIRECT_READS)}, got {v!r}")
                 vals[k] = v
             elif k in ("index_batch",):

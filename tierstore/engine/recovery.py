@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import lmdb.verify
+
 from ..errors import CorruptionError, FormatVersionError, ReadOnlyError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
@@ -53,6 +55,7 @@ class LogScan:
     """What a scan of the log found: the records to apply and where the valid log ends."""
 
     ops: list[Op] = field(default_factory=list)
+    old_index: str | None = None  # what a rebuild did with the index it replaced
     active: int = 0
     tail: int = fmt.SEGMENT_HEADER_SIZE
     next_lsn: int = 1
@@ -77,6 +80,16 @@ def _op(seg: int, off: int, hdr: rec.RecordHeader) -> Op | None:
     if hdr.type == fmt.REC_DELETE:
         return Op(hdr.namespace, hdr.key, hdr.lsn, seg, off, hdr.record_len, None)
     return None
+
+
+def shown_key(key: bytes) -> str:
+    """A key for a report: its text when it is printable UTF-8, else ``0x`` and its hex (as ``ls``
+    shows bytes keys); never raw control bytes on a terminal."""
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + key.hex()
+    return text if text.isprintable() else "0x" + key.hex()
 
 
 def _stamp() -> str:
@@ -377,11 +390,23 @@ class _LogScanner:
     def _cut_tail(self, fd: int, seg: int, stop: seglib.ScanStop, size: int) -> None:
         d = Damage(seg, stop.offset, f"{stop.reason}: {stop.detail}", size - stop.offset)
         if self.writable:
-            if stop.valid_after:
+            if stop.valid_after or self._nonzero(fd, stop.offset, size):  # bytes that may be data: kept
                 d.quarantined_to = quarantine_bytes(self.io, self.root, fd, seg, stop.offset, size, d.reason)
             self.io.ftruncate(fd, stop.offset)
             self.io.fdatasync(fd)
         self.result.damage.append(d)
+
+    def _nonzero(self, fd: int, start: int, end: int) -> bool:
+        """Whether any byte of [start, end) is not zero (preallocated or never-written space is)."""
+        pos = start
+        while pos < end:
+            chunk = self.io.pread(fd, min(end - pos, 8 << 20), pos)
+            if not chunk:
+                return False
+            if chunk.count(0) != len(chunk):
+                return True
+            pos += len(chunk)
+        return False
 
     def _sealed_damage(self, fd: int, seg: int, path: str, offset: int, end: int | None, reason: str,
                        key: tuple[bytes, bytes] | None = None) -> None:
@@ -391,7 +416,7 @@ class _LogScanner:
                                   hint="run `tierstore recover PATH`: it quarantines the damaged bytes, keeps the rest")
         d = Damage(seg, offset, reason, 0)
         if key is not None:
-            d.key = key[1].decode("utf-8", "replace")
+            d.key = shown_key(key[1])
             d.namespace = key[0].decode("utf-8", "replace")
         if end is not None:
             d.bytes_dropped = end - offset
@@ -447,6 +472,15 @@ def abandoned_creation(io: PosixIO, root: str) -> bool:
 
 # --- index rebuild -------------------------------------------------------------------------
 
+
+def verify_lmdb(path: str) -> list[str]:
+    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
+    try:
+        return list(lmdb.verify.verify(path))
+    except lmdb.verify.VerifyError as e:
+        return [str(e)]
+
+
 REBUILD_BATCH = 20_000
 
 
@@ -478,9 +512,20 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
         idx.close()
     final = os.path.join(root, fmt.INDEX_DIR)
     if os.path.exists(final):
-        qdir = os.path.join(root, fmt.QUARANTINE_DIR)
-        os.makedirs(qdir, exist_ok=True)
-        io.rename(final, os.path.join(qdir, f"{_stamp()}-{fmt.INDEX_DIR}-{os.getpid()}"))
+        # the old index is derived data: an intact one is simply replaced; a damaged one is kept
+        # in quarantine/ for inspection (and said so in the scan's result)
+        problems = verify_lmdb(final) if Index.exists(final) else ["no data.mdb"]
+        if problems:
+            qdir = os.path.join(root, fmt.QUARANTINE_DIR)
+            os.makedirs(qdir, exist_ok=True)
+            dest = os.path.join(qdir, f"{_stamp()}-{fmt.INDEX_DIR}-{os.getpid()}")
+            io.rename(final, dest)
+            with open(os.path.join(dest, "REASON.txt"), "w") as f:
+                f.write(f"index replaced by one rebuilt from the segments; it failed LMDB's verifier: {problems[0]}\n")
+            scan.old_index = f"quarantined to {dest} ({problems[0]})"
+        else:
+            shutil.rmtree(final)
+            scan.old_index = "replaced (it passed LMDB's verifier)"
     io.rename(tmp, final)
     io.fsync_dir(root)
     return scan

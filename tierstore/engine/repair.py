@@ -15,26 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import lmdb.verify
-
-from ..errors import CorruptionError, StoreNotFound, TierstoreError
+from ..errors import CorruptionError, StoreLocked, StoreNotFound, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 from . import segment as seglib
-from .engine import Engine
+from .engine import Engine, open_engine, writing_in_process
 from .fileio import PosixIO
 from .index import Applied, Index, Location, decode_location
 from .lock import acquire_writer_lock
 from .options import Options
-from .recovery import rebuild_index
-
-
-def verify_lmdb(path: str) -> list[str]:
-    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
-    try:
-        return list(lmdb.verify.verify(path))
-    except lmdb.verify.VerifyError as e:
-        return [str(e)]
+from .recovery import rebuild_index, shown_key, verify_lmdb
 
 
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
@@ -71,6 +61,9 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     root = os.path.abspath(path)
     if not os.path.isdir(os.path.join(root, fmt.SEGMENTS_DIR)):
         raise StoreNotFound(f"no store at {root}", path=root)
+    if writing_in_process(root):
+        raise StoreLocked("this process has the store open for writing", path=root,
+                          hint="close that handle first: recover rewrites segments under the writer lock")
     lock = acquire_writer_lock(io, root, lock_timeout)
     t0 = time.perf_counter()
     try:
@@ -94,7 +87,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
         finally:
             idx.close()
     if stale:
-        engine = Engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
+        engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
         try:
             with engine.write_lock:
                 for ns, key in stale:
@@ -108,9 +101,65 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     return {"path": root, "records": len(scan.ops), "bytes_scanned": scan.bytes_scanned, "seconds": seconds,
             "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
-            "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": key.decode("utf-8", "replace")}
+            "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key)}
                                    for ns, key in stale],
-            "next_lsn": scan.next_lsn}
+            "next_lsn": scan.next_lsn, "old_index": scan.old_index}
+
+
+# --- quarantine/ ---------------------------------------------------------------------------------
+
+
+def quarantine_list(path: str) -> list[dict[str, Any]]:
+    """What ``quarantine/`` holds: one entry per quarantined item (a file or an old index),
+    with its size, time and the reason recorded beside it."""
+    qdir = os.path.join(os.path.abspath(path), fmt.QUARANTINE_DIR)
+    if not os.path.isdir(qdir):
+        return []
+    out = []
+    for name in sorted(os.listdir(qdir)):
+        full = os.path.join(qdir, name)
+        if name.endswith(".txt") and os.path.exists(full[: -len(".txt")]):
+            continue  # the reason beside a quarantined file
+        if os.path.isdir(full):
+            size = sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full))
+            why_file = os.path.join(full, "REASON.txt")
+        else:
+            size, why_file = os.path.getsize(full), full + ".txt"
+        reason = None
+        if os.path.exists(why_file):
+            with open(why_file) as f:
+                reason = f.read().strip()
+        out.append({"name": name, "bytes": size, "mtime": os.path.getmtime(full), "reason": reason})
+    return out
+
+
+def quarantine_clear(path: str, *, lock_timeout: float = 60.0, io: PosixIO | None = None) -> int:
+    """Delete everything in ``quarantine/`` (under the writer lock); returns how many items went.
+    Quarantined bytes are never part of the store: recover already kept every intact record."""
+    io = io or PosixIO()
+    root = os.path.abspath(path)
+    if not os.path.isdir(os.path.join(root, fmt.SEGMENTS_DIR)):
+        raise StoreNotFound(f"no store at {root}", path=root)
+    items = quarantine_list(root)
+    if not items:
+        return 0
+    if writing_in_process(root):
+        raise StoreLocked("this process has the store open for writing", path=root, hint="close that handle first")
+    lock = acquire_writer_lock(io, root, lock_timeout)
+    try:
+        qdir = os.path.join(root, fmt.QUARANTINE_DIR)
+        for item in items:
+            full = os.path.join(qdir, item["name"])
+            if os.path.isdir(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+                if os.path.exists(full + ".txt"):
+                    os.unlink(full + ".txt")
+        io.fsync_dir(qdir)
+    finally:
+        io.close(lock)
+    return len(items)
 
 
 # --- checking (fsck) ---------------------------------------------------------------------------
@@ -199,8 +248,9 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):
-            report.findings.append(Finding("warning", f"quarantine/ holds {len(os.listdir(qdir))} file(s) "
-                                                      "from earlier recoveries"))
+            n = len(quarantine_list(root))
+            report.findings.append(Finding("warning", f"quarantine/ holds {n} item(s) from earlier recoveries; "
+                                                      "`tierstore quarantine PATH` lists them, --clear deletes them"))
         if os.path.exists(os.path.join(root, fmt.INDEX_DIR + ".rebuild")):
             report.findings.append(Finding("warning", "an interrupted index rebuild left index.rebuild/ "
                                                       "(the next recover removes it)"))

@@ -134,13 +134,27 @@ def _dtype_name(meta: dict[str, Any]) -> str:
     return fmt.DTYPES[meta["dtype"]][0]
 
 
+def _shown(values: Any, limit: int = 8) -> str:
+    """A list for an error message: at most ``limit`` values, then how many more."""
+    values = list(values)
+    head = ", ".join(str(v) for v in values[:limit])
+    return f"[{head}{f', ... ({len(values) - limit} more)' if len(values) > limit else ''}]"
+
+
 def select_layers(layers: Any, start: int, count: int) -> list[int]:
     """Absolute layer ids -> positions in the stored chunk; a contiguous ascending run."""
     if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
         sel = [int(layers)]
     elif isinstance(layers, slice):
+        if layers.step == 0:
+            raise InvalidObject("layers: a slice step cannot be zero")
         sel = list(range(start + count))[layers]
     else:
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+            raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, got {layers!r}")
+        if hasattr(layers, "__len__") and len(layers) > count:
+            raise InvalidObject(f"layers selects {len(layers)} layers; the object holds {count} "
+                                f"([{start}, {start + count}))")
         try:
             sel = [int(x) for x in layers]
         except (TypeError, ValueError):
@@ -150,28 +164,35 @@ def select_layers(layers: Any, start: int, count: int) -> list[int]:
         raise InvalidObject("layers selects no layer")
     bad = [x for x in sel if not start <= x < start + count]
     if bad:
-        raise InvalidObject(f"layers {bad} outside the stored layers [{start}, {start + count})")
+        raise InvalidObject(f"layers {_shown(bad)} outside the stored layers [{start}, {start + count})")
     if any(b != a + 1 for a, b in zip(sel, sel[1:])):
-        raise InvalidObject(f"layers must be a contiguous ascending run, got {sel}",
+        raise InvalidObject(f"layers must be a contiguous ascending run, got {_shown(sel)}",
                             hint="call get() once per run of layers")
     return [x - start for x in sel]
 
 
 def select_rows(rows: Any, n: int) -> np.ndarray:
+    """Row selectors (an int, a sequence of ints, negative from the end, or a slice) -> row
+    numbers; an empty selection is allowed (it reads nothing and returns zero rows)."""
     if isinstance(rows, slice):
+        if rows.step == 0:
+            raise InvalidObject("rows: a slice step cannot be zero")
         return np.arange(n, dtype=np.int64)[rows]
     if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
         rows = [rows]
+    if isinstance(rows, (str, bytes)):
+        raise InvalidObject(f"rows must be a slice or a sequence of ints, got {rows!r}")
     try:
         arr = np.asarray(rows)
     except (TypeError, ValueError):
         raise InvalidObject(f"rows must be a slice or a sequence of ints, got {rows!r}") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidObject(f"rows must be a slice or a 1-d sequence of ints, got {rows!r}")
+        raise InvalidObject(f"rows must be a slice or a 1-d sequence of ints, got {rows!r}"[:300])
     arr = arr.astype(np.int64)
     arr = np.where(arr < 0, arr + n, arr)
     if arr.size and (arr.min() < 0 or arr.max() >= n):
-        raise InvalidObject(f"rows out of range for {n} vectors")
+        bad = arr[(arr < 0) | (arr >= n)]
+        raise InvalidObject(f"rows {_shown(bad)} out of range for {n} vectors")
     return arr
 
 
@@ -245,7 +266,7 @@ def read_on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers
                                   for e in wanted])
             ids = id_stack[flat].to(device)
     v = Vectors.__new__(Vectors)
-    v.data, v.ids, v.metric = data, ids, meta["metric"]
+    v.data, v.ids, v.metric, v.meta = data, ids, meta["metric"], {}
     return v
 
 
@@ -312,7 +333,8 @@ def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device
         if idbuf is not None:
             wanted.append((n_ext + e, memoryview(idbuf[i].view(np.uint8)[: rows_in * 8])))
     wanted.sort(key=lambda w: w[0])
-    reader.read_into(wanted)
+    if wanted:  # zero rows selected: nothing to read
+        reader.read_into(wanted)
     flat_rows = np.array([pos[int(e)] for e in sel // rpe], dtype=np.int64) * rpe + sel % rpe
     gathered = np.ascontiguousarray(buf.reshape(len(exts) * rpe, row_bytes)[flat_rows]).reshape(-1)
     out = arrays.wrap(gathered, name, (len(sel), dim), fw, device)
@@ -325,7 +347,7 @@ def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device
 def _empty_vectors(out: Any, ids: Any, meta: dict[str, Any]) -> Vectors:
     # A selection of zero rows is a valid answer but not a storable object: build it directly.
     v = Vectors.__new__(Vectors)
-    v.data, v.ids, v.metric = out, ids, meta["metric"]
+    v.data, v.ids, v.metric, v.meta = out, ids, meta["metric"], {}
     return v
 
 

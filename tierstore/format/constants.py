@@ -112,6 +112,9 @@ CODEC_VEC_FP16 = 7  # 1.2: lossy, vectors
 CODEC_VEC_INT8 = 8  # 1.2: lossy, vectors: per-vector float32 scale
 CODEC_VEC_BINARY = 9  # 1.2: lossy, vectors: sign bits and the mean magnitude
 CODEC_KV_ANS = 10  # 1.2: lossy, KV: quantised with per-layer bins, then rANS-coded
+ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"  # §6.2: a zstd frame (RFC 8878 §3.1.1); skippable frames are refused
+ZSTD_DICT_MAGIC = b"\x37\xa4\x30\xec"  # §6.2: a zstd dictionary; its id is the next 4 bytes, little-endian
+LOSSY_VALUE_MAX = 66000  # §6.6: a decoded lossy value of larger magnitude is corruption (never written)
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_SHUFFLE_ZSTD: "shuffle+zstd", CODEC_KV_INT8: "int8",
                CODEC_KV_INT4: "int4", CODEC_KV_INT2: "int2", CODEC_KV_FP8: "fp8", CODEC_VEC_FP16: "fp16",
                CODEC_VEC_INT8: "int8", CODEC_VEC_BINARY: "binary", CODEC_KV_ANS: "kvq-ans"}

@@ -267,6 +267,12 @@ def encode_group(count: int) -> EncodedRecord:
     return EncodedRecord(header)
 
 
+def dict_key(namespace: bytes, dict_id: int) -> bytes:
+    """The key, in the reserved namespace ``"\\x00dict"``, of the zstd dictionary ``dict_id`` of
+    ``namespace`` (SPEC.md §6.2): ``ns_len:u8 namespace dict_id:u32be``."""
+    return bytes((len(namespace),)) + namespace + dict_id.to_bytes(4, "big")
+
+
 def ref_key(namespace: bytes, session: bytes, key: bytes) -> bytes:
     """The key of the ref record of ``session`` on (namespace, key) (SPEC.md §5.4)."""
     return (bytes((len(namespace),)) + namespace + bytes((len(session),)) + session
@@ -329,6 +335,9 @@ def encode_pad(length: int) -> bytes:
 
 
 # --- decoding -----------------------------------------------------------------------------
+
+
+META_LEN_FIELD = 13  # index of meta_len in fmt.RECORD_HEADER's fields (magic first)
 
 
 class Fixed(NamedTuple):
@@ -438,7 +447,8 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
 def _check_layout(h: RecordHeader, **where: Any) -> None:
     """Type-specific rules: key/namespace presence, extent placement, metadata schema."""
     if h.type == fmt.REC_PAD:
-        if h.kind or h.namespace or h.key or h.meta or h.extent_lengths or h.lsn:
+        if (h.kind or h.namespace or h.key or h.meta or h.extent_lengths or h.lsn
+                or h.header_len != fmt.RECORD_HEADER_SIZE):  # header_len 48: meta_len 0 (§4.5)
             raise CorruptionError("PAD record with content", **where)
         return
     if h.type == fmt.REC_HOLE:
@@ -460,8 +470,9 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
     if h.lsn == 0:
         raise CorruptionError("record LSN is zero", **where)
     if h.type == fmt.REC_DELETE:
-        if h.kind != fmt.KIND_NONE or h.extent_lengths or h.meta or h.record_len != h.header_len:
-            raise CorruptionError("DELETE record with content", **where)
+        if (h.kind != fmt.KIND_NONE or h.extent_lengths or h.meta or h.record_len != h.header_len
+                or fmt.RECORD_HEADER.unpack_from(h.raw)[META_LEN_FIELD]):
+            raise CorruptionError("DELETE record with content", **where)  # meta_len 0 (§4.5)
         return
     if h.codec not in fmt.CODEC_NAMES:
         raise CorruptionError(f"unknown codec id {h.codec}", **where)

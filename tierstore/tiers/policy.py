@@ -3,9 +3,10 @@ a full tier, and (``SecondRead``) which misses enter the DRAM tier at all.
 
 A policy is told when an entry is admitted, touched (a hit) or removed, and when a session
 becomes active (``Store.prefetch_session``: a new turn arrived) or ends (``drop_session``);
-it answers ``victims()``, the eviction order.  It owns no bytes and never decides admission
-(``SecondRead`` does, before a promotion is tried): ``tiers.Tier`` does the capacity
-accounting and skips pinned entries.  Policies are not thread-safe on their own: a Tier
+it answers ``victims()``, the eviction order.  An eviction policy owns no bytes and never
+decides admission; ``SecondRead``, the one admission policy, decides which misses are promoted
+at all, before a promotion is tried.  ``tier.Tier`` does the capacity accounting and skips
+pinned entries; nothing here does I/O.  Policies are not thread-safe on their own: a Tier
 calls them under its lock.
 
 Entry keys are opaque hashable values; ``sessions`` are the session ids (bytes) holding a
