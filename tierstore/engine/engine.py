@@ -20,6 +20,8 @@ offline tools (repair.py) are its neighbours, given the engine; recovery.py is b
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
 import time
@@ -41,11 +43,13 @@ from . import recovery
 from . import segment as seglib
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
-from .lock import acquire_writer_lock
+from .index import stamp as index_stamp
+from .lock import acquire_writer_lock, writer_active
 from .log import Appended, Log
 from .options import Options
 
 DURABILITY = ("sync", "group", "none")
+_log = logging.getLogger("tierstore")
 # what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
                            fmt.INDEX_DIR + ".rebuild"})
@@ -59,6 +63,19 @@ _OPENING: dict[str, threading.Lock] = {}  # one open at a time per path
 # called under the log's append lock, in LSN order, for every record appended:
 # (namespace, key) and the record's header for a PUT, None for a DELETE
 WriteListener = Callable[[tuple[bytes, bytes], "rec.RecordHeader | None"], None]
+
+
+def _index_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An Engine method that reads the index: damage it finds is noted (``_index_damage``)."""
+
+    @functools.wraps(fn)
+    def reading(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except CorruptionError as e:
+            raise self._index_damage(e) from None
+
+    return reading
 
 
 class HeldSegment:
@@ -149,6 +166,8 @@ class Engine:
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
+        self.index_damage: str | None = None  # damage a read found in the index (rebuilt at the next open)
+        self._warned_index = False
         self._close_lock = threading.Lock()
         try:
             self._open(create)
@@ -201,13 +220,19 @@ class Engine:
                                       hint="open the store writable (or run `tierstore recover PATH`) to rebuild it")
             self._rebuild("index missing")
         try:
-            self.index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size)
+            self.index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size,
+                                    at_rest=not self.readonly or not writer_active(self.io, self.path))
+            scan = self._replay()
         except CorruptionError as e:
-            if self.readonly:
+            if self.readonly or not getattr(e, "index", False):
                 raise
+            if self.index is not None:
+                self.index.close()
+                self.index = None
+            self.warn_index(f"index unreadable ({e.message})")
             self._rebuild(f"index unreadable ({e.message})")  # derived data: rebuild it from the log
             self.index = Index.open(index_dir, writable=True, map_size=self.options.index_map_size)
-        scan = self._replay()
+            scan = self._replay()
         if self.readonly:
             for op in scan.ops:
                 self._mem[(op.namespace, op.key)] = op
@@ -239,6 +264,7 @@ class Engine:
             idx.initialise(uuid)
         finally:
             idx.close()
+        index_stamp(os.path.join(self.path, fmt.INDEX_DIR))
         io.fsync_dir(self.path)
 
     def _rebuild(self, why: str) -> None:
@@ -315,11 +341,22 @@ class Engine:
                     self.commit(force=True, sync=True)
                 return
             try:
-                if healthy:
+                if healthy and self.index_damage is None:
                     self.commit(force=True, sync=True)
+                elif healthy:
+                    assert self.log is not None
+                    self.log.sync()  # the log holds everything; the damaged index is replaced below
             finally:
                 self.closed = True
                 self._teardown()
+                if healthy and self.index_damage is None and not self.readonly:
+                    index_stamp(os.path.join(self.path, fmt.INDEX_DIR))  # closed cleanly: the next open trusts it
+                if self.index_damage is not None and not self.readonly:
+                    index_dir = os.path.join(self.path, fmt.INDEX_DIR)
+                    if os.path.isdir(index_dir):  # the next writable open rebuilds it from the log
+                        dest = recovery.quarantine_file(self.io, self.path, index_dir)
+                        with open(os.path.join(dest, "REASON.txt"), "w") as f:
+                            f.write(f"index damaged: {self.index_damage}\n")
 
     def _teardown(self) -> None:
         with self._cv:
@@ -517,16 +554,36 @@ class Engine:
 
     # -- looking up ---------------------------------------------------------------------------
 
+    def _index_damage(self, e: CorruptionError) -> CorruptionError:
+        """Index damage found while reading (``e.index``): say so once, and have the index rebuilt
+        from the segments -- the index is moved to quarantine/ when the engine closes, so the next
+        writable open rebuilds it.  Returns ``e`` for the caller to raise."""
+        if getattr(e, "index", False) and self.index_damage is None:
+            self.index_damage = e.message
+            self.warn_index(e.message)
+        return e
+
+    def warn_index(self, why: str) -> None:
+        """Log, once per engine, that the index is damaged and what happens to it."""
+        if not self._warned_index:
+            self._warned_index = True
+            _log.warning("tierstore: the index of %s is damaged (%s); it is derived data and is rebuilt from the "
+                         "segments%s", self.path, why,
+                         "" if self.readonly else " (now, or when this store is next opened writable)")
+
     def lookup(self, ns: bytes, k: bytes) -> Location | None:
         """The newest location of a key, or None.  Memtable first, then an index snapshot."""
         assert self.index is not None
-        m = self._mem.get((ns, k))
-        if m is None:  # nothing unapplied for this key: the index holds its newest record
-            return self.index.lookup(ns, k)
-        with self.index.read() as view:
-            if m.lsn > view.applied().lsn:
-                return m.location  # None for a delete
-            return view.get(ns, k)
+        try:
+            m = self._mem.get((ns, k))
+            if m is None:  # nothing unapplied for this key: the index holds its newest record
+                return self.index.lookup(ns, k)
+            with self.index.read() as view:
+                if m.lsn > view.applied().lsn:
+                    return m.location  # None for a delete
+                return view.get(ns, k)
+        except CorruptionError as e:
+            raise self._index_damage(e) from None
 
     def _memtable(self, ns: bytes, prefix: bytes = b"") -> dict[bytes, Op]:
         """Unapplied records of namespace ``ns`` whose key starts with ``prefix``.  Take it
@@ -535,6 +592,7 @@ class Engine:
         with self._pending_lock:
             return {k: m for (n, k), m in self._mem.items() if n == ns and k.startswith(prefix)}
 
+    @_index_reads
     def keys(self, ns: bytes) -> dict[bytes, int]:
         """key -> flags of every object in namespace ``ns``."""
         assert self.index is not None
@@ -550,6 +608,7 @@ class Engine:
                     out[k] = m.location.header.flags
         return out
 
+    @_index_reads
     def namespaces(self) -> list[bytes]:
         """Names of the namespaces holding at least one object (reserved ones left out), sorted."""
         assert self.index is not None
@@ -562,6 +621,7 @@ class Engine:
                 names.add(ns)
         return sorted(n for n in names if self.keys(n))
 
+    @_index_reads
     def prefix_run(self, ns: bytes, keys: Iterable[bytes]) -> int:
         """How many leading ``keys`` exist in ``ns``: one index get per key up to the first miss."""
         assert self.index is not None
@@ -577,6 +637,7 @@ class Engine:
         handle is read-only and another process may be adding them."""
         return self._refs_seen or self.readonly
 
+    @_index_reads
     def sessions_of(self, ns: bytes, k: bytes) -> list[bytes]:
         """Sessions holding a reference on (ns, k) (SPEC.md §5.4): the index, then the memtable."""
         assert self.index is not None
@@ -592,6 +653,7 @@ class Engine:
                 (sessions.add if m.location is not None else sessions.discard)(parsed[1])
         return sorted(sessions)
 
+    @_index_reads
     def session_refs(self, ns: bytes, sess: bytes) -> dict[bytes, bytes]:
         """ref key -> target key of every reference session ``sess`` holds in ``ns``."""
         assert self.index is not None

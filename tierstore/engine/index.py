@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import lmdb
+import lmdb.verify
 
 from ..errors import CorruptionError, StoreIOError, TierstoreError
 from ..format import constants as fmt
@@ -85,9 +86,115 @@ def _reading(path: str) -> Iterator[None]:
         raise _unreadable(path, e) from None
 
 
+INDEX_HINT = ("the index is derived data: open the store writable and it is rebuilt from the segments "
+              "(or run `tierstore recover PATH`)")
+
+
 def _unreadable(path: str, e: lmdb.Error) -> CorruptionError:
-    return CorruptionError(f"index unreadable: {e}", path=path,
-                           hint="run `tierstore recover PATH` to rebuild the index from the segments")
+    return damaged(f"index unreadable: {e}", path)
+
+
+def damaged(message: str, path: str | None, **where: Any) -> CorruptionError:
+    """A CorruptionError of the index itself (``index=True``): the engine rebuilds the index
+    rather than failing (SPEC.md §9: the index is derived)."""
+    return CorruptionError(message, path=path, hint=INDEX_HINT, index=True, **where)
+
+
+# LMDB's meta pages (pages 0 and 1; lmdb.h MDB_meta, 64-bit): after the 16-byte page header,
+# magic, version, address, map size, two MDB_db records (the first's md_pad is the page size),
+# the last page number used and the transaction id.
+_MDB_MAGIC = 0xBEEFC0DE
+_META_MAGIC = struct.Struct("<II")  # magic, version at page offset 16
+_META_PSIZE = struct.Struct("<I")  # at page offset 40
+_META_LAST = struct.Struct("<QQ")  # last_pg, txnid at page offset 136
+
+
+def verify_lmdb(path: str) -> list[str]:
+    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
+    try:
+        return list(lmdb.verify.verify(path))
+    except lmdb.verify.VerifyError as e:
+        return [str(e)]
+
+
+STAMP_FILE = "tierstore-checksum"  # beside data.mdb: its size and CRC-32C when a writer last closed it cleanly
+
+
+def _file_crc(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = rec.crc32c(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def stamp(path: str) -> None:
+    """Record data.mdb's size and checksum after a clean close (``trusted`` then need not walk it)."""
+    size, crc = _file_crc(os.path.join(path, "data.mdb"))
+    tmp = os.path.join(path, STAMP_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{size} {crc:08x}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, STAMP_FILE))
+
+
+def unstamp(path: str) -> None:
+    """A writer is about to change data.mdb: the stamp no longer describes it."""
+    try:
+        os.unlink(os.path.join(path, STAMP_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def untrusted(path: str) -> str | None:
+    """Why data.mdb at rest cannot be handed to liblmdb (which is not hardened against damaged
+    files: a zeroed page can abort the process), or None.  Cheap when the file still matches
+    the stamp its last clean close wrote (one CRC pass); otherwise LMDB's offline verifier
+    walks it (after a crash, or damage at rest)."""
+    problem = check_file(path)
+    if problem is not None:
+        return problem
+    try:
+        with open(os.path.join(path, STAMP_FILE)) as f:
+            size_text, crc_text = f.read().split()
+        expected = (int(size_text), int(crc_text, 16))
+    except (OSError, ValueError):
+        expected = None  # no stamp (a writer did not close it cleanly, or an older store): verify
+    if expected is not None:
+        if _file_crc(os.path.join(path, "data.mdb")) == expected:
+            return None
+        return "data.mdb changed at rest since its last clean close (its checksum differs from the stamp)"
+    problems = verify_lmdb(path)
+    return problems[0] if problems else None
+
+
+def check_file(path: str) -> str | None:
+    """What is wrong with ``path``/data.mdb against its own meta pages, before LMDB maps it (a
+    file shorter than its newest meta page says makes liblmdb die of SIGBUS), or None."""
+    data_path = os.path.join(path, "data.mdb")
+    try:
+        with open(data_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(16 << 10)
+    except OSError as e:
+        return f"cannot read data.mdb: {e.strerror or e}"
+    metas = []
+    for off in sorted({0, 4096, *((_META_PSIZE.unpack_from(head, 40)[0],) if len(head) >= 44 else ())}):
+        if off + 152 > len(head):
+            continue
+        magic, version = _META_MAGIC.unpack_from(head, off + 16)
+        psize = _META_PSIZE.unpack_from(head, off + 40)[0]
+        last_pg, txnid = _META_LAST.unpack_from(head, off + 136)
+        if magic == _MDB_MAGIC and version == 1 and psize in (4096, 8192, 16384, 32768, 65536) and off in (0, psize):
+            metas.append((txnid, last_pg, psize))
+    if not metas:
+        return "no valid LMDB meta page"
+    txnid, last_pg, psize = max(metas)
+    if size < (last_pg + 1) * psize:
+        return f"data.mdb is {size} bytes; its meta page (txn {txnid}) says it uses {(last_pg + 1) * psize}"
+    return None
 
 
 _HEADER_CACHE: dict[bytes, "Location"] = {}  # index value -> its decoded Location
@@ -114,16 +221,19 @@ def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | N
     if loc is None:
         where = {"namespace": namespace.decode("utf-8", "replace") if namespace else None, "key": key}
         if len(value) < _LOC.size:
-            raise CorruptionError("index entry truncated", **where)
+            raise damaged("index entry truncated", None, **where)
         seg, off = _LOC.unpack_from(value)
-        hdr = rec.decode_header(memoryview(value)[_LOC.size :], segment=seg, offset=off, **where)
+        try:
+            hdr = rec.decode_header(memoryview(value)[_LOC.size :], segment=seg, offset=off, **where)
+        except CorruptionError as e:
+            raise damaged(f"index entry damaged: {e.message}", None, segment=seg, offset=off, **where) from None
         if hdr.type != fmt.REC_PUT:
-            raise CorruptionError("index entry is not a PUT record", segment=seg, offset=off, **where)
+            raise damaged("index entry is not a PUT record", None, segment=seg, offset=off, **where)
         loc = Location(seg, off, hdr)
         _remember(value, loc)
     if namespace is not None and (loc.header.namespace != namespace or loc.header.key != key):
-        raise CorruptionError("index entry does not describe this key", segment=loc.segment, offset=loc.offset,
-                              namespace=namespace.decode("utf-8", "replace"), key=key)
+        raise damaged("index entry does not describe this key", None, segment=loc.segment, offset=loc.offset,
+                      namespace=namespace.decode("utf-8", "replace"), key=key)
     return loc
 
 
@@ -155,26 +265,34 @@ class Index:
         return os.path.exists(os.path.join(path, "data.mdb"))
 
     @classmethod
-    def open(cls, path: str, *, writable: bool, map_size: int = 64 << 20) -> "Index":
-        """Open (or create, when writable) the environment at ``path``, shared in-process."""
+    def open(cls, path: str, *, writable: bool, map_size: int = 64 << 20, at_rest: bool = False) -> "Index":
+        """Open (or create, when writable) the environment at ``path``, shared in-process.
+        ``at_rest``: no other process writes it, so it is checked (``untrusted``) before liblmdb
+        maps it; otherwise only its size is (a live writer checked it when it opened)."""
         real = os.path.realpath(path)
         with _ENVS_LOCK:
             ent = _ENVS.get(real)
             if ent is None:
                 if writable:
                     os.makedirs(real, exist_ok=True)
+                if cls.exists(real):
+                    problem = untrusted(real) if at_rest else check_file(real)
+                    if problem is not None:
+                        raise damaged(f"index file damaged: {problem}", real)
+                    if writable:
+                        unstamp(real)
                 try:
                     env = lmdb.open(real, map_size=map_size, subdir=True, readonly=not writable, metasync=False,
                                     sync=True, max_dbs=8, max_readers=1024, lock=True, create=writable,
                                     lib_version=fmt.LMDB_LIB_VERSION if writable else None)
                 except lmdb.InvalidError as e:
-                    raise CorruptionError(f"index is not a valid LMDB environment: {e}", path=real) from None
+                    raise damaged(f"index is not a valid LMDB environment: {e}", real) from None
                 except lmdb.VersionMismatchError as e:
                     # tierstore always writes LMDB data format v1 (lib_version=0): another version
                     # means a damaged meta page or a foreign file; the index is derived, so rebuild
-                    raise CorruptionError(f"index is not LMDB data format v1: {e}", path=real) from None
+                    raise damaged(f"index is not LMDB data format v1: {e}", real) from None
                 except lmdb.Error as e:
-                    raise CorruptionError(f"cannot open index: {e}", path=real) from None
+                    raise damaged(f"cannot open index: {e}", real) from None
                 ent = _ENVS[real] = [env, 0, threading.Lock(), writable]
             elif writable and not ent[3]:
                 raise TierstoreError("the index is open read-only in this process; close read-only handles first",
@@ -184,7 +302,7 @@ class Index:
             idx = cls(real, ent[0], ent[2], writable)
         except lmdb.Error as e:
             cls._release(real)
-            raise CorruptionError(f"index is missing its tables: {e}", path=real) from None
+            raise damaged(f"index is missing its tables: {e}", real) from None
         if writable:
             idx.env.reader_check()
         return idx
@@ -368,6 +486,27 @@ class Index:
         self.env.sync(True)
 
 
+def _checked_flags(value: bytes, namespace: bytes, key: bytes, path: str) -> int:
+    """The flags of an index entry's record header, after checking that the header's checksum holds
+    and that it names this namespace and key (SPEC.md §4.1 offsets)."""
+    cached = _HEADER_CACHE.get(value)
+    if cached is not None and cached.header.namespace == namespace and cached.header.key == key:
+        return cached.header.flags
+    p = _LOC.size
+    ok = len(value) >= p + fmt.RECORD_HEADER_SIZE
+    if ok:
+        magic, crc, _type, flags, header_len = struct.unpack_from("<4sIHHI", value, p)
+        ns_len, key_len = value[p + 36], struct.unpack_from("<H", value, p + 38)[0]
+        ok = (magic == fmt.RECORD_MAGIC and len(value) == p + header_len
+              and rec.crc32c(memoryview(value)[p + 8 :]) == crc
+              and value[p + 48 : p + 48 + ns_len] == namespace
+              and value[p + 48 + ns_len : p + 48 + ns_len + key_len] == key)
+    if not ok:
+        raise damaged("index entry does not match its key (damaged)", path,
+                      namespace=namespace.decode("utf-8", "replace"), key=key)
+    return flags
+
+
 def _record_len_of(value: bytes) -> int:
     # record_len sits at offset 24 of the fixed header, after the 16-byte location prefix
     return struct.unpack_from("<Q", value, _LOC.size + 24)[0]
@@ -390,7 +529,7 @@ class ReadView:
         with _reading(self.index.path):
             v = self.txn.get(b"applied", db=self.index.meta)
         if v is None or len(v) != _APPLIED.size:
-            raise CorruptionError("index has no valid applied position", path=self.index.path)
+            raise damaged("index has no valid applied position", self.index.path)
         return Applied(*_APPLIED.unpack(v))
 
     def prefix_run(self, namespace: bytes, keys: Iterable[bytes], pending: dict[bytes, bool]) -> int:
@@ -416,20 +555,23 @@ class ReadView:
             v = self.txn.get(index_key(namespace, key), db=self.index.objects)
         return None if v is None else decode_location(v, namespace, key)
 
-    def keys(self, namespace: bytes, prefix: bytes = b"") -> Iterator[tuple[bytes, int]]:
+    def keys(self, namespace: bytes, prefix: bytes = b"") -> list[tuple[bytes, int]]:
         """(key, flags) of every object in ``namespace`` (whose key starts with ``prefix``), in
-        key order."""
+        key order.  Each entry's header checksum and its namespace and key are checked (without
+        decoding the metadata): a damaged entry is index damage, never a wrong listing."""
         strip = len(index_key(namespace, b""))
         prefix = index_key(namespace, prefix)
+        out = []
         with _reading(self.index.path):
             cur = self.txn.cursor(db=self.index.objects)
             if not cur.set_range(prefix):
-                return
+                return out
             for k, v in cur:
                 if not k.startswith(prefix):
-                    return
-                flags = struct.unpack_from("<H", v, _LOC.size + 10)[0]
-                yield k[strip:], flags
+                    break
+                key = k[strip:]
+                out.append((key, _checked_flags(v, namespace, key, self.index.path)))
+        return out
 
     def sessions_of(self, namespace: bytes, key: bytes) -> list[bytes]:
         """The sessions holding a reference on (namespace, key), from the derived refs table."""
@@ -470,8 +612,10 @@ class ReadView:
                 ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
         return out
 
-    def items(self) -> Iterator[tuple[bytes, bytes, Location]]:
+    def items(self) -> list[tuple[bytes, bytes, Location]]:
+        out = []
         with _reading(self.index.path):
             for k, v in self.txn.cursor(db=self.index.objects):
                 ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
-                yield ns, key, decode_location(v, ns, key)
+                out.append((ns, key, decode_location(v, ns, key)))
+        return out

@@ -38,3 +38,19 @@ def acquire_writer_lock(io: PosixIO, root: str, timeout: float) -> int:
             raise StoreLocked(f"another writer holds the store (waited {timeout:g}s)", path=root)
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def writer_active(io: PosixIO, root: str) -> bool:
+    """Whether another handle holds the writer lock now (a probe: the lock is released at once)."""
+    path = os.path.join(root, fmt.LOCK_FILE)
+    try:
+        fd = io.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        io.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        io.close(fd)  # closing releases a lock the probe took

@@ -25,14 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import lmdb.verify
-
 from ..errors import CorruptionError, FormatVersionError, ReadOnlyError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 from . import segment as seglib
 from .fileio import PosixIO, write_all
-from .index import Applied, Index, Location, Op
+from .index import Applied, Index, Location, Op, stamp, verify_lmdb
 
 
 class IndexAhead(TierstoreError):
@@ -473,14 +471,6 @@ def abandoned_creation(io: PosixIO, root: str) -> bool:
 # --- index rebuild -------------------------------------------------------------------------
 
 
-def verify_lmdb(path: str) -> list[str]:
-    """LMDB's offline structural verifier (pure Python: safe on any bytes): its problems."""
-    try:
-        return list(lmdb.verify.verify(path))
-    except lmdb.verify.VerifyError as e:
-        return [str(e)]
-
-
 REBUILD_BATCH = 20_000
 
 
@@ -510,6 +500,7 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
         idx.sync()
     finally:
         idx.close()
+    stamp(tmp)  # built here and closed: trusted at the next open without a walk
     final = os.path.join(root, fmt.INDEX_DIR)
     if os.path.exists(final):
         # the old index is derived data: an intact one is simply replaced; a damaged one is kept

@@ -15,16 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
+
 from ..errors import CorruptionError, StoreLocked, StoreNotFound, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 from . import segment as seglib
 from .engine import Engine, open_engine, writing_in_process
 from .fileio import PosixIO
-from .index import Applied, Index, Location, decode_location
+from .index import Applied, Index, Location, decode_location, verify_lmdb
 from .lock import acquire_writer_lock
 from .options import Options
-from .recovery import rebuild_index, shown_key, verify_lmdb
+from .recovery import rebuild_index, shown_key
 
 
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
@@ -207,12 +209,33 @@ def _ns(b: bytes) -> str:
 
 def fsck(path: str, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> Report:
     """``tierstore fsck``: open the store read-only and ``check_store`` it."""
-    engine = Engine(path, create=False, readonly=True)
+    root = os.path.abspath(path)
+    index_dir = os.path.join(root, fmt.INDEX_DIR)
+    if deep and Index.exists(index_dir) and (problems := verify_lmdb(index_dir)):
+        # verify-then-trust: LMDB's offline verifier walks the file in Python before liblmdb maps it
+        return _index_report(root, [f"index (LMDB): {p}" for p in problems])
+    try:
+        engine = Engine(root, create=False, readonly=True)
+    except CorruptionError as e:
+        if not getattr(e, "index", False):
+            raise
+        return _index_report(root, [e.message])
     try:
         assert engine.index is not None
         return check_store(engine.io, engine.path, engine.index, deep=deep, progress=progress)
     finally:
         engine.close()
+
+
+def _index_report(root: str, problems: list[str]) -> Report:
+    """fsck of a store whose index cannot be read: the findings, and that the log was not checked."""
+    report = Report()
+    for problem in problems:
+        report.error(problem)
+    report.error("the index is damaged and was not read; `tierstore recover PATH` (or fsck --fix) rebuilds it from "
+                 "the segments")
+    report.segments = len(seglib.list_segments(PosixIO(), os.path.join(root, fmt.SEGMENTS_DIR)))
+    return report
 
 
 def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
@@ -239,12 +262,16 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
             if problems:
                 report.error("index failed verification and was not read; `tierstore recover PATH` rebuilds it")
                 return report
-        with index.read() as view:
-            applied = view.applied()
-            indexed = _check_index_to_log(io, view, fds, report, progress)
-            if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
-                report.error(f"the index's refs table holds {view.txn.stat(index.refs)['entries']} entries for "
-                             f"{report.references} references")
+        try:
+            with index.read() as view:
+                applied = view.applied()
+                indexed = _check_index_to_log(io, view, fds, report, progress)
+                if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
+                    report.error(f"the index's refs table holds {view.txn.stat(index.refs)['entries']} entries "
+                                 f"for {report.references} references")
+        except (CorruptionError, lmdb.Error) as e:
+            report.error(f"index unreadable: {getattr(e, 'message', e)}; `tierstore recover PATH` rebuilds it")
+            return report
         _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):

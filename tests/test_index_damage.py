@@ -1,0 +1,137 @@
+"""A damaged index cannot take the process down or give a wrong answer (issue 14, item 3).
+
+The index is derived data (SPEC.md §9): whatever happens to ``index/data.mdb`` -- truncated at a
+page, a page zeroed, a bit flipped in a value -- opening the store, listing it, reading every
+object and fsck never crash the process (each case runs in a child process, so a SIGBUS or an
+abort inside liblmdb fails the test), never list or return a wrong object, and the store is whole
+again after at most one more open (the damaged index is quarantined and rebuilt from the log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tierstore
+from tierstore import Blob
+from tierstore.engine import repair
+
+N = 600
+CHILD = r"""
+import json, os, shutil, sys, tierstore
+from tierstore.engine import repair
+base, work, n, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+for kind, at, bit in cases:
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(base, work)
+    with open(os.path.join(work, "index", "data.mdb"), "r+b") as f:
+        if kind == "truncate":
+            f.truncate(at)
+        elif kind == "zero":
+            f.seek(at)
+            f.write(bytes(4096))
+        elif kind == "flip":
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ (1 << bit)]))
+    print("case", kind, at, bit, flush=True)  # a crash below names its case
+    out = []
+    for attempt in range(2):
+        try:
+            with tierstore.open(work) as s:
+                keys = s.keys()
+                bad = sum(1 for k in keys if s.get(k).data != int(k[1:]).to_bytes(4, "little") * 30)
+                out.append(f"keys={len(keys)},bad={bad},refs={len(s.session_keys('s1'))}")
+        except tierstore.CorruptionError as e:
+            out.append("index" if getattr(e, "index", False) else "corruption:" + e.message)
+    out.append(f"fsck={repair.fsck(work, deep=True).ok}")
+    print("|".join(out), flush=True)
+"""
+WHOLE = f"keys={N},bad=0,refs={len(range(0, N, 7))}"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("index-damage") / "store")
+    with tierstore.open(path) as s:
+        for i in range(N):
+            s.put(f"k{i:05d}", Blob(i.to_bytes(4, "little") * 30), session="s1" if i % 7 == 0 else None)
+    return path
+
+
+def run_cases(base: str, work: str, cases: list[tuple[str, int, int]]) -> list[tuple[str, list[str]]]:
+    """Damage a copy of ``base`` each way, in one child process; (case, [first open, second open,
+    fsck]) for each.  A crash of the child (SIGBUS, an abort in liblmdb) fails the test, naming the case."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, base, work, str(N), json.dumps(cases)],
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, f"the process died (rc {proc.returncode}) after {lines[-1:]}: {proc.stderr[-500:]}"
+    return [(lines[i], lines[i + 1].split("|")) for i in range(0, len(lines), 2)]
+
+
+def check(results: list[tuple[str, list[str]]], n_cases: int) -> None:
+    assert len(results) == n_cases
+    for case, (first, second, fsck) in results:
+        # the whole store, or "the index is damaged" (and so rebuilt): never a wrong answer
+        assert first in (WHOLE, "index"), case
+        assert second == WHOLE and fsck == "fsck=True", case
+
+
+def pages(base: str) -> int:
+    return os.path.getsize(os.path.join(base, "index", "data.mdb")) // 4096
+
+
+def test_an_undamaged_index_is_trusted_without_a_rebuild(base, tmp_path):
+    work = str(tmp_path / "w")
+    assert run_cases(base, work, [("none", 0, 0)])[0][1] == [WHOLE, WHOLE, "fsck=True"]
+    with tierstore.open(work) as s:
+        assert "rebuilt_index" not in s.recovery
+
+
+def test_truncated_at_every_page(base, tmp_path):
+    cases = [("truncate", page * 4096, 0) for page in range(pages(base))]
+    check(run_cases(base, str(tmp_path / "w"), cases), len(cases))
+
+
+def test_each_page_zeroed(base, tmp_path):
+    cases = [("zero", page * 4096, 0) for page in range(pages(base))]
+    check(run_cases(base, str(tmp_path / "w"), cases), len(cases))
+
+
+def test_random_bit_flips(base, tmp_path):
+    rng = np.random.default_rng(14)
+    cases = [("flip", int(off), int(bit)) for off, bit in
+             zip(rng.integers(2 * 4096, pages(base) * 4096, 40), rng.integers(0, 8, 40))]
+    check(run_cases(base, str(tmp_path / "w"), cases), len(cases))
+
+
+def test_a_value_damaged_while_open_is_index_damage_and_is_rebuilt(base, tmp_path):
+    """The key-type flag of one entry flipped under a live handle (the case that raised
+    UnicodeDecodeError from keys()): keys(), namespaces() and ls raise CorruptionError, once
+    logged; the next open rebuilds the index and everything is there."""
+    work = str(tmp_path / "w")
+    shutil.copytree(base, work)
+    s = tierstore.open(work)
+    with open(os.path.join(work, "index", "data.mdb"), "rb") as f:
+        data = f.read()
+    at = data.find(b"k00042") + 6  # an index key; its value follows in the leaf page
+    value = data.find(b"\xd4TRC", at)
+    with open(os.path.join(work, "index", "data.mdb"), "r+b") as f:
+        f.seek(value + 10)  # the flags of the record header inside the value
+        f.write(bytes([data[value + 10] ^ 1]))
+    for call in (s.keys, s.namespaces):
+        with pytest.raises(tierstore.CorruptionError) as e:
+            call()
+        assert e.value.index and "rebuilt" in e.value.hint
+    s.close()
+    assert any(n.endswith("-index") for n in os.listdir(os.path.join(work, "quarantine")))
+    with tierstore.open(work) as s:
+        assert len(s.keys()) == N and s.recovery["rebuilt_index"] == "index missing"
+    assert repair.fsck(work, deep=True).ok
