@@ -215,7 +215,9 @@ class Store:
         is stored raw unless a codec was asked for; ``info(key)`` shows the codec and its bound.
 
         Raises InvalidObject on bad input (nothing is written), ReadOnlyError, StoreFull,
-        StoreIOError.
+        StoreIOError.  A put that raised is not in the store afterwards (``error.taken_back``),
+        unless the error says otherwise (the log could not be cut; the write may then appear,
+        whole, after a reopen).
         """
         self._check_writable()
         engine = self._engine

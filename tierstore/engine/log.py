@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import StoreIOError
+from ..errors import StoreIOError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 from .fileio import PAGE, DirectIO, PosixIO, io_error, write_all, write_all_parallel
@@ -298,15 +298,19 @@ class Log:
         try:
             write_all(self.io, self.fd, [self._buf], start)
         except OSError as e:
-            first = self.written_lsn + 1
-            self._buf = bytearray()
-            self.tail = start
-            self.next_lsn = first
-            self.unsynced_bytes = 0
-            self._undo_partial_write()
-            if self.on_discard is not None:
-                self.on_discard(first)
-            raise io_error(e, "write to segment", path=self._path(self.active), segment=self.active) from None
+            err = io_error(e, "write to segment", path=self._path(self.active), segment=self.active)
+            if not (self.sync_enabled and self._take_back(err)):
+                first = self.written_lsn + 1  # durability "none": the buffered records only
+                self._buf = bytearray()
+                self.tail = start
+                self.next_lsn = first
+                self.unsynced_bytes = 0
+                self._undo_partial_write()
+                if self.on_discard is not None:
+                    self.on_discard(first)
+                if isinstance(err, TierstoreError):
+                    err.taken_back = self.poisoned is None
+            raise err from None
         self._buf = bytearray()
         self.written = (self.active, self.tail)
         self.written_lsn = self.next_lsn - 1
@@ -315,6 +319,39 @@ class Log:
         """Hand every appended record to the OS (no fsync)."""
         with self.append_lock:
             self._flush_buffer()
+
+    def _take_back(self, err: BaseException) -> bool:
+        """After a failed write or sync: cut the active segment back to the durable position and
+        forget every record after it (caller holds append_lock).  None of them is durable, so no
+        acknowledged write is lost; the puts that wrote them raise ``err``, which records whether
+        they are gone for good (``taken_back``: not in this handle, not after a reopen) or may
+        still appear after a reopen (the cut failed; the log is then poisoned).  False when the
+        durable position is not in the active segment (durability "none" sealed segments)."""
+        seg, off = self.durable
+        if seg != self.active:
+            return False
+        first = self.durable_lsn + 1
+        self._buf = bytearray()
+        taken = True
+        try:
+            self.io.ftruncate(self.fd, off)
+        except OSError as e:
+            self.poisoned = self.poisoned or e
+            taken = False
+        self.tail = off
+        self.written = (self.active, off)
+        self.written_lsn = self.durable_lsn
+        self.next_lsn = first
+        self.unsynced_bytes = 0
+        self.oldest_unsynced = None
+        if self.on_discard is not None:
+            self.on_discard(first)
+        if isinstance(err, TierstoreError):
+            err.taken_back = taken
+            if not taken:
+                err.hint = ("the writes it made could not be cut from the log: they may appear after the store "
+                            "is reopened (never torn); reopen to see what is durable")
+        return True
 
     def _undo_partial_write(self) -> None:
         """Cut what a failed write may have left past the tail; poison the log if that fails."""
@@ -401,9 +438,15 @@ class Log:
                 to_close, self._to_close = self._to_close, []
                 self.unsynced_bytes = 0
                 self.oldest_unsynced = None
-            for old in sealed:  # older segments first: the log stays a prefix on disk
-                self._fdatasync(old)
-            self._fdatasync(fd)  # outside append_lock: appends continue during the sync
+            try:
+                for old in sealed:  # older segments first: the log stays a prefix on disk
+                    self._fdatasync(old)
+                self._fdatasync(fd)  # outside append_lock: appends continue during the sync
+            except StoreIOError as e:  # poisoned; what was not durable is taken back
+                with self.append_lock:
+                    if fd == self.fd:
+                        self._take_back(e)
+                raise
             for old in sealed + to_close:
                 self.io.close(old)
             self.durable = max(self.durable, pos)
