@@ -113,7 +113,7 @@ def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
 
 
 def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,
-               sessions: bool = False, codecs: bool = False) -> None:
+               sessions: bool = False, codecs: bool = False, damaged: bool = False) -> None:
     rng = np.random.default_rng(2026)
     root = OUT / name
     store_dir = root / "store"
@@ -130,6 +130,10 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
         if compact:
             s.compact()
             s.put("after-compaction", Blob(b"written after compaction"))
+        if damaged:  # 1.3: a synced record of the last segment, damaged below; records after it
+            s.put("damaged", Blob(b"a synced record whose payload is damaged " * 200))
+            s.put("after-damage", Blob(b"written after it, and kept"))
+            damaged_at = s.info("damaged")
         if torn and sessions:
             s.put("torn", Blob(b"a group cut after its object" * 200), session="s-9")
         elif torn:
@@ -144,6 +148,13 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
         size = last.stat().st_size
         with open(last, "r+b") as f:
             f.truncate(size - 3000)  # cut the last record: a crash mid-append
+    if damaged:  # flip one payload byte: the SYNC records after it say it was synced
+        seg = store_dir / "segments" / f"{damaged_at.segment:016x}.tseg"
+        with open(seg, "r+b") as f:
+            f.seek(damaged_at.offset + 4096 + 100)
+            b = f.read(1)
+            f.seek(damaged_at.offset + 4096 + 100)
+            f.write(bytes([b[0] ^ 0x20]))
     shutil.rmtree(store_dir / "index")
     os.remove(store_dir / "LOCK")
     expected = describe_with_engine(store_dir, root)
@@ -162,7 +173,7 @@ def references_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
             for key in s.keys(namespace=ns):
                 k = key.encode() if isinstance(key, str) else key
                 sessions = sorted("" if x == fmt.ANCHOR_SESSION else x.decode()
-                                  for x in s._sessions_of(ns.encode(), k))
+                                  for x in s._engine.sessions_of(ns.encode(), k))
                 if sessions:
                     out.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
                                 "sessions": sessions})
@@ -182,12 +193,17 @@ def describe_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
     with tierstore.open(tmp, readonly=False) as s:
         for ns in s.namespaces():
             for key in s.keys(namespace=ns):
-                obj, info = s.get(key, namespace=ns), s.info(key, namespace=ns)
-                fname = hashlib.sha256(f"{ns}/{key!r}".encode()).hexdigest()[:16]
+                info = s.info(key, namespace=ns)
                 item: dict[str, Any] = {
                     "namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
                     "key_type": "str" if isinstance(key, str) else "bytes", "kind": info.kind, "meta": info.meta,
                 }
+                try:
+                    obj = s.get(key, namespace=ns)
+                except tierstore.CorruptionError:  # 1.3: a damaged synced record: listed, unreadable
+                    out.append({**item, "unreadable": True})
+                    continue
+                fname = hashlib.sha256(f"{ns}/{key!r}".encode()).hexdigest()[:16]
                 if info.codec != "raw":
                     item["codec"] = info.codec
                 if isinstance(obj, Blob):
@@ -237,6 +253,8 @@ if fmt.FORMAT_MINOR == 1:  # 1.1: references and groups
     })
 if fmt.FORMAT_MINOR == 2:  # 1.2: codecs (the 1.1 cases are not written again)
     CASES = {"kinds": {}, "codecs": {"codecs": True, "segment_bytes": 256 << 10, "compact": True}}
+if fmt.FORMAT_MINOR == 3:  # 1.3: SYNC records, and a damaged synced record that stays (SPEC.md §7.3)
+    CASES = {"kinds": {}, "damaged_synced": {"damaged": True, "segment_bytes": 64 << 10}}
 
 
 def main(argv: list[str]) -> int:

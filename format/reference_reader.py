@@ -139,7 +139,7 @@ def _map(d: bytes, p: int, n: int, depth: int) -> tuple[dict[str, Any], int]:
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 RECORD_MAGIC = b"\xd4TRC"
 PAGE = 4096
-PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP = 1, 2, 3, 4, 0x8000, 0x8005
+PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP, SYNC = 1, 2, 3, 4, 0x8000, 0x8005, 0x8006
 REF_NAMESPACE, REF_KIND = b"\x00ref", 4  # SPEC.md §5.4
 KINDS = {1: "kv", 2: "vectors", 3: "blob"}
 DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
@@ -233,6 +233,11 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
         if kind or ns_len or key_len or n_ext or lsn == 0 or record_len != header_len or type(count) is not int \
                 or not 1 <= count <= 4096:
             raise FormatError("bad GROUP record")
+    elif rtype == SYNC:  # (1.3) every record up to LSN `durable` was synced before this one (§7.3)
+        durable = meta.get("durable")
+        if kind or ns_len or key_len or n_ext or lsn == 0 or record_len != header_len or type(durable) is not int \
+                or not 0 <= durable < lsn:
+            raise FormatError("bad SYNC record")
     elif rtype == DELETE:
         if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
             raise FormatError("DELETE with content")
@@ -297,6 +302,26 @@ def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
     raise FormatError(f"unknown kind {kind}")
 
 
+def vouched_lsn(data: bytes, name: str) -> int:
+    """§7.3: the largest LSN the valid SYNC records of a segment say was synced (0: none)."""
+    best, p = 0, data.find(RECORD_MAGIC, PAGE)
+    while p != -1:
+        if p % 8 == 0:
+            try:
+                r = parse_record(data, p, name)
+                if r.type == SYNC:
+                    best = max(best, r.meta["durable"])
+            except FormatError:
+                pass
+        p = data.find(RECORD_MAGIC, p + 1)
+    return best
+
+
+def extents_ok(r: Record, data: bytes) -> bool:
+    """Every extent of a record matches its CRC-32C (§4.3)."""
+    return all(crc32c(data[r.offset + off : r.offset + off + n]) == c for off, n, c in r.extents)
+
+
 def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes]]:
     """SPEC.md §12: the live records of a store, and each segment's bytes."""
     seg_dir = os.path.join(store, "segments")
@@ -333,6 +358,8 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
         if lsn is not None and hdr["base_lsn"] < lsn:
             raise FormatError(f"{name}: base LSN {hdr['base_lsn']} goes back (below {lsn})")
         lsn = hdr["base_lsn"]  # LSNs are dense within a segment; compaction may leave gaps between
+        last = i == len(names) - 1
+        vouched = vouched_lsn(data, name) if last else 0  # §7.3: what SYNC records say was synced
         p = PAGE
         while p < len(data):
             if p % PAGE and PAGE - p % PAGE < 48:
@@ -344,9 +371,11 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
                 break
             try:
                 r = parse_record(data, p, name)
+                if last and r.type == PUT and r.lsn > vouched and not extents_ok(r, data):
+                    raise FormatError("extent checksum")  # after the last synced point: a torn write
             except FormatError:
-                if i != len(names) - 1:
-                    raise
+                if not last or (lsn is not None and lsn <= vouched):
+                    raise  # a sealed segment, or a record a SYNC record says was synced: damage
                 break  # the end of the valid log (a torn tail) in the last segment
             if r.type != PAD:
                 if r.lsn != lsn:

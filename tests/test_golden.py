@@ -28,6 +28,7 @@ def test_golden_files_exist():
     assert {c.name for c in CASES if c.parent.name == "v1"} >= {"kinds", "multi_segment", "torn_tail", "compacted"}
     assert {c.name for c in CASES if c.parent.name == "v1.1"} >= {"kinds", "sessions", "torn_group"}
     assert {c.name for c in CASES if c.parent.name == "v1.2"} >= {"kinds", "codecs"}
+    assert {c.name for c in CASES if c.parent.name == "v1.3"} >= {"kinds", "damaged_synced"}
     from tierstore import codecs
     used = {e.get("codec", "raw").split(":")[0] for c in CASES for e in json.loads((c / "expected.json").read_text())}
     used |= {u.removesuffix("+zstd") for u in used}
@@ -86,6 +87,10 @@ def test_engine_reads_golden(case, tmp_path):
         for e in expected:
             info = s.info(_key(e), namespace=e["namespace"])
             assert info.kind == e["kind"] and info.meta == e["meta"] and info.codec == e.get("codec", "raw")
+            if e.get("unreadable"):  # 1.3: a damaged synced record stays, and reads as corruption
+                with pytest.raises(tierstore.CorruptionError):
+                    s.get(_key(e), namespace=e["namespace"])
+                continue
             if e["kind"] == "blob":
                 obj = s.get(_key(e), namespace=e["namespace"])
                 assert isinstance(obj, Blob) and obj.media_type == e["media_type"]
@@ -120,6 +125,10 @@ def test_reference_reader_reads_golden(case):
     assert {name(ns, k, r.flags) for (ns, k), r in state.items()} == set(expected)
     for (ns, k), r in state.items():
         e = expected[name(ns, k, r.flags)]
+        if e.get("unreadable"):
+            with pytest.raises(reader.FormatError):
+                reader.decode(r, files[r.segment], reader.dictionary_for(r, full_state, files))
+            continue
         obj = reader.decode(r, files[r.segment], reader.dictionary_for(r, full_state, files))
         if e["kind"] == "blob":
             assert hashlib.sha256(obj).hexdigest() == e["sha256"]

@@ -48,7 +48,7 @@ def record_offsets(path):
     fd = os.open(seg, os.O_RDONLY)
     try:
         sc = seglib.SegmentScanner(DEFAULT_IO, fd, 1, path=seg, verify_payload=True)
-        return [(off, off + h.record_len) for off, h in sc.records()], seg
+        return [(off, off + h.record_len) for off, h in sc.records() if h.type != fmt.REC_SYNC], seg
     finally:
         os.close(fd)
 
@@ -90,20 +90,40 @@ def test_garbage_tail_is_torn_not_corrupt(store_path):
         assert kept is not None and os.path.getsize(kept) == 5000
 
 
-def test_invalid_then_valid_in_tail_is_quarantined(store_path):
+def test_damage_to_a_synced_record_in_the_last_segment_is_not_a_torn_tail(store_path):
+    """k1 was synced (its put returned; a later SYNC record vouches for it): a damaged header there
+    is damage, not a torn write.  Opening refuses rather than cutting k1 and k2; recover then keeps
+    every other record.  (Before SYNC records, opening cut the log at k1, losing k2.)"""
     lagging_store(store_path, n=3)
     recs, seg = record_offsets(store_path)
-    with open(seg, "r+b") as f:  # damage the middle record's header: the last one is still valid
+    with open(seg, "r+b") as f:
         f.seek(recs[1][0] + 20)
         f.write(b"\xff\xff")
+    with pytest.raises(tierstore.CorruptionError) as e:
+        tierstore.open(store_path)
+    assert e.value.offset == recs[1][0] and "recover" in e.value.hint
+    result = repair.recover(store_path)
+    (dmg,) = result["damage"]
+    assert dmg["quarantined_to"] and os.path.getsize(dmg["quarantined_to"]) == dmg["bytes_dropped"]
     with tierstore.open(store_path) as s:
-        assert s.keys() == ["k0"]
-        dmg = s.stats()["recovery"]["damage"][0]
-        assert dmg["quarantined_to"] and os.path.exists(dmg["quarantined_to"])
-        assert os.path.getsize(dmg["quarantined_to"]) == dmg["bytes_dropped"]
+        assert s.keys() == ["k0", "k2"]
         s.put("k9", Blob(b"z"))
     with tierstore.open(store_path) as s:
-        assert s.keys() == ["k0", "k9"]
+        assert s.keys() == ["k0", "k2", "k9"]
+
+
+def test_damage_after_the_last_synced_point_is_a_torn_tail(store_path):
+    """The twin: the last record, which no SYNC record vouches for (the process died right after its
+    put), may be a torn write: the log ends before it, and its bytes are kept in quarantine/."""
+    lagging_store(store_path, n=3)
+    recs, seg = record_offsets(store_path)
+    with open(seg, "r+b") as f:
+        f.seek(recs[2][0] + 20)
+        f.write(b"\xff\xff")
+    with tierstore.open(store_path) as s:
+        assert s.keys() == ["k0", "k1"]
+        dmg = s.stats()["recovery"]["damage"][0]
+        assert dmg["quarantined_to"] and os.path.exists(dmg["quarantined_to"])
 
 
 def test_index_missing_is_rebuilt(store_path, real_kv):

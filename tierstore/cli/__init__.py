@@ -123,6 +123,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
             print(f"  segment {s}: header never became durable; moved to quarantine/")
         if not result["damage"] and not result["removed_segments"]:
             print("  no damage found")
+        for r in result.get("references_dropped", []):
+            who = r["session"] or "(put without a session)"
+            print(f"  {r['namespace']}/{r['key']}: reference of {who} dropped (its object is gone)")
         if result.get("old_index"):
             print(f"  the previous index: {result['old_index']}")
 
@@ -177,7 +180,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
             for r in sg.get("records", []):
                 if r["type"] == "pad":
                     continue
-                if r["type"] in ("group", "hole"):
+                if r["type"] == "sync":
+                    what, extra = f"records through LSN {r['durable']} were synced before this one", ""
+                elif r["type"] in ("group", "hole"):
                     what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
                 elif "session" in r:  # a session's reference on an object (SPEC.md §5.4)
                     who = r["session"]

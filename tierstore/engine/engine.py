@@ -343,9 +343,9 @@ class Engine:
             try:
                 if healthy and self.index_damage is None:
                     self.commit(force=True, sync=True)
-                elif healthy:
+                if healthy:
                     assert self.log is not None
-                    self.log.sync()  # the log holds everything; the damaged index is replaced below
+                    self.log.certify()  # a SYNC record names everything: damage is never a torn tail
             finally:
                 self.closed = True
                 self._teardown()

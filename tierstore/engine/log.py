@@ -69,6 +69,10 @@ class Log:
         self.oldest_unsynced: float | None = None
         self.poisoned: BaseException | None = None
         self.fdatasyncs = 0  # fdatasync calls made (concurrent syncs share one)
+        # the newest LSN a SYNC record vouches for: at open, none is owed (a later SYNC record names
+        # every earlier LSN, and the first is written only after a sync of this process completed)
+        self.certified_lsn = next_lsn - 1
+        self.last_data_lsn = next_lsn - 1  # the LSN of the last record appended that is not a SYNC record
         self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
         self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
@@ -276,6 +280,7 @@ class Log:
 
     def _advance(self, new_tail: int, lsn: int, *, buffered: bool) -> None:
         self.next_lsn = lsn + 1
+        self.last_data_lsn = lsn
         self.unsynced_bytes += new_tail - self.tail
         self.tail = new_tail
         if not buffered:
@@ -431,6 +436,7 @@ class Log:
                 return
             with self.append_lock:
                 self.check()
+                self._certify()
                 self._pad_to_page()
                 self._flush_buffer()
                 fd, pos, lsn = self.fd, (self.active, self.tail), self.next_lsn - 1
@@ -451,6 +457,40 @@ class Log:
                 self.io.close(old)
             self.durable = max(self.durable, pos)
             self.durable_lsn = max(self.durable_lsn, lsn)
+
+    def _certify(self) -> None:
+        """Append a SYNC record vouching for what earlier syncs made durable, if anything became
+        durable since the last one (caller holds append_lock).  Recovery uses it to tell damage
+        to a record that was synced from a torn write that never was (SPEC.md §7.3).  It is
+        written before the sync that follows, so it only ever vouches for completed syncs."""
+        if self.durable_lsn <= self.certified_lsn or self.last_data_lsn <= self.certified_lsn:
+            return  # nothing new is durable, or only SYNC records (which need no vouching)
+        record = rec.encode_sync(self.durable_lsn)
+        start = self._start_for(record.header.align_log2)
+        if start + record.header.record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+            return  # the segment is full: the rollover that comes next seals (and syncs) it anyway
+        lsn = self.next_lsn
+        header = record.header.stamped(lsn)
+        buf = self._buf
+        if start > self.tail:
+            buf += self._pad_iov(self.tail, start)[0]
+        for b in record.iovecs(header):
+            buf += b
+        end = start + record.header.record_len
+        new_tail = (end + 7) & ~7
+        if new_tail > end:
+            buf += rec.zeros(new_tail - end)
+        data_lsn = self.last_data_lsn
+        self._advance(new_tail, lsn, buffered=True)
+        self.last_data_lsn = data_lsn  # a SYNC record is not data
+        self.certified_lsn = self.durable_lsn
+
+    def certify(self) -> None:
+        """Make everything durable and vouched for by a SYNC record (a clean close): one sync for
+        the records, one for the SYNC record that names them."""
+        self.sync()
+        if self.durable_lsn > self.certified_lsn and self.last_data_lsn > self.certified_lsn:
+            self.sync()
 
     def close(self) -> None:
         with self._sync_lock, self.append_lock:

@@ -178,7 +178,8 @@ class _LogScanner:
     """One pass over the segments; see ``scan_log``."""
 
     def __init__(self, io: PosixIO, root: str, store_uuid: bytes | None, *, writable: bool, repair: bool,
-                 verify_sealed: bool, progress: Callable[[int], None] | None) -> None:
+                 verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0) -> None:
+        self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
         self.seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
@@ -243,29 +244,52 @@ class _LogScanner:
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
                                             verify_payload=is_last or self.verify_sealed, size=size)
             group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
+
+            def take(off: int, hdr: rec.RecordHeader) -> None:
+                nonlocal group
+                if hdr.type == fmt.REC_GROUP:
+                    if group is not None:  # never written: the open group is incomplete, apply none of it
+                        self._incomplete_group(fd, seg, path, group, "a group inside a group")
+                    group = _Group(off, hdr, hdr.meta["count"], [])
+                    return
+                op = _op(seg, off, hdr)
+                if group is not None:
+                    if op is not None:
+                        group.ops.append(op)
+                    group.left -= 1
+                    if group.left:
+                        return
+                    r.ops.extend(group.ops)  # complete: all of it
+                    group = None
+                elif op is not None:
+                    r.ops.append(op)
+                if hdr.type != fmt.REC_HOLE:  # an applied position names a record with its own LSN
+                    r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
+
             while True:
                 for off, hdr in scanner.records():
-                    if hdr.type == fmt.REC_GROUP:
-                        if group is not None:  # never written: the open group is incomplete, apply none of it
-                            self._incomplete_group(fd, seg, path, group, "a group inside a group")
-                        group = _Group(off, hdr, hdr.meta["count"], [])
-                        continue
-                    op = _op(seg, off, hdr)
-                    if group is not None:
-                        if op is not None:
-                            group.ops.append(op)
-                        group.left -= 1
-                        if group.left:
-                            continue
-                        r.ops.extend(group.ops)  # complete: all of it
-                        group = None
-                    elif op is not None:
-                        r.ops.append(op)
-                    if hdr.type != fmt.REC_HOLE:  # an applied position names a record with its own LSN
-                        r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
+                    take(off, hdr)
                 stop = scanner.stop
                 assert stop is not None
-                if group is not None and (stop.reason == "end" or is_last):
+                # in the last segment, damage to what a SYNC record (or the previous index) proves was
+                # synced is damage, not a torn write: nothing durable is cut (SPEC.md §7.3)
+                proven = is_last and stop.reason != "end" and self._proven(
+                    fd, seg, path, stop.header.lsn if stop.header is not None else scanner.expect_lsn,
+                    stop.offset, size)
+                if proven and stop.header is not None and not self.repair:
+                    # a synced record whose payload fails its checksum: kept in the log and the index,
+                    # its object unreadable (CorruptionError) until overwritten or deleted; scan on
+                    bad = stop.header
+                    take(stop.offset, bad)
+                    r.damage.append(Damage(seg, stop.offset, f"{stop.reason}: {stop.detail}; the record was synced "
+                                           "(a SYNC record says so): kept, its object unreadable", 0,
+                                           namespace=bad.namespace.decode("utf-8", "replace"),
+                                           key=shown_key(bad.key)))
+                    scanner = seglib.SegmentScanner(io, fd, seg, path=path,
+                                                    start=rec.align_up(stop.offset + bad.record_len, fmt.RECORD_ALIGN),
+                                                    expect_lsn=bad.lsn + 1, verify_payload=True, size=size)
+                    continue
+                if group is not None and not proven and (stop.reason == "end" or is_last):
                     if is_last:  # a crash interrupted the group: the log ends where it began
                         stop = seglib.ScanStop(group.offset, "torn", f"incomplete group ({group.left} of "
                                                f"{group.header.meta['count']} records missing)",
@@ -274,7 +298,7 @@ class _LogScanner:
                         break
                     self._incomplete_group(fd, seg, path, group, "incomplete group at the end of a sealed segment")
                     group = None
-                if stop.reason == "end" or (is_last and not (self.repair and stop.valid_after)):
+                if stop.reason == "end" or (is_last and not proven):
                     break  # the end of the log (a torn tail of the last segment is cut below)
                 # damage inside the log: corruption, or (repairing) quarantine it and go on
                 why = f"{stop.reason}: {stop.detail}"
@@ -327,6 +351,31 @@ class _LogScanner:
         finally:
             if fd >= 0:
                 io.close(fd)
+
+    def _proven(self, fd: int, seg: int, path: str, lsn: int | None, offset: int, size: int) -> bool:
+        """Whether the record with ``lsn`` at ``offset`` of the last segment was synced: the
+        previous index applied it, or a valid SYNC record after it says so."""
+        if lsn is None:
+            return False
+        if lsn <= self.proven_lsn:
+            return True
+        return lsn <= self._certified_after(fd, seg, path, offset, size)
+
+    def _certified_after(self, fd: int, seg: int, path: str, offset: int, size: int) -> int:
+        """The largest LSN that valid SYNC records after ``offset`` vouch for (0: none), scanning
+        on past any further damage."""
+        probe = seglib.SegmentScanner(self.io, fd, seg, path=path, verify_payload=False, size=size)
+        best, q = 0, probe.next_valid(offset)
+        while q is not None and q < size:
+            scanner = seglib.SegmentScanner(self.io, fd, seg, path=path, start=q, verify_payload=False, size=size)
+            for _, hdr in scanner.records():
+                if hdr.type == fmt.REC_SYNC:
+                    best = max(best, hdr.meta["durable"])
+            stop = scanner.stop
+            if stop is None or stop.reason == "end" or stop.offset <= q:
+                break
+            q = probe.next_valid(stop.offset)
+        return best
 
     def _incomplete_group(self, fd: int, seg: int, path: str, group: "_Group", why: str) -> None:
         """Damage, not a crash (a writer never leaves a group open mid-log): without repair,
@@ -423,14 +472,15 @@ class _LogScanner:
 
 
 def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | None, *, writable: bool,
-             repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None) -> LogScan:
+             repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None,
+             proven_lsn: int = 0) -> LogScan:
     """Scan the log from ``start`` (None: from the first segment) and cut a torn tail if writable.
 
     Returns the records past ``start`` in LSN order and where the valid log ends.  Raises
     ``IndexAhead`` when ``start`` is not in the log.  See the module docstring for the rules.
     """
     return _LogScanner(io, root, store_uuid, writable=writable, repair=repair, verify_sealed=verify_sealed,
-                       progress=progress).run(start)
+                       progress=progress, proven_lsn=proven_lsn).run(start)
 
 
 def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:
@@ -475,11 +525,11 @@ REBUILD_BATCH = 20_000
 
 
 def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloads: bool = False,
-                  progress: Callable[[int], None] | None = None) -> LogScan:
+                  progress: Callable[[int], None] | None = None, proven_lsn: int = 0) -> LogScan:
     """Build a fresh index from the segments alone and swap it in (the old one is moved to
     quarantine/).  The caller holds the writer lock; the index must not be open in-process."""
     scan = scan_log(io, root, None, None, writable=True, repair=repair, verify_sealed=verify_payloads,
-                    progress=progress)
+                    progress=progress, proven_lsn=proven_lsn)
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
     first = seglib.list_segments(io, seg_dir)[0]
     fd = io.open(os.path.join(seg_dir, seglib.segment_name(first)), os.O_RDONLY)

@@ -70,7 +70,8 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     t0 = time.perf_counter()
     try:
         previous = _previous_index(root)
-        scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress)
+        scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress,
+                             proven_lsn=previous[1] if previous is not None else 0)
         leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
         if os.path.exists(leftover):
             shutil.rmtree(leftover)
@@ -88,24 +89,50 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
                         stale.append((ns, key))
         finally:
             idx.close()
-    if stale:
-        engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
-        try:
-            with engine.write_lock:
-                for ns, key in stale:
-                    loc = engine.lookup(ns, key)
-                    if loc is not None:  # the object goes with its session references, as a delete does
-                        engine.append_group(engine.deletion(ns, key, loc.header.flags))
-            engine.flush()
-        finally:
-            engine.close()
+    dangling: list[dict[str, str]] = []
+    engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
+    try:
+        with engine.write_lock:
+            for ns, key in stale:
+                loc = engine.lookup(ns, key)
+                if loc is not None:  # the object goes with its session references, as a delete does
+                    engine.append_group(engine.deletion(ns, key, loc.header.flags))
+            dangling = _drop_dangling_references(engine)
+        engine.flush()
+    finally:
+        engine.close()
     seconds = time.perf_counter() - t0
     return {"path": root, "records": len(scan.ops), "bytes_scanned": scan.bytes_scanned, "seconds": seconds,
             "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
             "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key)}
                                    for ns, key in stale],
-            "next_lsn": scan.next_lsn, "old_index": scan.old_index}
+            "next_lsn": scan.next_lsn, "old_index": scan.old_index, "references_dropped": dangling}
+
+
+def _drop_dangling_references(engine: Engine) -> list[dict[str, str]]:
+    """Delete every session reference whose object is gone (its record was damaged and dropped),
+    so the repair is complete: SPEC.md §5.4 says every reference names a live object.  The
+    caller holds the write lock; returns what was dropped."""
+    dropped, batch = [], []
+    for rk in sorted(engine.keys(fmt.REF_NAMESPACE)):
+        parsed = rec.parse_ref_key(rk)
+        loc = engine.lookup(fmt.REF_NAMESPACE, rk)
+        if parsed is None or loc is None:
+            continue
+        ns, session, _ = parsed
+        target = loc.header.meta["key"]
+        if engine.lookup(ns, target) is not None:
+            continue
+        dropped.append({"namespace": _ns(ns), "key": shown_key(target),
+                        "session": "" if session == fmt.ANCHOR_SESSION else _ns(session)})
+        batch.append(rec.encode_delete(fmt.REF_NAMESPACE, rk, 0))
+        if len(batch) == fmt.GROUP_MAX:
+            engine.append_group(batch)
+            batch = []
+    if batch:
+        engine.append_group(batch)
+    return dropped
 
 
 # --- quarantine/ ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ RECORD_ALIGN = 8  # every record starts at a multiple of 8
 # --- SPEC.md §3 Segment header -----------------------------------------------------------
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2  # 1.1: GROUP records, ref records (sessions); 1.2: codecs; SPEC.md Changelog
+FORMAT_MINOR = 3  # 1.1: GROUP records, ref records (sessions); 1.2: codecs; 1.3: SYNC records; SPEC.md Changelog
 SEGMENT_HEADER_SIZE = PAGE
 # magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
 # base_lsn, created_ns, creator, header_crc
@@ -49,6 +49,7 @@ REC_PAD = 3
 REC_HOLE = 4  # written by repair: LSNs [lsn, lsn + count) were lost to damage (bytes quarantined)
 REC_TYPE_IGNORABLE = 0x8000  # an unknown type with this bit set may be skipped
 REC_GROUP = 0x8005  # 1.1: the next ``count`` records form one atomic group (ignorable for 1.0 readers)
+REC_SYNC = 0x8006  # 1.3: records through LSN ``durable`` were synced before this one was written (§7.3)
 GROUP_MAX = 4096  # records in one group
 RETIRED_RECORD_TYPES: tuple[int, ...] = ()
 

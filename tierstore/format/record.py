@@ -267,6 +267,19 @@ def encode_group(count: int) -> EncodedRecord:
     return EncodedRecord(header)
 
 
+def encode_sync(durable: int) -> EncodedRecord:
+    """Frame a SYNC record: every record with an LSN up to ``durable`` was synced before this
+    one was written (SPEC.md §4.5, §7.3)."""
+    meta = {"durable": durable}
+    meta_bytes = pack_meta(meta)
+    n = header_length(b"", b"", meta_bytes, 0)
+    raw = _pack_header(fmt.REC_SYNC, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
+                       b"", b"", meta_bytes, b"", 0, checksum=False)
+    header = RecordHeader(fmt.REC_SYNC, 0, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          b"", b"", meta, (), (), 0, raw, ())
+    return EncodedRecord(header)
+
+
 def dict_key(namespace: bytes, dict_id: int) -> bytes:
     """The key, in the reserved namespace ``"\\x00dict"``, of the zstd dictionary ``dict_id`` of
     ``namespace`` (SPEC.md §6.2): ``ns_len:u8 namespace dict_id:u32be``."""
@@ -462,6 +475,12 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
         if (h.kind or h.namespace or h.key or h.extent_lengths or not h.lsn or h.record_len != h.header_len
                 or type(count) is not int or not 1 <= count <= fmt.GROUP_MAX):
             raise CorruptionError("bad GROUP record", **where)
+        return
+    if h.type == fmt.REC_SYNC:
+        durable = h.meta.get("durable")
+        if (h.kind or h.namespace or h.key or h.extent_lengths or not h.lsn or h.record_len != h.header_len
+                or type(durable) is not int or not 0 <= durable < h.lsn):
+            raise CorruptionError("bad SYNC record", **where)
         return
     if h.type & fmt.REC_TYPE_IGNORABLE:
         return  # unknown but ignorable: framing is all a v1 reader checks
