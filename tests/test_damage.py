@@ -100,3 +100,32 @@ def test_repair_drops_references_to_what_it_dropped(store_path):
     assert repair.fsck(store_path, deep=True).ok
     with tierstore.open(store_path) as s:
         assert s.session_keys("s1") == [] and "c" not in s.keys()
+
+
+def test_a_damaged_dictionary_is_found_and_its_blobs_are_set_aside(store_path):
+    """fsck --deep finds a blob whose zstd dictionary is gone; recover moves such blobs to
+    quarantine/ (unreadable without it) and leaves a clean store (issue 14, item 5)."""
+    samples = [f'{{"turn": {i}, "text": "hello number {i}"}}'.encode() for i in range(300)]
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        did = s.train_dictionary(samples, size=1024)
+        s.put("doc", Blob(samples[7]), codec=f"zstd:dict={did}")
+        s.put("plain", Blob(b"p" * 100))
+        for i in range(4):
+            s.put(f"pad{i}", Blob(bytes([i]) * 30000))  # the dictionary's segment is sealed
+    from tierstore.engine import segment as seglib
+
+    seg = os.path.join(store_path, "segments", seglib.segment_name(1))
+    with open(seg, "rb") as f:
+        data = f.read()
+    at = data.find(bytes([0x37, 0xA4, 0x30, 0xEC]))  # the dictionary's bytes (its magic)
+    with open(seg, "r+b") as f:
+        f.seek(at + 64)
+        f.write(b"\xff")
+    assert not repair.fsck(store_path, deep=True).ok
+    result = repair.recover(store_path)
+    assert [b["key"] for b in result["blobs_without_dictionary"]] == ["doc"]
+    assert os.path.exists(result["blobs_without_dictionary"][0]["quarantined_to"])
+    report = repair.fsck(store_path, deep=True)
+    assert report.ok, [f.what for f in report.findings]
+    with tierstore.open(store_path) as s:
+        assert "doc" not in s.keys() and s.get("plain").data == b"p" * 100

@@ -123,6 +123,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
             print(f"  segment {s}: header never became durable; moved to quarantine/")
         if not result["damage"] and not result["removed_segments"]:
             print("  no damage found")
+        for b in result.get("blobs_without_dictionary", []):
+            print(f"  {b['namespace']}/{b['key']}: needs zstd dictionary {b['dictionary']}, which was lost: moved to "
+                  f"{b['quarantined_to']}")
         for r in result.get("references_dropped", []):
             who = r["session"] or "(put without a session)"
             print(f"  {r['namespace']}/{r['key']}: reference of {who} dropped (its object is gone)")

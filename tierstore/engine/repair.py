@@ -26,7 +26,7 @@ from .fileio import PosixIO
 from .index import Applied, Index, Location, decode_location, verify_lmdb
 from .lock import acquire_writer_lock
 from .options import Options
-from .recovery import rebuild_index, shown_key
+from .recovery import quarantine_bytes, rebuild_index, shown_key
 
 
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
@@ -90,6 +90,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
         finally:
             idx.close()
     dangling: list[dict[str, str]] = []
+    orphans: list[dict[str, Any]] = []
     engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
     try:
         with engine.write_lock:
@@ -97,6 +98,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
                 loc = engine.lookup(ns, key)
                 if loc is not None:  # the object goes with its session references, as a delete does
                     engine.append_group(engine.deletion(ns, key, loc.header.flags))
+            orphans = _drop_blobs_without_dictionary(engine)
             dangling = _drop_dangling_references(engine)
         engine.flush()
     finally:
@@ -107,7 +109,29 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
             "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key)}
                                    for ns, key in stale],
-            "next_lsn": scan.next_lsn, "old_index": scan.old_index, "references_dropped": dangling}
+            "next_lsn": scan.next_lsn, "old_index": scan.old_index, "references_dropped": dangling,
+            "blobs_without_dictionary": orphans}
+
+
+def _drop_blobs_without_dictionary(engine: Engine) -> list[dict[str, Any]]:
+    """Blobs whose zstd dictionary was lost to damage can never be decoded: copy each record to
+    quarantine/ (with the dictionary, someone could still restore it), then delete it with its
+    references.  The caller holds the write lock; returns what was moved."""
+    assert engine.index is not None
+    with engine.index.read() as view:
+        orphans = [(ns, key, loc) for ns, key, loc in view.items()
+                   if not ns.startswith(b"\x00") and "dict" in loc.header.meta.get("codec_params", {})
+                   and not view.contains(fmt.DICT_NAMESPACE, rec.dict_key(ns, loc.header.meta["codec_params"]["dict"]))]
+    out = []
+    for ns, key, loc in orphans:
+        did = loc.header.meta["codec_params"]["dict"]
+        with engine.hold_segment(loc.segment) as (fd, _):
+            end = loc.offset + loc.header.record_len
+            kept = quarantine_bytes(engine.io, engine.path, fd, loc.segment, loc.offset, end,
+                                    f"blob {_ns(ns)}/{shown_key(key)} needs zstd dictionary {did}, lost to damage")
+        engine.append_group(engine.deletion(ns, key, loc.header.flags))
+        out.append({"namespace": _ns(ns), "key": shown_key(key), "dictionary": did, "quarantined_to": kept})
+    return out
 
 
 def _drop_dangling_references(engine: Engine) -> list[dict[str, str]]:
@@ -329,6 +353,11 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
             report.error(f"bad index entry: {e.message}", namespace=_ns(ns), key=key)
             continue
         indexed[(ns, key)] = loc
+        did = loc.header.meta.get("codec_params", {}).get("dict")
+        if did is not None and not view.contains(fmt.DICT_NAMESPACE, rec.dict_key(ns, did)):
+            shown_ = key.decode("utf-8", "replace") if loc.header.key_is_str else key
+            report.error(f"blob compressed with zstd dictionary {did}, which is missing (it cannot be read)",
+                         namespace=_ns(ns), key=shown_, segment=loc.segment, offset=loc.offset)
         if ns == fmt.REF_NAMESPACE:
             _check_reference(view, key, loc, report)
         else:
