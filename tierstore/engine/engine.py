@@ -495,13 +495,11 @@ class Engine:
                 self._cv.notify()
 
     def _committer_loop(self) -> None:
-        tick = min(self.options.group_commit_ms if self.durability == "group" else self.options.index_commit_ms,
-                   self.options.index_commit_ms) / 1000.0
         while True:
             with self._cv:
                 if self._stopping:
                     return
-                self._cv.wait(timeout=max(tick, 0.001))
+                self._cv.wait(timeout=self._next_due())
                 if self._stopping:
                     return
             try:
@@ -509,6 +507,22 @@ class Engine:
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
                 return
+
+    def _next_due(self) -> float:
+        """Seconds until the committer has work: the oldest pending record's index deadline
+        (``index_commit_ms`` after it was appended) or, with durability "group", the oldest
+        unsynced record's sync deadline -- so a put is visible to other processes within
+        ``index_commit_ms`` (plus the commit itself), not up to twice that."""
+        commit_s = self.options.index_commit_ms / 1000.0
+        wait = commit_s
+        now = time.monotonic()
+        oldest = self._oldest_pending
+        if oldest is not None:
+            wait = min(wait, oldest + commit_s - now)
+        log = self.log
+        if self.durability == "group" and log is not None and log.oldest_unsynced is not None:
+            wait = min(wait, log.oldest_unsynced + self.options.group_commit_ms / 1000.0 - now)
+        return max(wait, 0.0005)
 
     def commit(self, *, force: bool, sync: bool) -> None:
         """Sync the log if due (or ``sync``), then apply durable pending records to the index
