@@ -157,6 +157,8 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
             f.write(bytes([b[0] ^ 0x20]))
     shutil.rmtree(store_dir / "index")
     os.remove(store_dir / "LOCK")
+    if (store_dir / fmt.RESERVE_FILE).exists():
+        os.remove(store_dir / fmt.RESERVE_FILE)
     expected = describe_with_engine(store_dir, root)
     (root / "expected.json").write_text(json.dumps(expected, indent=2, ensure_ascii=False) + "\n")
     if sessions:

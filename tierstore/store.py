@@ -33,7 +33,7 @@ from .engine.engine import Engine, open_engine
 from .engine.fileio import PosixIO, io_error
 from .engine.index import Location
 from .engine.options import Options
-from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, TierstoreError
+from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, StoreFull, TierstoreError
 from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
@@ -261,12 +261,18 @@ class Store:
         engine = self._engine
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
-        with engine.write_lock:
-            if engine.lookup(ns, k) is None:
-                return False
-            where = engine.append_group(engine.deletion(ns, k, kflags))  # the references go with it, atomically
+        for attempt in (0, 1):
+            try:
+                with engine.write_lock:
+                    if engine.lookup(ns, k) is None:
+                        return False
+                    where = engine.append_group(engine.deletion(ns, k, kflags))  # with its references, atomically
+                engine.settle(where)
+                break
+            except StoreFull:  # the write was taken back; the reserve makes room for it (once)
+                if attempt or not engine.release_reserve():
+                    raise
         self._counters["deletes"] += 1
-        engine.settle(where)
         return True
 
     def train_dictionary(self, samples: Any, *, namespace: str = "default", size: int = 16 << 10) -> int:
@@ -690,9 +696,16 @@ class Store:
         ``progress(n)``, if given, is called with the bytes of each batch of victims compacted.
         """
         self._check_writable()
-        try:
-            return compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress)
-        except OSError as e:
-            if isinstance(e, TierstoreError):
-                raise
-            raise io_error(e, "compact", path=self.path) from None
+        for attempt in (0, 1):
+            try:
+                result = compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress)
+                self._engine.ensure_reserve()  # space was reclaimed: hold the reserve again
+                return result
+            except StoreFull:  # a full disk: give up the reserve (once) and go on, it frees more than it takes
+                if attempt or not self._engine.release_reserve():
+                    raise
+            except OSError as e:
+                if isinstance(e, TierstoreError):
+                    raise
+                raise io_error(e, "compact", path=self.path) from None
+        raise AssertionError("unreachable")

@@ -52,7 +52,9 @@ DURABILITY = ("sync", "group", "none")
 _log = logging.getLogger("tierstore")
 # what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
-                           fmt.INDEX_DIR + ".rebuild"})
+                           fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE})
+RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
+RESERVE_AUTO_FROM = 256 << 20
 
 # The writable engines of this process, by the store's real path: a second writable handle on a
 # store this process already writes shares that engine (the writer lock is per process).
@@ -246,6 +248,7 @@ class Engine:
                        next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
                        sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio)
         self.log.on_discard = self._on_discard
+        self.ensure_reserve()
 
     def _not_found_hint(self, create: bool) -> str:
         if self.readonly:
@@ -708,6 +711,48 @@ class Engine:
     def segments(self) -> list[int]:
         """Ids of the segment files, ascending."""
         return seglib.list_segments(self.io, self.seg_dir)
+
+    # -- the reserve: a full disk can still delete and compact ---------------------------------
+
+    def _reserve_size(self) -> int:
+        if self.options.reserve_bytes is not None:
+            return self.options.reserve_bytes
+        total = sum(os.path.getsize(self.files.path(s)) for s in self.segments())
+        return RESERVE_AUTO if total >= RESERVE_AUTO_FROM else 0
+
+    def ensure_reserve(self) -> None:
+        """Hold ``reserve_bytes`` of disk in the RESERVE file (allocated, not sparse), so that when
+        the disk fills, giving it up leaves room for deletes, index commits and compact().  Best
+        effort: on a disk already full it is simply not there yet."""
+        size = self._reserve_size()
+        path = os.path.join(self.path, fmt.RESERVE_FILE)
+        if size <= 0 or self.readonly or (os.path.exists(path) and os.path.getsize(path) >= size):
+            return
+        try:
+            fd = self.io.open(path, os.O_WRONLY | os.O_CREAT)
+            try:
+                self.io.fallocate(fd, 0, size)
+                self.io.fsync(fd)
+            finally:
+                self.io.close(fd)
+            self.io.fsync_dir(self.path)
+        except OSError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def release_reserve(self) -> bool:
+        """The disk is full: give the reserve back (True if there was one to give)."""
+        path = os.path.join(self.path, fmt.RESERVE_FILE)
+        if self.readonly or not os.path.exists(path):
+            return False
+        self.io.unlink(path)
+        self.io.fsync_dir(self.path)
+        self.recovery["reserve_released"] = True
+        _log.warning("tierstore: %s: the disk is full; the reserve was given up so that deletes and compact() "
+                     "work (compact() re-creates it)", self.path)
+        return True
 
     # -- segments' lifecycle (compaction) -----------------------------------------------------
 

@@ -90,6 +90,9 @@ class PosixIO:
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
 
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import lmdb
 import lmdb.verify
 
-from ..errors import CorruptionError, StoreIOError, TierstoreError
+from ..errors import CorruptionError, StoreFull, StoreIOError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 
@@ -393,7 +393,12 @@ class Index:
         """
         with self._write_lock:
             while True:
-                txn = self.env.begin(write=True)
+                try:
+                    txn = self.env.begin(write=True)
+                except lmdb.DiskError as e:
+                    raise StoreFull(f"index write failed: {e}", path=self.path) from None
+                except lmdb.Error as e:
+                    raise StoreIOError(f"index write failed: {e}", path=self.path) from None
                 try:
                     result = fn(txn)
                     txn.commit()
@@ -401,6 +406,9 @@ class Index:
                 except lmdb.MapFullError:
                     txn.abort()
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.DiskError as e:
+                    txn.abort()
+                    raise StoreFull(f"index write failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
                     txn.abort()
                     raise StoreIOError(f"index write failed: {e}", path=self.path) from None
@@ -410,6 +418,8 @@ class Index:
             if durable:
                 try:
                     self.env.sync(True)
+                except lmdb.DiskError as e:
+                    raise StoreFull(f"index sync failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
                     raise StoreIOError(f"index sync failed: {e}", path=self.path, poisoned=False) from None
             return result

@@ -51,6 +51,7 @@ class Options:
     vector_extent_bytes: int = 64 << 10  # target extent size of a vector row range
     index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
     direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
+    reserve_bytes: int | None = None  # disk space held back for deletes and compact() on a full disk (None: auto)
 
     def engine_settings(self) -> dict[str, Any]:
         """The settings the log and the index run with (what handles sharing an engine must agree on)."""
@@ -71,7 +72,9 @@ class Options:
                                 + f"; known: {', '.join(everything)}")
         vals: dict[str, Any] = {}
         for k, v in kwargs.items():
-            if k.endswith("_bytes") or k == "index_map_size":
+            if k == "reserve_bytes" and (v is None or (type(v) is int and v == 0)):
+                vals[k] = 0 if v is not None else None
+            elif k.endswith("_bytes") or k == "index_map_size":
                 vals[k] = parse_size(v, k)
             elif k == "direct_reads":
                 if not isinstance(v, str) or v not in DIRECT_READS:

@@ -150,3 +150,4 @@ INDEX_DIR = "index"
 SEGMENTS_DIR = "segments"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "LOCK"
+RESERVE_FILE = "RESERVE"  # §1 (informative): space a writer gives up when the disk is full
