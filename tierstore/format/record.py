@@ -253,31 +253,27 @@ def encode_delete(namespace: bytes, key: bytes, flags: int) -> EncodedRecord:
     return EncodedRecord(header)
 
 
+def _control(rtype: int, meta: dict[str, Any]) -> EncodedRecord:
+    """A record that changes no object: no namespace, key or extents; LSN stamped at append."""
+    meta_bytes = pack_meta(meta)
+    n = header_length(b"", b"", meta_bytes, 0)
+    raw = _pack_header(rtype, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
+                       b"", b"", meta_bytes, b"", 0, checksum=False)
+    return EncodedRecord(RecordHeader(rtype, 0, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                                      b"", b"", meta, (), (), 0, raw, ()))
+
+
 def encode_group(count: int) -> EncodedRecord:
     """Frame a GROUP record: the next ``count`` records are one atomic unit (SPEC.md §7.7)."""
     if not 1 <= count <= fmt.GROUP_MAX:
         raise ValueError(f"a group holds 1 to {fmt.GROUP_MAX} records")
-    meta = {"count": count}
-    meta_bytes = pack_meta(meta)
-    n = header_length(b"", b"", meta_bytes, 0)
-    raw = _pack_header(fmt.REC_GROUP, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
-                       b"", b"", meta_bytes, b"", 0, checksum=False)
-    header = RecordHeader(fmt.REC_GROUP, 0, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
-                          b"", b"", meta, (), (), 0, raw, ())
-    return EncodedRecord(header)
+    return _control(fmt.REC_GROUP, {"count": count})
 
 
 def encode_sync(durable: int) -> EncodedRecord:
     """Frame a SYNC record: every record with an LSN up to ``durable`` was synced before this
     one was written (SPEC.md §4.5, §7.3)."""
-    meta = {"durable": durable}
-    meta_bytes = pack_meta(meta)
-    n = header_length(b"", b"", meta_bytes, 0)
-    raw = _pack_header(fmt.REC_SYNC, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
-                       b"", b"", meta_bytes, b"", 0, checksum=False)
-    header = RecordHeader(fmt.REC_SYNC, 0, 0, n, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
-                          b"", b"", meta, (), (), 0, raw, ())
-    return EncodedRecord(header)
+    return _control(fmt.REC_SYNC, {"durable": durable})
 
 
 def dict_key(namespace: bytes, dict_id: int) -> bytes:
