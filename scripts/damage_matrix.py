@@ -183,7 +183,7 @@ def run(trials: int = 3, seed: int = 0, cells: list[tuple[str, str]] | None = No
             if cells is not None and (region, position) not in cells:
                 continue
             row = {"region": region, "position": position, "cases": 0, "lost": 0, "wrong": 0, "crashes": 0,
-                   "same": 0, "refused": 0, "one_value": 0, "fsck_clean": 0}
+                   "max_lost": 0, "same": 0, "refused": 0, "one_value": 0, "fsck_clean": 0}
             for _ in range(trials):
                 work = str(tmp / "work")
                 shutil.rmtree(work, ignore_errors=True)
@@ -207,6 +207,7 @@ def run(trials: int = 3, seed: int = 0, cells: list[tuple[str, str]] | None = No
                 verdict = judge(expected, json.loads(proc.stdout.strip().splitlines()[-1]))
                 for k in ("lost", "wrong", "same", "refused", "one_value", "fsck_clean"):
                     row[k] += verdict[k]
+                row["max_lost"] = max(row["max_lost"], verdict["lost"])
             rows.append(row)
         return rows
     finally:

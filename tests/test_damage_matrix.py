@@ -23,7 +23,7 @@ def test_damage_costs_one_object_at_most(capsys):
     for r in rows:
         cell = (r["region"], r["position"])
         assert r["crashes"] == 0 and r["wrong"] == 0, cell
-        assert r["lost"] <= r["cases"], cell
+        assert r["max_lost"] <= 1, cell  # no damaged byte cost more than the object it hit
         if r["region"] in ("padding", "segment header", "LMDB index"):
             assert r["lost"] == 0, cell
         assert r["one_value"] == r["cases"] and r["fsck_clean"] == r["cases"], cell

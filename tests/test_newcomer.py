@@ -411,3 +411,20 @@ def test_more_messages_say_what_to_do(store_path, tmp_path):
             with pytest.raises(InvalidObject, match='"cpu" or "cuda:N"') as e:
                 s.get("doc", namespace="rag", device="gpu")
             assert "ipu" not in str(e.value)
+
+
+def test_a_miss_costs_only_its_lookup(store_path, monkeypatch):
+    """The namespace hint of NotFound is worked out only when the error is shown, not on every
+    miss (a cache's common case)."""
+    with tierstore.open(store_path) as s:
+        s.put("doc", Blob(b"x"), namespace="rag")
+        calls = []
+        real = s._engine.holders
+        monkeypatch.setattr(s._engine, "holders", lambda *a, **k: calls.append(1) or real(*a, **k))
+        for _ in range(100):
+            with pytest.raises(tierstore.NotFound):
+                s.get("doc")
+        assert calls == []
+        with pytest.raises(tierstore.NotFound) as e:
+            s.get("doc")
+        assert "namespace 'rag' holds that key" in str(e.value) and calls == [1]

@@ -20,6 +20,7 @@ returning ``None`` or ``False``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -62,7 +63,29 @@ class TierstoreError(Exception):
 
 
 class NotFound(TierstoreError, KeyError):
-    """The key does not exist in the namespace (also a ``KeyError``)."""
+    """The key does not exist in the namespace (also a ``KeyError``).
+
+    ``hint_from``: a function that works the hint out only when someone reads it (``str(e)``,
+    ``e.hint``), so that a miss -- the common case of a cache -- costs no more than the lookup."""
+
+    def __init__(self, message: str, *, hint_from: Callable[[], str | None] | None = None, **attrs: Any) -> None:
+        self._hint_from = hint_from
+        self._hint: str | None = None
+        super().__init__(message, **attrs)
+
+    @property  # type: ignore[override]
+    def hint(self) -> str | None:
+        if self._hint_from is not None:
+            find, self._hint_from = self._hint_from, None
+            try:
+                self._hint = find()
+            except Exception:  # the store closed since, or failed: the message stands without a hint
+                self._hint = None
+        return self._hint
+
+    @hint.setter
+    def hint(self, value: str | None) -> None:
+        self._hint_from, self._hint = None, value
 
 
 class StoreNotFound(TierstoreError, FileNotFoundError):

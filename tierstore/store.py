@@ -170,7 +170,9 @@ class Store:
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, NotFound):
+            exc.hint  # noqa: B018  (a miss leaving the block: work its hint out while the store is open)
         self.close()
 
     def __repr__(self) -> str:
@@ -426,12 +428,14 @@ class Store:
         loc = self._engine.lookup(ns, k)
         if loc is None:
             raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace,
-                           hint=self._elsewhere(k, ns))
+                           hint_from=functools.partial(self._elsewhere, k, ns))
         return ns, k, loc
 
     def _elsewhere(self, k: bytes, ns: bytes) -> str | None:
-        """For a NotFound: the (first few) other namespaces that hold the key, if any."""
-        names = [n for n in self._engine.namespaces()[:1000] if n != ns and self._engine.lookup(n, k) is not None]
+        """For a NotFound, when its hint is read: the other namespaces that hold the key, if any."""
+        if self._closed:
+            return None
+        names = self._engine.holders(k, exclude=ns)
         if not names:
             return None
         shown = ", ".join(repr(n.decode("utf-8")) for n in names[:3])

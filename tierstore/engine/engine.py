@@ -639,6 +639,17 @@ class Engine:
         return sorted(n for n in names if self.keys(n))
 
     @_index_reads
+    def holders(self, k: bytes, *, exclude: bytes, limit: int = 1000) -> list[bytes]:
+        """The user namespaces (other than ``exclude``; the first ``limit`` looked at) in which
+        key ``k`` exists: one lookup per namespace, no listing."""
+        assert self.index is not None
+        with self.index.read() as view:
+            names = set(view.namespaces())
+        with self._pending_lock:
+            names.update(n for (n, _), m in self._mem.items() if m.location is not None and not n.startswith(b"\x00"))
+        return [n for n in sorted(names)[:limit] if n != exclude and self.lookup(n, k) is not None]
+
+    @_index_reads
     def prefix_run(self, ns: bytes, keys: Iterable[bytes]) -> int:
         """How many leading ``keys`` exist in ``ns``: one index get per key up to the first miss."""
         assert self.index is not None
