@@ -14,7 +14,7 @@ import numpy as np
 def sample_paths() -> tuple[str, str]:
     """The real K/V and embedding sample: the project's full one when present, else the slice
     kept in tests/data (128 tokens, 1,024 embeddings)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     full = os.path.join(os.path.dirname(here), "shared", "data")
     if os.path.exists(os.path.join(full, "minilm_qkv_sample.npz")):
         return os.path.join(full, "minilm_qkv_sample.npz"), os.path.join(full, "minilm_embeddings_8k_fp16.npy")

@@ -1,0 +1,85 @@
+"""The two implementations of rANS (SPEC.md §6.6): loops compiled by numba and numpy steps.
+They must write the same bytes and read any input, valid or damaged, the same way: the same
+symbols, or CorruptionError from both.  The kvq-ans extents of the real K/V sample are the
+golden case (their bytes are fixed by the format: tests/test_golden.py reads the stored ones).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore import CorruptionError, codecs
+from tierstore.codecs import rans
+
+needs_numba = pytest.mark.skipif(not rans.COMPILED, reason="numba not installed (the 'fast' extra)")
+
+
+def _decode_both(data: bytes, freqs: np.ndarray, n: int) -> tuple[object, object]:
+    out = []
+    for compiled in (False, True):
+        try:
+            sym, used = rans.decode(data, freqs, n, compiled=compiled)
+            out.append((sym.tolist(), used))
+        except CorruptionError as e:
+            out.append(("CorruptionError", str(e)))
+    return out[0], out[1]
+
+
+@needs_numba
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 3000), alphabet=st.integers(2, 64), seed=st.integers(0, 2**32 - 1))
+def test_both_implementations_write_the_same_stream(n, alphabet, seed):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 50, size=alphabet)
+    counts[rng.integers(alphabet)] += 1
+    freqs = rans.normalize(counts)
+    symbols = rng.choice(alphabet, size=n, p=freqs / freqs.sum())
+    a = rans.encode(symbols, freqs, compiled=False)
+    b = rans.encode(symbols, freqs, compiled=True)
+    assert a == b
+    sym, used = rans.decode(a, freqs, n, compiled=True)
+    assert used == len(a) and np.array_equal(sym, symbols)
+
+
+@needs_numba
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1), cuts=st.integers(0, 3), flips=st.integers(0, 4))
+def test_both_implementations_agree_on_damaged_streams(n, seed, cuts, flips):
+    rng = np.random.default_rng(seed)
+    freqs = rans.normalize(rng.integers(1, 30, size=12))
+    data = bytearray(rans.encode(rng.choice(12, size=n, p=freqs / freqs.sum()), freqs))
+    for _ in range(flips):
+        data[rng.integers(len(data))] ^= 1 << int(rng.integers(8))
+    if cuts:
+        data = data[: int(rng.integers(len(data) + 1))]
+    plain, compiled = _decode_both(bytes(data), freqs, n)
+    assert plain == compiled
+
+
+@needs_numba
+def test_kvq_ans_extents_of_the_real_sample_are_the_same_bytes(real_kv, monkeypatch):
+    choice = codecs.parse("kvq-ans", "kv")
+    for layer in range(real_kv.shape[0]):
+        ext = codecs.Extent("kv", tuple(real_kv.shape[1:]), "float16", layer)
+        raw = np.ascontiguousarray(real_kv[layer]).reshape(-1).view(np.uint8)
+        got = {}
+        for compiled in (False, True):
+            monkeypatch.setattr(rans, "COMPILED", compiled)
+            data = bytes(codecs.encode(choice.codec, raw, ext, choice.params))
+            got[compiled] = (data, codecs.decode(choice.codec, data, ext, choice.params).tobytes())
+        assert got[False] == got[True]
+
+
+def test_numpy_implementation_round_trips_without_numba():
+    """What runs when numba is absent (or TIERSTORE_RANS=numpy)."""
+    rng = np.random.default_rng(7)
+    freqs = rans.normalize(rng.integers(1, 100, size=20))
+    symbols = rng.choice(20, size=5000, p=freqs / freqs.sum())
+    data = rans.encode(symbols, freqs, compiled=False)
+    sym, used = rans.decode(data, freqs, 5000, compiled=False)
+    assert used == len(data) and np.array_equal(sym, symbols)
+    with pytest.raises(CorruptionError):
+        rans.decode(data[:-2], freqs, 5000, compiled=False)
