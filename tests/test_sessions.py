@@ -165,10 +165,10 @@ def _group_offsets(path: str) -> list[tuple[str, int, int]]:
 def test_a_group_cut_by_a_crash_is_dropped_whole(store_path):
     with tierstore.open(store_path) as s:
         s.put("before", Blob(b"b"))
-        s.put("c", Blob(b"x" * 20000), session="s1")  # GROUP, PUT c, ref
+        s.put("c", Blob(b"x" * 70000), session="s1")  # GROUP, PUT c (page-aligned: 64 KiB or more), ref
     ((seg, off, _),) = _group_offsets(store_path)
     # cut after the object's record but before its reference: neither may be visible
-    for cut in (off + 4096 + 20000 + 8, off + 100, off + 4096 + 20000 + 64):
+    for cut in (off + 4096 + 70000 + 8, off + 100, off + 4096 + 70000 + 64):
         work = store_path + f"-cut{cut}"
         shutil.copytree(store_path, work)
         shutil.rmtree(os.path.join(work, "index"))  # rebuild from the segments
@@ -180,7 +180,7 @@ def test_a_group_cut_by_a_crash_is_dropped_whole(store_path):
             s.put("after", Blob(b"a"), session="s1")  # the log goes on from the cut
         assert checked_state(work) == {"before": b"b", "after": b"a"}
     # the twin: the whole group is there
-    assert checked_state(store_path) == {"before": b"b", "c": b"x" * 20000}
+    assert checked_state(store_path) == {"before": b"b", "c": b"x" * 70000}
 
 
 def test_an_incomplete_group_in_a_sealed_segment_is_corruption_and_recover_repairs_it(store_path):

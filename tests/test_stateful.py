@@ -241,6 +241,8 @@ class TieredStoreMachine(StoreMachine):
         for t in self.store._tiers.tiers().values():
             with t.lock:
                 assert t.used == sum(e.nbytes for e in t.entries.values()) and t.used + t.reserved <= t.capacity
+                assert set(t.probation) <= set(t.entries)
+                assert t.probation_bytes == sum(t.entries[k].nbytes for k in t.probation) <= t.probation_cap
 
 
 TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
@@ -248,9 +250,10 @@ TestTieredStoreMachine = TieredStoreMachine.TestCase
 
 
 class SecondReadStoreMachine(TieredStoreMachine):
-    """The tiered model with the default store's admission (an object enters DRAM at its second
-    read; here of any size): deferred first reads, promotions of partly cached objects and
-    versions replaced between two reads must all still equal the model."""
+    """The tiered model with the default store's admission (a first read enters the DRAM tier's
+    probation share, a second read keeps it; here of any size): probation entries, their
+    eviction by later first reads, promotions of partly cached objects and versions replaced
+    between two reads must all still equal the model."""
 
     def _open(self, root: str) -> None:
         os.makedirs(root, exist_ok=True)

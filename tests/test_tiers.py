@@ -391,32 +391,29 @@ def big_kv(layers: int, seed: int = 0) -> np.ndarray:  # 128 KiB layers: above S
     return np.random.default_rng(seed).standard_normal((layers, 2, 8, 64, 64)).astype(np.float16)
 
 
-def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
+def test_default_dram_tier_serves_a_second_read_from_memory(store_path):
     a, b = big_kv(4), big_kv(2, seed=1)
     with tierstore.open(store_path) as s:
         dram = s._tiers.dram
         assert dram is not None and dram.capacity == tierstore.tiers.config.auto_dram_bytes() > 0
         s.put("a", tierstore.KVCache(a))
         s.put("b", tierstore.KVCache(b))
-        assert np.array_equal(s.get("a").data, a)  # first read: from the log, nothing cached
-        assert dram.used == 0 and s.info("a").tiers == ("ssd",)
+        assert np.array_equal(s.get("a").data, a)  # first read: from the log, held on probation
+        assert dram.used == a.nbytes == dram.probation_bytes and s.info("a").tiers == ("dram", "ssd")
         st = s.stats()["tiers"]["dram"]
-        assert st["admissions_deferred"] == 1 and st["promotions"] == 0
-        assert np.array_equal(s.get("b", layers=1).data[0], b[1])  # another object's first read
-        assert dram.used == 0
+        assert st["probation_admissions"] == 1 and st["probation_bytes"] == a.nbytes
         reads, acquire = [], s._engine.files.acquire
         s._engine.files.acquire = lambda seg: (reads.append(seg), acquire(seg))[1]
-        assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # second read: promoted
-        assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # third: a hit
+        assert np.array_equal(s.get("a", layers=[1, 2]).data, a[1:3])  # second read: from memory, kept
+        assert np.array_equal(s.get("a").data, a)  # third: a hit
         s._engine.files.acquire = acquire
-        assert len(reads) == 1
-        assert dram.used == 2 * a[0].nbytes and s.info("a").tiers == ("dram", "ssd")
-        assert np.array_equal(s.get("a", layers=0).data[0], a[0])  # partly cached: the rest goes in at once
-        assert dram.used == 3 * a[0].nbytes
+        assert reads == [] and dram.probation_bytes == 0 and tier_stats(s, "dram")["probation_hits"] == 1
+        assert np.array_equal(s.get("b", layers=1).data[0], b[1])  # another object's first read
+        assert dram.probation_bytes == b[1].nbytes
         s.put("a", tierstore.KVCache(b))  # a new version is a new object: first read again
-        assert np.array_equal(s.get("a").data, b) and dram.used == 0
-        s.prefetch("b").result()  # explicit promotions do not wait for a second read
-        assert "dram" in s.info("b").tiers
+        assert np.array_equal(s.get("a").data, b) and dram.probation_bytes == b[1].nbytes + b.nbytes
+        s.prefetch("b").result()  # explicit promotions are kept at once
+        assert "dram" in s.info("b").tiers and (b"default", b"b") not in dram.probation
         s.put("small", tierstore.Blob(b"x" * 4096))
         for _ in range(3):  # small reads are left to the page cache: never admitted
             assert s.get("small").data == b"x" * 4096
@@ -424,6 +421,32 @@ def test_default_dram_tier_admits_an_object_on_its_second_read(store_path):
         s.prefetch("small").result()  # unless promoted explicitly: then served from the tier
         hits = tier_stats(s, "dram")["hits"]
         assert s.get("small").data == b"x" * 4096 and tier_stats(s, "dram")["hits"] == hits + 1
+
+
+def test_a_one_pass_scan_churns_only_the_probation_share(store_path):
+    """Scan resistance: objects read twice stay while a scan reads many others once."""
+    layer = big_kv(1)[0].nbytes  # 128 KiB
+    with tierstore.open(store_path, dram_bytes=16 * layer, dram_admit="second") as s:
+        dram = s._tiers.dram
+        assert dram.probation_cap == 4 * layer
+        hot = {f"hot{i}": big_kv(2, seed=i) for i in range(4)}  # 8 layers: half the tier
+        for k, v in hot.items():
+            s.put(k, tierstore.KVCache(v))
+            s.get(k)
+            s.get(k)  # read twice: protected
+        assert dram.probation_bytes == 0 and dram.used == 8 * layer
+        for i in range(30):  # a scan: 30 objects read once each
+            s.put(f"scan{i}", tierstore.KVCache(big_kv(1, seed=100 + i)))
+            s.get(f"scan{i}")
+            assert dram.probation_bytes <= dram.probation_cap
+        assert all("dram" in s.info(k).tiers for k in hot)  # the hot set survived the scan
+        assert dram.probation_bytes == 4 * layer  # the last four scanned objects, on probation
+        assert sum("dram" in s.info(f"scan{i}").tiers for i in range(30)) == 4
+        big = big_kv(5, seed=7)  # larger than the probation share: read through, nothing evicted
+        s.put("big", tierstore.KVCache(big))
+        assert np.array_equal(s.get("big").data, big) and "dram" not in s.info("big").tiers
+        assert all("dram" in s.info(k).tiers for k in hot)
+        assert np.array_equal(s.get("big").data, big) and "dram" in s.info("big").tiers  # read twice: kept
 
 
 def test_auto_dram_size_follows_the_container_memory_limit(tmp_path, monkeypatch):
@@ -450,11 +473,11 @@ def test_first_read_admission_is_kept_when_a_size_is_given(store_path):
         s.put("a", tierstore.KVCache(a))
         s.flush()
         s.get("a")
-        assert s.info("a").tiers == ("dram", "ssd")
+        assert s.info("a").tiers == ("dram", "ssd") and not s._tiers.dram.probation  # kept at once
         r.get("a")
-        assert r.info("a").tiers == ("ssd",)
+        assert r.info("a").tiers == ("dram", "ssd") and r._tiers.dram.probation_bytes == a.nbytes  # on probation
         r.get("a")
-        assert r.info("a").tiers == ("dram", "ssd")
+        assert r.info("a").tiers == ("dram", "ssd") and r._tiers.dram.probation_bytes == 0  # kept
 
 
 def test_second_read_memory_is_bounded():

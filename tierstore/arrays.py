@@ -146,6 +146,49 @@ def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, dev
     return flat.view(getattr(ml, name)).reshape(shape)
 
 
+def check_out(out: Any, name: str, shape: tuple[int, ...]) -> None:
+    """Check a caller's destination (``get(out=...)``) before any I/O: a C-contiguous, writable
+    numpy array or torch tensor (CPU, pinned or CUDA) of dtype ``name`` and shape ``shape``."""
+    if is_torch_tensor(out):
+        ok_layout, writable, shape_of = out.is_contiguous(), not out.requires_grad, tuple(out.shape)
+    elif isinstance(out, np.ndarray):
+        ok_layout, writable, shape_of = out.flags.c_contiguous, out.flags.writeable, out.shape
+    else:
+        raise InvalidObject(f"out= takes a numpy array or a torch tensor, got {type(out).__name__}")
+    got = dtype_name(out)
+    if got != name:
+        raise InvalidObject(f"out= has dtype {got}; the object holds {name}", hint="allocate out with the stored dtype "
+                            "(info(key).dtype)")
+    if shape_of != shape:
+        raise InvalidObject(f"out= has shape {shape_of}; this read returns {shape}",
+                            hint="info(key).shape is the stored shape; layers=/rows= select part of it")
+    if not ok_layout:
+        raise InvalidObject("out= must be C-contiguous (a strided view cannot be filled in place)")
+    if not writable:
+        raise InvalidObject("out= is not writable (a read-only array, or a tensor that requires grad)")
+
+
+def host_bytes(out: Any) -> np.ndarray | None:
+    """A flat uint8 numpy view of ``out``'s memory when it lives in host memory (numpy, a CPU or
+    pinned tensor), else None (a GPU tensor).  ``out`` was checked by ``check_out``."""
+    if is_torch_tensor(out):
+        if out.device.type != "cpu":
+            return None
+        return out.detach().reshape(-1).view(torch_module().uint8).numpy()
+    return out.reshape(-1).view(np.uint8)
+
+
+def copy_into(out: Any, data: Any) -> None:
+    """Copy ``data`` (an array of the same shape and dtype) into ``out``."""
+    if is_torch_tensor(out):
+        src = data if is_torch_tensor(data) else torch_module().from_numpy(np.ascontiguousarray(data))
+        if src.dtype != out.dtype:
+            src = src.view(out.dtype)
+        out.copy_(src.reshape(out.shape))
+    else:
+        np.copyto(out.reshape(-1).view(np.uint8), as_bytes_view(data).reshape(-1).view(np.uint8))
+
+
 def validate_device(device: str | None) -> None:
     """Reject a device string that is not "cpu" or a torch device name, before any I/O."""
     if device is None:

@@ -29,10 +29,11 @@ class KVCache:
     ``data`` is shaped ``[layers, 2, kv_heads, tokens, head_dim]`` (index 0 of dim 1 is K,
     1 is V), a numpy array or torch tensor of a floating dtype (float16, bfloat16, float32,
     float64, float8_e4m3fn, float8_e5m2).  ``layer_start`` is the model layer of ``data[0]``.
+    ``KVCache.from_layers`` builds one from separate per-layer tensors without stacking them.
     """
 
     kind = "kv"
-    __slots__ = ("data", "layer_start", "meta")
+    __slots__ = ("_data", "pieces", "shape", "layer_start", "meta")
 
     def __init__(self, data: Any, *, layer_start: int = 0) -> None:
         name = arrays.dtype_name(data)
@@ -44,21 +45,105 @@ class KVCache:
                 f"dimension 1 is {shape[1]}, not 2 (K and V)"
             raise InvalidObject(
                 f"KVCache data must be shaped [layers, 2, kv_heads, tokens, head_dim], got {list(shape)}: {why}",
-                hint="stack K and V of each layer on dimension 1: np.stack([k, v], axis=1)")
+                hint="stack K and V of each layer on dimension 1: np.stack([k, v], axis=1), "
+                     "or pass the layers as they are to KVCache.from_layers")
         _check_dims(shape, "KVCache data")
-        if isinstance(layer_start, bool) or not isinstance(layer_start, (int, np.integer)) or layer_start < 0:
-            raise InvalidObject(f"layer_start must be a non-negative int, got {layer_start!r}")
         self.data = data
-        self.layer_start = int(layer_start)
+        self.layer_start = _layer_start(layer_start)
         self.meta: dict[str, Any] = {}  # the user metadata a get returns (put(meta=)); {} when none
+
+    @classmethod
+    def from_layers(cls, layers: Any, *, layer_start: int = 0) -> "KVCache":
+        """A KVCache over per-layer tensors as a model keeps them, without stacking: ``layers``
+        is a sequence with, per layer, either a pair ``(k, v)`` of arrays shaped
+        ``[kv_heads, tokens, head_dim]`` or one array shaped ``[2, kv_heads, tokens, head_dim]``.
+        All of one dtype, shape and framework.  ``put`` writes the pieces with one gathered
+        write (no staging copy; a non-contiguous piece, e.g. a view into a paged cache, is made
+        contiguous first); what is stored is the same as ``KVCache(stacked)``.  Reading
+        ``.data`` stacks them (one copy)."""
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__") or not len(layers):
+            raise InvalidObject("KVCache.from_layers takes a non-empty sequence of layers: (k, v) pairs or "
+                                "[2, kv_heads, tokens, head_dim] arrays")
+        pieces = []
+        ref: tuple[str, tuple[int, ...], str] | None = None
+        for i, layer in enumerate(layers):
+            parts = tuple(layer) if isinstance(layer, (tuple, list)) else (layer,)
+            if len(parts) == 2:
+                want = 3
+            elif len(parts) == 1:
+                want = 4
+            else:
+                raise InvalidObject(f"layer {i}: expected (k, v) or one [2, kv_heads, tokens, head_dim] array, "
+                                    f"got {len(parts)} items")
+            for p in parts:
+                if not hasattr(p, "shape") or not hasattr(p, "dtype"):
+                    raise InvalidObject(f"layer {i}: expected numpy arrays or torch tensors, got {type(p).__name__}")
+            shapes = {tuple(int(d) for d in p.shape) for p in parts}
+            if len(shapes) != 1:
+                raise InvalidObject(f"layer {i}: K and V have different shapes {sorted(shapes)}")
+            shape = shapes.pop()
+            if len(shape) != want or (want == 4 and shape[0] != 2):
+                raise InvalidObject(f"layer {i}: shape {list(shape)}; expected "
+                                    + ("[kv_heads, tokens, head_dim] for K and V" if want == 3
+                                       else "[2, kv_heads, tokens, head_dim]"))
+            layer_shape = shape if want == 4 else (2, *shape)
+            names = {arrays.dtype_name(p) for p in parts}
+            fws = {arrays.framework_of(p) for p in parts}
+            if len(names) != 1 or len(fws) != 1:
+                raise InvalidObject(f"layer {i}: K and V differ in dtype or framework ({sorted(names | fws)})")
+            this = (names.pop(), layer_shape, fws.pop())
+            if ref is None:
+                ref = this
+                if this[0] not in fmt.FLOAT_DTYPES:
+                    raise InvalidObject(f"KVCache needs a floating dtype, got {this[0]}")
+                _check_dims(layer_shape, "KVCache layer")
+            elif this != ref:
+                raise InvalidObject(f"layer {i} is {this[0]} {list(this[1])} ({this[2]}); layer 0 is "
+                                    f"{ref[0]} {list(ref[1])} ({ref[2]}): every layer must match")
+            pieces.append(parts)
+        assert ref is not None
+        obj = cls.__new__(cls)
+        obj._data, obj.pieces = None, tuple(pieces)
+        obj.shape = (len(pieces), *ref[1])
+        obj.layer_start = _layer_start(layer_start)
+        obj.meta = {}
+        return obj
+
+    @property
+    def data(self) -> Any:
+        """The ``[layers, 2, kv_heads, tokens, head_dim]`` array (stacked on first use after
+        ``from_layers``)."""
+        if self._data is None:
+            self._data = _stack_layers(self.pieces)
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        self._data, self.pieces = value, None
+        self.shape = tuple(int(d) for d in value.shape)
 
     @property
     def num_layers(self) -> int:
-        return int(self.data.shape[0])
+        return int(self.shape[0])
 
     def __repr__(self) -> str:
-        return (f"KVCache(shape={list(self.data.shape)}, dtype={arrays.dtype_name(self.data)}, "
-                f"layer_start={self.layer_start})")
+        first = self._data if self._data is not None else self.pieces[0][0]
+        return f"KVCache(shape={list(self.shape)}, dtype={arrays.dtype_name(first)}, layer_start={self.layer_start})"
+
+
+def _layer_start(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidObject(f"layer_start must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _stack_layers(pieces: Any) -> Any:
+    """[layers, 2, ...] from per-layer (k, v) pairs or [2, ...] arrays (one copy)."""
+    first = pieces[0][0]
+    if arrays.is_torch_tensor(first):
+        torch = arrays.torch_module()
+        return torch.stack([torch.stack(p) if len(p) == 2 else p[0] for p in pieces])
+    return np.stack([np.stack(p) if len(p) == 2 else p[0] for p in pieces])
 
 
 class Vectors:
@@ -120,7 +205,7 @@ def stored_kv(data: Any, layer_start: int) -> KVCache:
     """A KVCache read back: its shape and dtype come from checked metadata, so the
     constructor's validation is skipped (it costs more than a hit's copy of a layer)."""
     obj = KVCache.__new__(KVCache)
-    obj.data, obj.layer_start, obj.meta = data, layer_start, {}
+    obj._data, obj.pieces, obj.shape, obj.layer_start, obj.meta = data, None, tuple(data.shape), layer_start, {}
     return obj
 
 

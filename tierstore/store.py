@@ -6,7 +6,10 @@ Write path:  Store.put -> block.encode_block -> (block.apply_codec) -> record.en
              -> Engine.append -> Log.append -> Engine.settle (Log.sync) -> committer -> Index.apply
 Read path:   Store.get -> Engine.lookup (memtable, then Index) -> Hierarchy.read (a tier hit, or
              a promotion) | block.read_object(Engine.reader) -> segment.read_extents (preadv into a
-             preallocated buffer, checksums verified)
+             preallocated buffer, or the caller's ``out=``; checksums verified)
+Batches:     Store.put_many -> (encode every item first) -> Engine.append_group (one atomic group)
+             -> Engine.settle;  Store.get_many -> Engine.lookup_many (one snapshot) ->
+             Engine.read_first_extents (small blobs, one pread per run) | Store._read
 
 Threads: a Store may be shared by threads.  Processes: one writer at a time (the engine holds an
 exclusive ``flock`` on LOCK for the life of a writable handle); any number of read-only handles.
@@ -38,12 +41,13 @@ from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
 from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session
-from .objects import Blob, KVCache, ObjectInfo, Vectors
+from .objects import Blob, KVCache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
 
 TIERS = ("ssd", "dram", "gpu")
+SMALL_READ = 64 << 10  # get_many reads raw blobs of records up to this size together (one pread per run)
 KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.OBJECT_KINDS}
 
 
@@ -226,6 +230,14 @@ class Store:
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
         sess = encode_session(session) if session is not None else None
+        record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
+        with engine.write_lock:
+            where = self._append_puts([(k, kflags, record)], ns, sess)
+        engine.settle(where)
+
+    def _encode_put(self, ns: bytes, k: bytes, kflags: int, obj: Any, meta: dict[str, Any] | None,
+                    namespace: str, codec: str | None) -> rec.EncodedRecord:
+        """``obj`` as a PUT record (validated, codec applied); nothing is written."""
         if meta is None:
             meta = getattr(obj, "meta", None) or None  # an object read back keeps its metadata
         user_meta = rec.check_user_meta(meta) if meta is not None else None
@@ -235,24 +247,38 @@ class Store:
             did = choice.params.get("dict")
             dictionary = self._dictionary(ns, did, missing=InvalidObject) if did is not None else None
             block = blk.apply_codec(block, choice, dictionary)
-        record = rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
+        return rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
+
+    def _append_puts(self, puts: list[tuple[bytes, int, rec.EncodedRecord]], ns: bytes, sess: bytes | None) -> Any:
+        """Append encoded puts of namespace ``ns`` (with their session references) as one atomic
+        group; the caller holds the write lock and settles the returned position."""
+        engine = self._engine
+        if sess is None and not engine.may_have_refs:
+            records = [r for _, _, r in puts]
+            dedup = 0
+        else:
+            records = []
+            dedup = 0
+            for k, kflags, record in puts:
+                got = self._put_records(ns, k, kflags, record, sess)
+                dedup += all(r is not record for r in got)
+                records += got
+        if len(records) > fmt.GROUP_MAX:
+            raise InvalidObject(f"a batch of {len(puts)} puts makes {len(records)} records; one atomic group "
+                                f"holds at most {fmt.GROUP_MAX}",
+                                hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
+        if not records:  # every object already stored and referenced: make sure they are durable
+            locs = [engine.lookup(ns, k) for k, _, _ in puts]
+            where = max((engine.appended_at(loc) for loc in locs if loc is not None), key=lambda a: a.lsn)
+        elif len(records) == 1:
+            where = engine.append(records[0])
+        else:
+            where = engine.append_group(records)
         counters = self._counters
-        with engine.write_lock:
-            if sess is None and not engine.may_have_refs:
-                records = [record]
-                where = engine.append(record)
-            else:
-                records = self._put_records(ns, k, kflags, record, sess)
-                if records:
-                    where = engine.append_group(records)
-                else:  # already stored and referenced: make sure it is durable, as a put would
-                    cur = engine.lookup(ns, k)
-                    assert cur is not None
-                    where = engine.appended_at(cur)
-        counters["puts"] += 1
-        counters["dedup_puts"] += all(r is not record for r in records)
+        counters["puts"] += len(puts)
+        counters["dedup_puts"] += dedup
         counters["bytes_written"] += sum(r.header.record_len for r in records)
-        engine.settle(where)
+        return where
 
     def delete(self, key: str | bytes, *, namespace: str = "default") -> bool:
         """Delete the object; True if it existed, False if there was nothing to delete.
@@ -276,6 +302,93 @@ class Store:
                     raise
         self._counters["deletes"] += 1
         return True
+
+    def put_many(self, items: Any, *, namespace: str = "default", session: str | None = None,
+                 codec: str | None = None) -> None:
+        """Store many objects in ``namespace`` as one atomic group: ``items`` is an iterable of
+        ``(key, obj)`` or ``(key, obj, meta)``.  Every item is checked (and encoded) before
+        anything is written; then all of them are appended together and made durable with one
+        sync: after a crash either every object of the batch is in the store or none is.
+
+        ``session`` and ``codec`` apply to every item, as for ``put``.  A key may appear once
+        per batch (InvalidObject otherwise); a batch holds at most ``GROUP_MAX`` (4096)
+        records, session references included (InvalidObject with a hint when larger).
+        Raises what ``put`` raises; a batch that raised left nothing in the store.
+        """
+        self._check_writable()
+        engine = self._engine
+        ns = encode_namespace(namespace)
+        sess = encode_session(session) if session is not None else None
+        puts: list[tuple[bytes, int, rec.EncodedRecord]] = []
+        seen: set[bytes] = set()
+        for n, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) not in (2, 3):
+                raise InvalidObject(f"put_many item {n}: expected (key, obj) or (key, obj, meta), "
+                                    f"got {type(item).__name__}")
+            key, obj, meta = item if len(item) == 3 else (*item, None)
+            k, kflags = encode_key(key)
+            if k in seen:
+                raise InvalidObject(f"put_many: key {key!r} appears twice in the batch", key=key, namespace=namespace,
+                                    hint="a batch is one atomic group: give each key once")
+            seen.add(k)
+            puts.append((k, kflags, self._encode_put(ns, k, kflags, obj, meta, namespace, codec)))
+        if not puts:
+            return
+        with engine.write_lock:
+            where = self._append_puts(puts, ns, sess)
+        engine.settle(where)
+
+    def put_async(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
+                  meta: dict[str, Any] | None = None, session: str | None = None,
+                  codec: str | None = None) -> Future:
+        """``put`` that returns once the object's bytes are written to the log (the caller may
+        reuse its buffers and other handles' reads see it), before they are durable.  The
+        returned ``concurrent.futures.Future`` completes (result None) once the put is durable
+        against power loss: synced, whatever the durability mode, sharing one sync with other
+        puts in flight.  Bad input raises here, as for ``put``, with nothing written; a failed
+        sync is the Future's exception (StoreIOError)."""
+        self._check_writable()
+        engine = self._engine
+        ns = encode_namespace(namespace)
+        k, kflags = encode_key(key)
+        sess = encode_session(session) if session is not None else None
+        record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
+        with engine.write_lock:
+            where = self._append_puts([(k, kflags, record)], ns, sess)
+        engine.settle_later(where)  # the committer applies it; the sync below makes it durable
+        return engine.sync_async(where)
+
+    def delete_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
+        """Delete many keys of ``namespace`` as one atomic group (with their session references):
+        after a crash all of them are gone or none is.  Returns, per key, whether it existed."""
+        self._check_writable()
+        engine = self._engine
+        ns = encode_namespace(namespace)
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise InvalidObject("delete_many takes a sequence of keys, got one key", hint="delete(key) deletes one")
+        encoded = [encode_key(key) for key in keys]
+        if len({k for k, _ in encoded}) != len(encoded):
+            raise InvalidObject("delete_many: a key appears twice in the batch", namespace=namespace)
+        for attempt in (0, 1):
+            try:
+                with engine.write_lock:
+                    found = engine.lookup_many(ns, [k for k, _ in encoded])
+                    records = [r for (k, flags), loc in zip(encoded, found) if loc is not None
+                               for r in engine.deletion(ns, k, flags)]
+                    if not records:
+                        return [False] * len(encoded)
+                    if len(records) > fmt.GROUP_MAX:
+                        raise InvalidObject(f"a batch of {len(encoded)} deletes makes {len(records)} records; one "
+                                            f"atomic group holds at most {fmt.GROUP_MAX}",
+                                            hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
+                    where = engine.append_group(records)
+                engine.settle(where)
+                break
+            except StoreFull:  # as in delete: the reserve makes room (once)
+                if attempt or not engine.release_reserve():
+                    raise
+        self._counters["deletes"] += sum(loc is not None for loc in found)
+        return [loc is not None for loc in found]
 
     def train_dictionary(self, samples: Any, *, namespace: str = "default", size: int = 16 << 10) -> int:
         """Train a zstd dictionary on ``samples`` (bytes of many small, similar blobs), store it
@@ -442,7 +555,7 @@ class Store:
         return f"namespace {shown} {'holds' if len(names) == 1 else 'hold'} that key"
 
     def get(self, key: str | bytes, *, namespace: str = "default", layers: Any = None, rows: Any = None,
-            device: str | None = None) -> KVCache | Vectors | Blob:
+            device: str | None = None, out: Any = None) -> KVCache | Vectors | Blob:
         """Read an object, or part of one, returning the kind that was stored.
 
         ``layers`` (KVCache): absolute layer ids, an int / range / slice / contiguous
@@ -451,14 +564,35 @@ class Store:
         "cpu" or "cuda:N" returns torch tensors there; by default arrays come back in the
         framework they were stored from (numpy or torch).
 
+        ``out``: a numpy array or torch tensor (CPU, pinned or CUDA) of the stored dtype and of
+        the shape this read returns (``info(key).shape``, or its selected layers / rows):
+        the data is read (and decoded) into it, and the returned object's ``data`` is ``out``.
+        Host memory is filled in place, with no staging copy; a CUDA tensor is filled from
+        host memory (or the GPU tier).  A mismatch is InvalidObject, raised before any I/O.
+        ``device`` and ``out`` exclude each other (``out`` says where).
+
         Every byte returned was checked against its CRC-32C: a mismatch raises
         CorruptionError naming the segment and offset, never wrong data.  NotFound if the
         key does not exist.
         """
         if device is not None:
+            if out is not None:
+                raise InvalidObject("get(device=..., out=...): out= already says where the data goes")
             arrays.validate_device(device)
         ns, k, loc = self._locate(key, namespace)
-        obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device)
+        if out is not None:
+            name, shape = blk.result_shape(loc.header, layers, rows)
+            arrays.check_out(out, name, shape)
+            if arrays.host_bytes(out) is None:
+                device = str(out.device)  # a CUDA destination: read there, then copy
+        obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device, out=out)
+        if out is not None and obj.data is not out:
+            arrays.copy_into(out, obj.data)
+            obj.data = out
+        return self._delivered(obj, loc, layers, rows)
+
+    def _delivered(self, obj: Any, loc: Location, layers: Any, rows: Any) -> Any:
+        """A read object, given its user metadata and counted."""
         user_meta = loc.header.meta.get("meta")
         if user_meta:
             obj.meta = copy.deepcopy(user_meta)  # the caller's to change: not the cached header's
@@ -469,8 +603,67 @@ class Store:
             sum(lengths[i] for i in wanted_extents(loc.header, layers, rows))
         return obj
 
+    def get_many(self, keys: Any, *, namespace: str = "default", layers: Any = None, rows: Any = None,
+                 device: str | None = None) -> list[KVCache | Vectors | Blob | None]:
+        """``get`` of many keys of ``namespace``: a list in the order of ``keys``, None where a
+        key does not exist (a miss is an answer here, as in Redis' MGET).  The keys are looked
+        up in one index snapshot; small blobs stored near each other are read with one system
+        call per run.  ``layers`` / ``rows`` / ``device`` apply to every key.  Any other error
+        (CorruptionError, bad arguments) raises, as ``get`` does: never wrong data."""
+        self._check_open()
+        if device is not None:
+            arrays.validate_device(device)
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise InvalidObject("get_many takes a sequence of keys, got one key", hint="get(key) reads one")
+        keys = list(keys)
+        ns = encode_namespace(namespace)
+        ks = [encode_key(key)[0] for key in keys]
+        locs = self._engine.lookup_many(ns, ks)
+        result: list[Any] = [None] * len(keys)
+        batch = []  # small raw blobs the tiers leave to the log: read together
+        tiers = self._tiers if self._tiers is not None and self._tiers.active else None
+        for n, loc in enumerate(locs):
+            if loc is None:
+                continue
+            h = loc.header
+            if (h.kind == fmt.KIND_BLOB and h.codec == fmt.CODEC_RAW and layers is None and rows is None
+                    and device is None and h.record_len <= SMALL_READ
+                    and (tiers is None or tiers.passes_by((ns, ks[n]), h))):
+                batch.append(n)
+            else:
+                obj = self._read(keys[n], namespace, ns, ks[n], loc, layers=layers, rows=rows, device=device)
+                result[n] = self._delivered(obj, loc, layers, rows)
+        if batch:
+            wheres = [{"segment": locs[n].segment, "offset": locs[n].offset, "key": keys[n], "namespace": namespace}
+                      for n in batch]
+            try:
+                datas = self._engine.read_first_extents([locs[n] for n in batch], wheres)  # type: ignore[misc]
+            except FileNotFoundError:  # compaction moved some meanwhile: one by one, following them
+                datas = [self._read(keys[n], namespace, ns, ks[n], locs[n]).data for n in batch]  # type: ignore[arg-type]
+            except CorruptionError as e:
+                if e.path is None and e.segment is not None:
+                    e.path = self._engine.segment_path(e.segment)
+                raise
+            for n, data in zip(batch, datas):
+                loc = locs[n]
+                assert loc is not None
+                result[n] = self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
+        return result
+
+    def contains_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
+        """``contains`` of many keys of ``namespace`` in one index snapshot: a list of bools."""
+        self._check_open()
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise InvalidObject("contains_many takes a sequence of keys, got one key",
+                                hint="contains(key) asks about one")
+        ks = [h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in keys]
+        return self._engine.contains_many(encode_namespace(namespace), ks)
+
     def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
               **sel: Any) -> Any:
+        sel.setdefault("layers", None)
+        sel.setdefault("rows", None)
+        sel.setdefault("device", None)
         """Read the object at ``loc`` (through the tiers when the store has them)."""
         dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
 

@@ -32,7 +32,7 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
               quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
     say = (lambda *a: None) if quiet else print
     root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
-    sections = sections or ["chunk", "blobs", "prefix", "codecs", "tiers"]
+    sections = sections or ["chunk", "blobs", "batches", "prefix", "codecs", "tiers"]
     result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
     try:
         if "chunk" in sections:
@@ -43,6 +43,11 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
         if "blobs" in sections:
             say("blobs: 4 KiB")
             result["blobs"] = bench_blobs(os.path.join(root, "blobs"), n=3000 if quick else 20000, peers=peers, say=say)
+        if "batches" in sections:
+            from .batches import bench_batches
+            say("batches: put_many / get_many / contains_many of 4 KiB blobs; a 32 MiB chunk into a caller's buffer")
+            result["batches"] = bench_batches(os.path.join(root, "batches"), n=3000 if quick else 20000,
+                                              reps=3 if quick else 7, peers=peers, say=say)
         if "codecs" in sections:
             say("codecs: the real K/V and embedding sample")
             result["codecs"] = bench_codecs(say)

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import (
@@ -150,6 +150,8 @@ class Engine:
         self.recovery: dict[str, Any] = {}  # what opening found and did (replay, rebuild, damage)
         self.counters = {"sync_requests": 0, "index_commits": 0}  # and "syncs", from the log (stats)
         self.write_lock = threading.RLock()
+        self._syncer: ThreadPoolExecutor | None = None  # put_async's syncs, started on first use
+        self._syncer_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                            thread_name_prefix="tierstore-io")
         self.seg_dir = os.path.join(self.path, fmt.SEGMENTS_DIR)
@@ -367,6 +369,8 @@ class Engine:
             self._cv.notify_all()
         if self._committer is not None and self._committer is not threading.current_thread():
             self._committer.join()
+        if self._syncer is not None:  # futures of put_async: their syncs finish first
+            self._syncer.shutdown(wait=True)
         if self.log is not None:
             self.log.close()
         self.files.close_all()
@@ -439,6 +443,27 @@ class Engine:
             self.counters["sync_requests"] += 1
             log.sync()
         self._wake_committer()
+
+    def settle_later(self, where: Appended) -> None:
+        """``settle`` for a write whose durability a ``sync_async`` future reports: the
+        "group" mode's size bound still applies; the committer is woken."""
+        log = self.log
+        assert log is not None
+        if self.durability == "group" and log.unsynced_bytes >= self.options.group_commit_bytes:
+            self.counters["sync_requests"] += 1
+            log.sync()
+        self._wake_committer()
+
+    def sync_async(self, where: Appended) -> Future:
+        """A Future completing once the log is durable up to ``where`` (one thread syncs for
+        every caller: a sync covers all writes appended before it, so they share it)."""
+        log = self.log
+        assert log is not None
+        with self._syncer_lock:
+            if self._syncer is None:
+                self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-sync")
+            self.counters["sync_requests"] += 1
+            return self._syncer.submit(log.sync, where)
 
     def appended_at(self, loc: Location) -> Appended:
         """The append position of the record at ``loc`` (to ``settle`` a write that found its
@@ -659,6 +684,34 @@ class Engine:
             pending = {k: m.location is not None for k, m in mem.items() if m.lsn > applied}
             return view.prefix_run(ns, keys, pending)
 
+    @_index_reads
+    def lookup_many(self, ns: bytes, keys: Sequence[bytes]) -> list[Location | None]:
+        """``lookup`` of many keys of one namespace in one index snapshot."""
+        assert self.index is not None
+        mem = self._pending_for(ns, keys)  # before the snapshot (see _memtable)
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            pending = {k: m.location for k, m in mem.items() if m.lsn > applied}
+            return view.get_many(ns, keys, pending)
+
+    @_index_reads
+    def contains_many(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` exists in ``ns``, in one index snapshot, nothing decoded."""
+        assert self.index is not None
+        mem = self._pending_for(ns, keys)
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            pending = {k: m.location is not None for k, m in mem.items() if m.lsn > applied}
+            return view.contains_many(ns, keys, pending)
+
+    def _pending_for(self, ns: bytes, keys: Sequence[bytes]) -> dict[bytes, Op]:
+        """The memtable's entries for ``keys`` of ``ns`` (take it before the index snapshot)."""
+        mem = self._mem
+        if not mem:
+            return {}
+        with self._pending_lock:
+            return {k: m for k in keys if (m := mem.get((ns, k))) is not None}
+
     @property
     def may_have_refs(self) -> bool:
         """Whether session references must be consulted: the store holds (or held) some, or this
@@ -704,6 +757,25 @@ class Engine:
     def reader(self, loc: Location, where: dict[str, Any]) -> SegmentReader:
         """An ExtentReader over the record at ``loc``; ``where`` names it in errors."""
         return SegmentReader(self, loc, where)
+
+    def read_first_extents(self, locs: Sequence[Location], wheres: Sequence[dict[str, Any]]) -> list[bytes]:
+        """Extent 0 of each record at ``locs`` (small records, e.g. the blobs of a batched get):
+        one ``pread`` per run of nearby records of a segment, checksums verified.  Raises
+        FileNotFoundError if compaction retired one of the segments meanwhile (look again)."""
+        log = self.log
+        if log is not None and any((loc.segment, loc.offset + loc.header.record_len) > log.written for loc in locs):
+            log.flush_buffer()
+        by_seg: dict[int, list[int]] = {}
+        for n, loc in enumerate(locs):
+            by_seg.setdefault(loc.segment, []).append(n)
+        out: list[bytes] = [b""] * len(locs)
+        for seg, ns in by_seg.items():
+            with self.hold_segment(seg) as (fd, _):
+                got = seglib.read_first_extents(self.io, fd, [(locs[n].offset, locs[n].header) for n in ns],
+                                                [wheres[n] for n in ns])
+            for n, data in zip(ns, got):
+                out[n] = data
+        return out
 
     def hold_segment(self, seg: int) -> "HeldSegment":
         """``with engine.hold_segment(seg) as (fd, dfd)``: the segment's descriptors (dfd: O_DIRECT,

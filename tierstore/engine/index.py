@@ -556,6 +556,28 @@ class ReadView:
                 n += 1
         return n
 
+    def get_many(self, namespace: bytes, keys: Sequence[bytes], pending: dict[bytes, Any]) -> list[Location | None]:
+        """The locations of ``keys`` in this snapshot (None: absent); ``pending`` (key ->
+        Location or None) overrides it for records not yet applied.  One LMDB get per key."""
+        prefix = bytes((len(namespace),)) + namespace
+        get, db = self.txn.get, self.index.objects
+        out: list[Location | None] = []
+        with _reading(self.index.path):
+            for k in keys:
+                if pending and k in pending:
+                    out.append(pending[k])
+                    continue
+                v = get(prefix + k, db=db)
+                out.append(None if v is None else decode_location(v, namespace, k))
+        return out
+
+    def contains_many(self, namespace: bytes, keys: Sequence[bytes], pending: dict[bytes, bool]) -> list[bool]:
+        """Whether each of ``keys`` exists (``pending`` as in ``prefix_run``), without decoding."""
+        prefix = bytes((len(namespace),)) + namespace
+        get, db = self.txn.get, self.index.objects
+        with _reading(self.index.path):
+            return [pending[k] if pending and k in pending else get(prefix + k, db=db) is not None for k in keys]
+
     def contains(self, namespace: bytes, key: bytes) -> bool:
         with _reading(self.index.path):
             return self.txn.get(index_key(namespace, key), db=self.index.objects) is not None

@@ -42,6 +42,7 @@ class Log:
 
     SMALL_RECORD = 64 << 10  # records up to this size are buffered
     BUFFER_BYTES = 1 << 20  # the buffer is written out when it grows past this
+    COALESCE_IOVECS, SMALL_PIECE = 64, 16 << 10  # a group of more buffers, this small on average, is joined
     DIRECT_MIN = 4 << 20  # with sync/group durability, records this large are written with O_DIRECT
     BOUNCE_BYTES = 8 << 20  # O_DIRECT writes go through three page-aligned buffers of this size
 
@@ -210,6 +211,8 @@ class Log:
                     self._flush_buffer()
             else:
                 self._flush_buffer()
+                if len(iov) > self.COALESCE_IOVECS and pos - self.tail < len(iov) * self.SMALL_PIECE:
+                    iov = [b"".join(iov)]  # many small records (a batch): one copy beats thousands of iovecs
                 try:
                     write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
                 except OSError as e:
@@ -227,7 +230,7 @@ class Log:
         return pos
 
     def _direct_ok(self, start: int, record_len: int) -> bool:
-        return (self.sync_enabled and record_len >= self.DIRECT_MIN and start % PAGE == 0
+        return (record_len >= self.DIRECT_MIN and start % PAGE == 0
                 and self.dio.direct and self._dfd() >= 0)
 
     def _dfd(self) -> int:

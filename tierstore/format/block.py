@@ -49,7 +49,15 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
             meta["meta"] = user_meta
         align = fmt.ALIGN_INLINE_LOG2 if view.nbytes < fmt.INLINE_BLOB_MAX else fmt.ALIGN_PAGE_LOG2
         return Block(fmt.KIND_BLOB, meta, (view,), align, view.nbytes, obj.data)
-    if isinstance(obj, KVCache):
+    if isinstance(obj, KVCache) and obj.pieces is not None:  # KVCache.from_layers: an extent of pieces per layer
+        parts = [[arrays.as_bytes_view(p) for p in layer] for layer in obj.pieces]
+        first = obj.pieces[0][0]
+        meta = {"dtype": fmt.DTYPE_IDS[arrays.dtype_name(first)], "shape": list(obj.shape),
+                "layer_start": obj.layer_start, "fw": arrays.framework_of(first)}
+        extents = tuple(rec.Pieces(_mv(p) for p in layer) if len(layer) > 1 else _mv(layer[0]) for layer in parts)
+        kind, align, keep = fmt.KIND_KV, fmt.ALIGN_PAGE_LOG2, parts
+        logical = sum(e.nbytes for e in extents)
+    elif isinstance(obj, KVCache):
         arr = arrays.as_bytes_view(obj.data)
         name = arrays.dtype_name(obj.data)
         meta = {"dtype": fmt.DTYPE_IDS[name], "shape": list(arr.shape), "layer_start": obj.layer_start,
@@ -104,7 +112,8 @@ def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | Non
         raise InvalidObject(f"lossy codec {choice.codec.name!r} takes float16/bfloat16/float32/float64 data, "
                             f"not {fmt.DTYPES[block.meta['dtype']][0]}", hint="use zstd or shuffle+zstd")
     exts = extent_shapes(block.kind, block.meta)
-    encoded = tuple(memoryview(cdc.encode(extent_codec(choice.codec, e), np.frombuffer(v, np.uint8), e,
+    encoded = tuple(memoryview(cdc.encode(extent_codec(choice.codec, e),
+                                          np.frombuffer(v.tobytes() if type(v) is rec.Pieces else v, np.uint8), e,
                                           choice.params, dictionary))
                     for v, e in zip(block.extents, exts))
     meta = dict(block.meta)
@@ -270,10 +279,33 @@ def read_on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers
     return v
 
 
+def result_shape(hdr: rec.RecordHeader, layers: Any, rows: Any) -> tuple[str, tuple[int, ...]]:
+    """(dtype name, shape) of the array a read of ``hdr`` (with ``layers`` / ``rows``) returns:
+    what ``get(out=...)`` must match, checked before any I/O."""
+    meta = hdr.meta
+    if hdr.kind == fmt.KIND_KV:
+        if rows is not None:
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+        count = meta["shape"][0]
+        n = count if layers is None else len(select_layers(layers, meta["layer_start"], count))
+        return _dtype_name(meta), (n, *meta["shape"][1:])
+    if hdr.kind == fmt.KIND_VECTORS:
+        if layers is not None:
+            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+        n, dim = meta["shape"]
+        return _dtype_name(meta), (n if rows is None else len(select_rows(rows, n)), dim)
+    raise InvalidObject(f"out= applies to a KVCache or Vectors, not a {fmt.KIND_NAMES.get(hdr.kind, hdr.kind)}",
+                        hint="a Blob's bytes come back as bytes")
+
+
 def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
-                device: str | None = None, dictionaries: Callable[[int], bytes] | None = None) -> Any:
+                device: str | None = None, dictionaries: Callable[[int], bytes] | None = None,
+                out: Any = None) -> Any:
     """Read the object described by ``hdr`` (or the selected layers / rows of it).
-    ``dictionaries(id)`` gives the zstd dictionary a record may name."""
+    ``dictionaries(id)`` gives the zstd dictionary a record may name.  ``out`` (checked
+    against ``result_shape`` by the caller): host memory that the extents are read (or
+    decoded) into directly, returned as the object's data; the caller copies other reads
+    into it."""
     meta = hdr.meta
     if hdr.codec != fmt.CODEC_RAW:
         reader = _Decoding(hdr, reader, dictionaries)
@@ -285,15 +317,16 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
-        out = aligned_empty(lb * len(idx))
-        reader.read_into([(i, memoryview(out[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
+        host = None if out is None else arrays.host_bytes(out)
+        buf = host if host is not None else aligned_empty(lb * len(idx))
+        reader.read_into([(i, memoryview(buf[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])
-        data = arrays.wrap(out, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
+        data = out if host is not None else arrays.wrap(buf, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
         return stored_kv(data, meta["layer_start"] + idx[0])
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
             raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
-        return _read_vectors(hdr, reader, rows, device)
+        return _read_vectors(hdr, reader, rows, device, out)
     if hdr.kind == fmt.KIND_BLOB:
         if layers is not None or rows is not None:
             raise InvalidObject("layers= and rows= do not apply to a Blob")
@@ -303,23 +336,25 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
     raise InvalidObject(f"unknown object kind {hdr.kind}")
 
 
-def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device: str | None) -> Vectors:
+def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device: str | None,
+                  out: Any = None) -> Vectors:
     meta = hdr.meta
     n, dim = meta["shape"]
     rpe, has_ids = meta["rows_per_extent"], meta["ids"]
     name, fw = _dtype_name(meta), meta.get("fw", "numpy")
     row_bytes = dim * fmt.DTYPES[meta["dtype"]][1]
     n_ext = -(-n // rpe)
+    host = None if out is None or rows is not None else arrays.host_bytes(out)
     if rows is None:
-        data = aligned_empty(n * row_bytes)
+        data = host if host is not None else aligned_empty(n * row_bytes)
         ids = np.empty(n, dtype="<i8") if has_ids else None
         wanted = [(e, memoryview(data[e * rpe * row_bytes : min(n, (e + 1) * rpe) * row_bytes])) for e in range(n_ext)]
         if ids is not None:
             idv = ids.view(np.uint8)
             wanted += [(n_ext + e, memoryview(idv[e * rpe * 8 : min(n, (e + 1) * rpe) * 8])) for e in range(n_ext)]
         reader.read_into(wanted)
-        out = arrays.wrap(data, name, (n, dim), fw, device)
-        return Vectors(out, ids=None if ids is None else _ids_like(ids, fw, device), metric=meta["metric"])
+        got = out if host is not None else arrays.wrap(data, name, (n, dim), fw, device)
+        return Vectors(got, ids=None if ids is None else _ids_like(ids, fw, device), metric=meta["metric"])
     sel = select_rows(rows, n)
     exts = np.unique(sel // rpe)
     pos = {int(e): i for i, e in enumerate(exts)}

@@ -72,7 +72,7 @@ ALIGN_INLINE_LOG2 = 3  # small payloads packed after the header
 ALIGN_PAGE_LOG2 = 12  # tensor payloads: 4 KiB aligned extents
 ALIGN_LOG2_MIN = 3
 ALIGN_LOG2_MAX = 21
-INLINE_BLOB_MAX = 4096  # blobs smaller than this are stored with inline alignment
+INLINE_BLOB_MAX = 64 << 10  # blobs smaller than this are stored 8-aligned (a writer choice: readers follow align_log2)
 
 # --- SPEC.md §5 Metadata -----------------------------------------------------------------
 META_MAX_DEPTH = 16  # nesting of the whole metadata map, user metadata included

@@ -29,6 +29,7 @@ from . import constants as fmt
 from .layout import extent_codec, extent_shapes
 
 _ZERO_PAGE = bytes(fmt.PAGE)
+_ZERO_VIEW = memoryview(_ZERO_PAGE)
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 INT64_MAX = (1 << 63) - 1
@@ -87,7 +88,7 @@ def align_up(n: int, a: int) -> int:
 
 def zeros(n: int) -> memoryview:
     """A read-only view of ``n`` zero bytes (n <= one page) for padding iovecs."""
-    return memoryview(_ZERO_PAGE)[:n] if n <= fmt.PAGE else memoryview(bytes(n))
+    return _ZERO_VIEW[:n] if n <= fmt.PAGE else memoryview(bytes(n))
 
 
 def extent_offsets(header_len: int, align_log2: int, lengths: Sequence[int]) -> tuple[int, ...]:
@@ -141,6 +142,32 @@ class RecordHeader(NamedTuple):
                             bytes(buf), self.offsets)
 
 
+class Pieces(tuple):  # type: ignore[type-arg]
+    """One extent made of several byte buffers that follow each other in the record (a
+    scattered put: a KV layer whose K and V are separate tensors).  They are written with one
+    gathered write and checksummed in order: the record is the same as from one buffer, with
+    no staging copy."""
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self)
+
+    def tobytes(self) -> bytes:
+        return b"".join(self)
+
+
+def extent_crc(ext: Any) -> int:
+    """CRC-32C of an extent buffer or of ``Pieces`` (chained over the pieces)."""
+    if type(ext) is not Pieces:
+        return _crc(ext)
+    value = 0
+    for p in ext:
+        value = _crc(p, value)
+    return value
+
+
 class EncodedRecord(NamedTuple):
     """A record ready for ``pwritev``: its header plus the buffers of its extents.
 
@@ -171,7 +198,9 @@ class EncodedRecord(NamedTuple):
         for off, ext in zip(h.offsets, self.extents):
             if off > pos:
                 out.append(zeros(off - pos))
-            if ext.nbytes:
+            if type(ext) is Pieces:
+                out.extend(p for p in ext if p.nbytes)
+            elif ext.nbytes:
                 out.append(ext)
             pos = off + ext.nbytes
         return out
@@ -226,7 +255,7 @@ def encode_put(
     """
     meta_bytes = pack_meta(meta)
     lengths = tuple([e.nbytes for e in extents])
-    crcs = tuple([_crc(e) for e in extents])
+    crcs = tuple([_crc(e) if type(e) is not Pieces else extent_crc(e) for e in extents])
     n = len(lengths)
     body = namespace + key + meta_bytes
     pad = -(fmt.RECORD_HEADER_SIZE + len(body)) % 8

@@ -164,8 +164,9 @@ class Hierarchy:
         return str(arrays.torch_module().device(device)) == self.gpu_device
 
     def read(self, ns: bytes, k: bytes, loc: Location, where: dict[str, Any], *, layers: Any, rows: Any,
-             device: str | None, dictionaries: Callable[[int], bytes] | None) -> Any:
-        """Serve a get from the nearest tier holding the extents, promoting them on a miss."""
+             device: str | None, dictionaries: Callable[[int], bytes] | None, out: Any = None) -> Any:
+        """Serve a get from the nearest tier holding the extents, promoting them on a miss.
+        ``out``: host memory a host read fills directly (``block.read_object``)."""
         hdr = loc.header
         wanted = wanted_extents(hdr, layers, rows)
         key = (ns, k)
@@ -179,20 +180,24 @@ class Hierarchy:
         if self.dram is not None and self._dram_serves(key, hdr, wanted):
             got = self.dram.lookup(key, hdr, wanted)
             if got is None:
-                if (self.admission is not None and key not in self.dram.entries  # holds part: admitted
-                        and not self.admission.admit(key, hdr.lsn)):
-                    with self.dram.lock:  # a first read: served from the log, remembered
-                        self.dram.counters["admissions_deferred"] += 1
-                elif self._promote_dram(key, loc, where, wanted, required=False):
-                    got = self.dram.lookup(key, hdr, wanted, count=False)
+                first = (self.admission is not None and key not in self.dram.entries  # holds part: admitted
+                         and not self.admission.admit(key, hdr.lsn))
+                if self._promote_dram(key, loc, where, wanted, required=False, probation=first):
+                    got = self.dram.lookup(key, hdr, wanted, count=False)  # a first read: on probation
                 else:  # no room: straight from the log
                     with self.dram.lock:
                         self.dram.counters["bytes_read_through"] += sum(hdr.extent_lengths[i] for i in wanted)
             if got is not None:
                 return blk.read_object(hdr, _HostReader(got), layers=layers, rows=rows,
-                                       device=device, dictionaries=dictionaries)
+                                       device=device, dictionaries=dictionaries, out=out)
         return blk.read_object(hdr, self.engine.reader(loc, where), layers=layers, rows=rows, device=device,
-                               dictionaries=dictionaries)
+                               dictionaries=dictionaries, out=out)
+
+    def passes_by(self, key: Hashable, hdr: rec.RecordHeader) -> bool:
+        """Whether a whole-object host read of ``key`` goes straight to the log, the tiers
+        neither serving nor admitting it (small objects when the DRAM tier admits on the
+        second read): a batched get may then read such objects together."""
+        return self.dram is None or not self._dram_serves(key, hdr, list(range(len(hdr.extent_lengths))))
 
     def _dram_serves(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int]) -> bool:
         """Whether a get goes through the DRAM tier: always, unless the tier admits on the second
@@ -211,8 +216,9 @@ class Hierarchy:
         return self.sessions(ns, k)
 
     def _promote_dram(self, key: Hashable, loc: Location, where: dict[str, Any], wanted: list[int],
-                      *, required: bool) -> bool:
-        """Read extents ``wanted`` from the segment into the DRAM tier; False if no room."""
+                      *, required: bool, probation: bool = False) -> bool:
+        """Read extents ``wanted`` from the segment into the DRAM tier; False if no room.
+        ``probation``: a first read, held in the tier's probation share (``Tier.reserve``)."""
         tier, hdr = self.dram, loc.header
         assert tier is not None
         todo = tier.missing(key, hdr, wanted)
@@ -220,7 +226,7 @@ class Hierarchy:
             return True
         lengths = hdr.extent_lengths
         nbytes = sum(lengths[i] for i in todo)
-        if not tier.reserve(nbytes, required=required, for_key=key):
+        if not tier.reserve(nbytes, required=required, for_key=key, probation=probation):
             return False
         t0 = time.perf_counter()
         try:
@@ -228,7 +234,8 @@ class Hierarchy:
         except BaseException:
             tier.release(nbytes)
             raise
-        tier.insert(key, hdr, views, reserved=nbytes, sessions=self._sessions(key), seconds=time.perf_counter() - t0)
+        tier.insert(key, hdr, views, reserved=nbytes, sessions=self._sessions(key), seconds=time.perf_counter() - t0,
+                    probation=probation)
         return True
 
     def _read_host(self, loc: Location, where: dict[str, Any], todo: list[int]) -> dict[int, np.ndarray]:

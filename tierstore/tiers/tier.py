@@ -15,7 +15,7 @@ promotion).  Invariant, under the lock: used + reserved <= capacity.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +23,8 @@ from typing import Any
 from ..errors import StoreFull
 from ..format import record as rec
 from .policy import Policy
+
+PROBATION_SHARE = 4  # first-read (probation) entries hold at most 1/4 of a tier that admits on the second read
 
 
 @dataclass
@@ -51,8 +53,14 @@ class Tier:
         self.reserved = 0
         self.counters = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "evictions": 0,
                          "promotions": 0, "demotions_in": 0, "admissions_refused": 0, "bytes_read_through": 0,
-                         "admissions_deferred": 0}
+                         "probation_admissions": 0, "probation_hits": 0}
         self._latency: deque[float] = deque(maxlen=4096)
+        # entries admitted on a first read (SLRU's probation segment, at most 1/PROBATION_SHARE of
+        # the tier): evicted first, oldest first; a probation insert never evicts anything else,
+        # so a one-pass scan churns only this share; a second read moves an entry out of it
+        self.probation: OrderedDict[Hashable, None] = OrderedDict()
+        self.probation_bytes = 0
+        self.probation_cap = capacity // PROBATION_SHARE
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -71,6 +79,10 @@ class Tier:
             e = self._valid(key, hdr)
             if e is not None and all(i in e.extents for i in wanted):
                 if count:
+                    if key in self.probation:  # read again: kept (protected) from now on
+                        del self.probation[key]
+                        self.probation_bytes -= e.nbytes
+                        self.counters["probation_hits"] += 1
                     self.policy.touched(key)
                     self.counters["hits"] += 1
                     self.counters["bytes_out"] += sum(_nbytes(e.extents[i]) for i in wanted)
@@ -90,24 +102,33 @@ class Tier:
 
     # -- room -------------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int, *, required: bool, for_key: Hashable | None = None) -> bool:
-        """Set aside ``nbytes`` for an insert, evicting unpinned entries in policy order.
+    def reserve(self, nbytes: int, *, required: bool, for_key: Hashable | None = None,
+                probation: bool = False) -> bool:
+        """Set aside ``nbytes`` for an insert, evicting unpinned entries: probation entries
+        first (oldest first), then in policy order.  A ``probation`` insert (a first read)
+        evicts only probation entries and must fit in the probation share.
 
         False (nothing evicted) if it cannot be done; with ``required`` StoreFull instead.
         """
         evicted: list[tuple[Hashable, Entry]] = []
         with self.lock:
             free = self.capacity - self.used - self.reserved
-            if nbytes > free:
-                plan, gain = [], 0
-                for key in self.policy.victims():
+            over = self.probation_bytes + nbytes - self.probation_cap if probation else 0
+            if nbytes > free or over > 0:
+                plan, gain, pgain = [], 0, 0
+                order = list(self.probation)
+                if not probation:
+                    order += [k for k in self.policy.victims() if k not in self.probation]
+                for key in order:
+                    if free + gain >= nbytes and pgain >= over:
+                        break
                     if key == for_key or self.pins.get(key):
                         continue
                     plan.append(key)
-                    gain += self.entries[key].nbytes
-                    if free + gain >= nbytes:
-                        break
-                if free + gain < nbytes:
+                    n = self.entries[key].nbytes
+                    gain += n
+                    pgain += n if key in self.probation else 0
+                if free + gain < nbytes or pgain < over:
                     self.counters["admissions_refused"] += 1
                     if required:
                         pinned = sum(e.nbytes for k, e in self.entries.items() if self.pins.get(k))
@@ -133,13 +154,21 @@ class Tier:
             self.reserved -= nbytes
 
     def insert(self, key: Hashable, hdr: rec.RecordHeader, extents: dict[int, Any], *, reserved: int,
-               sessions: tuple[bytes, ...] = (), seconds: float | None = None, demoted: bool = False) -> None:
-        """Add extents (their bytes were reserved) to the entry of ``key``'s version ``hdr``."""
+               sessions: tuple[bytes, ...] = (), seconds: float | None = None, demoted: bool = False,
+               probation: bool = False) -> None:
+        """Add extents (their bytes were reserved) to the entry of ``key``'s version ``hdr``;
+        ``probation``: a first read's entry (see ``reserve``)."""
         with self.lock:
             self.reserved -= reserved
             e = self._valid(key, hdr)
             if e is None:
                 e = self.entries[key] = Entry(hdr, {}, 0, sessions)
+                if probation:
+                    self.probation[key] = None
+                    self.counters["probation_admissions"] += 1
+            elif not probation and key in self.probation:  # promoted on purpose: protected
+                del self.probation[key]
+                self.probation_bytes -= e.nbytes
             self.policy.admitted(key, e.nbytes, e.sessions)  # (again, for more extents: not a read)
             added = 0
             for i, buf in extents.items():
@@ -148,6 +177,8 @@ class Tier:
                     added += _nbytes(buf)
             e.nbytes += added
             self.used += added
+            if key in self.probation:
+                self.probation_bytes += added
             self.counters["bytes_in"] += added
             self.counters["demotions_in" if demoted else "promotions"] += 1
             if seconds is not None:
@@ -170,6 +201,9 @@ class Tier:
     def _remove(self, key: Hashable) -> None:
         e = self.entries.pop(key)
         self.used -= e.nbytes
+        if key in self.probation:
+            del self.probation[key]
+            self.probation_bytes -= e.nbytes
         self.policy.removed(key)
 
     # -- pins ---------------------------------------------------------------------------------
@@ -199,7 +233,9 @@ class Tier:
             out: dict[str, Any] = {
                 "bytes_used": self.used, "capacity_bytes": self.capacity, "bytes_reserved": self.reserved,
                 "objects": len(self.entries), "pinned_objects": sum(1 for k in self.entries if self.pins.get(k)),
-                "pinned_bytes": pinned, **self.counters, "io_path": self.io_path, "policy": self.policy.name,
+                "pinned_bytes": pinned, "probation_bytes": self.probation_bytes,
+                "probation_capacity_bytes": self.probation_cap, **self.counters, "io_path": self.io_path,
+                "policy": self.policy.name,
                 "promotion_p50_ms": _pct(lat, 0.50), "promotion_p99_ms": _pct(lat, 0.99),
             }
         return out

@@ -1,0 +1,413 @@
+"""Many callers: batched calls (put_many, get_many, contains_many, delete_many), put_async,
+get(out=) into caller-owned memory, and scattered KV puts (KVCache.from_layers).
+
+Batches are atomic where they say so: the power-loss harness of test_crash_states.py is run
+over them (every crash state equals the model after a whole number of operations, so a batch
+is never half applied), and every batch checks all of its items before writing any.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import numpy as np
+import pytest
+
+import tierstore
+from tierstore import Blob, CorruptionError, InvalidObject, KVCache, Vectors
+from tierstore.format import constants as fmt
+
+from .conftest import needs_torch, segment_files
+from .test_crash_states import Explorer, _value, fast_tmp  # noqa: F401  (fixture)
+
+# -- crash states: a batch is all or nothing ------------------------------------------------
+
+BATCH_OPS = ["put_many", "delete_many", "put_async", "overwrite_many", "compact"]
+BATCH_KEYS = ("b1", "b2", "b3")
+
+
+def _batch_value(step: int, i: int) -> bytes:
+    # together larger than the log's write buffer and not page-aligned: the batch reaches the
+    # file in one large write that a crash can cut anywhere (states C and D)
+    return bytes([(step * 3 + i) % 251 + 1]) * (9000 + 4096 * i + 131 * step)
+
+
+class BatchExplorer(Explorer):
+    def do(self, store: tierstore.Store, op: str, step: int) -> None:
+        if op == "put_many":
+            store.put_many([(k, Blob(_batch_value(step, i))) for i, k in enumerate(BATCH_KEYS)])
+        elif op == "overwrite_many":
+            store.put_many([("k0", Blob(_value(step))), ("b2", Blob(_batch_value(step, 7)))])
+        elif op == "delete_many":
+            store.delete_many(["k1", "b1", "kv"])
+        elif op == "put_async":
+            store.put_async(f"a{step}", Blob(_value(step))).result()
+        else:
+            store.compact()
+
+    def models(self, ops: tuple[str, ...]) -> list:
+        model = dict(self.base)
+        out = [dict(model)]
+        for step, op in enumerate(ops, start=1):
+            if op == "put_many":
+                model.update({k: _batch_value(step, i) for i, k in enumerate(BATCH_KEYS)})
+            elif op == "overwrite_many":
+                model.update({"k0": _value(step), "b2": _batch_value(step, 7)})
+            elif op == "delete_many":
+                for k in ("k1", "b1", "kv"):
+                    model.pop(k, None)
+            elif op == "put_async":
+                model[f"a{step}"] = _value(step)
+            out.append(dict(model))
+        return out
+
+
+def test_power_loss_states_with_batches(fast_tmp, capsys):  # noqa: F811
+    ex = BatchExplorer(fast_tmp, "64KiB")
+    for w in [w for n in (1, 2) for w in itertools.product(BATCH_OPS, repeat=n)]:
+        ex.run(w)
+        for image, ops, acked, issued in ex.images:
+            ex.check(image, ops, acked, issued)
+            shutil.rmtree(image)
+        ex.images.clear()
+        shutil.rmtree(fast_tmp / f"w{ex.stats['workloads']}")
+    with capsys.disabled():
+        print(f"\ncrash states (batches): {ex.stats}")
+    assert ex.stats["states"] >= 1000
+
+
+# -- put_many -----------------------------------------------------------------------------------
+
+
+def test_put_many_round_trip_one_sync(store_path):
+    with tierstore.open(store_path) as s:
+        before = s.stats()["counters"]["syncs"]
+        kv = np.random.default_rng(0).standard_normal((2, 2, 2, 8, 4)).astype(np.float16)
+        s.put_many([("a", Blob(b"x" * 10)), ("b", KVCache(kv)), ("c", Blob(b"y"), {"turn": 3})], namespace="n")
+        assert s.stats()["counters"]["syncs"] - before == 1  # one fdatasync for the batch
+        assert s.get("a", namespace="n").data == b"x" * 10
+        assert np.array_equal(s.get("b", namespace="n").data, kv)
+        assert s.get("c", namespace="n").meta == {"turn": 3}
+        assert s.stats()["counters"]["puts"] == 3
+    with tierstore.open(store_path) as s:  # and after a reopen
+        assert sorted(s.keys(namespace="n")) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("bad, codec", [
+    ([("a", Blob(b"1")), ("b", "not an object")], None),
+    ([("a", Blob(b"1")), ("a", Blob(b"2"))], None),
+    ([("a", Blob(b"1")), ("b",)], None),
+    ([("a", Blob(b"1")), ("b", Blob(b"2"), None, "extra")], None),
+    ([("a", Blob(b"1")), ("", Blob(b"2"))], None),
+    ([("a", Blob(b"1")), ("b", Blob(b"2"), {"x": object()})], None),
+    ([("a", KVCache(np.ones((1, 2, 1, 1, 1), np.float32))), ("b", Blob(b"2"))], "int8"),  # int8 takes no blob
+])
+def test_put_many_checks_everything_before_writing(store_path, bad, codec):
+    with tierstore.open(store_path) as s:
+        s.put("keep", Blob(b"k"))
+        tail = (s.stats()["next_lsn"], s.stats()["segment_bytes"])
+        with pytest.raises(InvalidObject):
+            s.put_many(bad, codec=codec)
+        assert s.keys() == ["keep"]  # nothing of the batch was written
+        assert (s.stats()["next_lsn"], s.stats()["segment_bytes"]) == tail
+
+
+def test_put_many_refuses_a_batch_larger_than_a_group(store_path):
+    with tierstore.open(store_path) as s:
+        with pytest.raises(InvalidObject, match="at most 4096") as e:
+            s.put_many([(f"k{i}", Blob(b"x")) for i in range(fmt.GROUP_MAX + 1)])
+        assert "split" in e.value.hint
+        assert s.keys() == []
+        s.put_many([(f"k{i}", Blob(b"x")) for i in range(fmt.GROUP_MAX)])  # the largest batch fits
+        assert len(s.keys()) == fmt.GROUP_MAX
+
+
+def test_put_many_with_a_session_dedups_and_references(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("a", Blob(b"A"))
+        s.put_many([("a", Blob(b"A")), ("b", Blob(b"B"))], session="s1")
+        assert sorted(s.session_keys("s1")) == ["a", "b"]
+        assert s.stats()["counters"]["dedup_puts"] == 1  # "a" was stored already: only its reference
+        assert s.drop_session("s1") == 1  # "b" goes, "a" was put without a session and stays
+        assert s.keys() == ["a"]
+        s.put_many([("a", Blob(b"A"))], session="s2")
+        s.put_many([("a", Blob(b"A"))], session="s2")  # nothing to write: still returns, durable
+
+
+# -- get_many / contains_many / delete_many -----------------------------------------------------
+
+
+def test_get_many_order_misses_and_kinds(store_path):
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((3, 2, 2, 4, 8)).astype(np.float32)
+    emb = rng.standard_normal((10, 6)).astype(np.float32)
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"b{i}", Blob(bytes([i]) * (i * 100 + 1))) for i in range(50)])
+        s.put("kv", KVCache(kv, layer_start=2), meta={"m": 1})
+        s.put("big", Blob(b"z" * (200 << 10)))
+        s.put("vec", Vectors(emb))
+        s.put("zb", Blob(b"q" * 5000), codec="zstd")
+        keys = ["kv", "missing", *[f"b{i}" for i in reversed(range(50))], "big", "vec", "zb", b"bytes-miss"]
+        got = s.get_many(keys)
+        assert len(got) == len(keys)
+        assert got[1] is None and got[-1] is None
+        assert np.array_equal(got[0].data, kv) and got[0].layer_start == 2 and got[0].meta == {"m": 1}
+        for i, obj in zip(reversed(range(50)), got[2:52]):
+            assert obj.data == bytes([i]) * (i * 100 + 1)
+        assert got[52].data == b"z" * (200 << 10)
+        assert np.array_equal(got[53].data, emb)
+        assert got[54].data == b"q" * 5000
+        layer = s.get_many(["kv", "nope"], layers=3)
+        assert np.array_equal(layer[0].data, kv[1:2]) and layer[1] is None
+        assert s.get_many([]) == []
+        with pytest.raises(InvalidObject, match="sequence of keys"):
+            s.get_many("kv")
+        s.flush()
+    with tierstore.open(store_path, dram_bytes="1MiB") as s:  # through a DRAM tier that admits at once
+        for _ in range(2):
+            got = s.get_many(["b3", "kv", "b4"])
+            assert got[0].data == bytes([3]) * 301 and np.array_equal(got[1].data, kv)
+        assert s.stats()["tiers"]["dram"]["hits"] >= 1
+
+
+def test_get_many_sees_unflushed_writes_and_deletes(store_path):
+    with tierstore.open(store_path, durability="group", index_commit_ms=1e6) as s:
+        s.put("a", Blob(b"1"))
+        s.put_many([("b", Blob(b"2")), ("c", Blob(b"3"))])
+        s.delete("a")
+        assert [None if o is None else o.data for o in s.get_many(["a", "b", "c"])] == [None, b"2", b"3"]
+        assert s.contains_many(["a", "b", "c", "d"]) == [False, True, True, False]
+
+
+def test_get_many_detects_damage_and_a_valid_batch_still_reads(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"k{i}", Blob(bytes([65 + i]) * 3000)) for i in range(5)])
+    seg = segment_files(store_path)[-1]
+    with open(seg, "rb") as f:
+        data = f.read()
+    pos = data.index(bytes([67]) * 3000) + 1500  # inside k2's payload
+    with open(seg, "r+b") as f:
+        f.seek(pos)
+        f.write(b"\x00")
+    with tierstore.open(store_path) as s:
+        assert [o.data[:1] for o in s.get_many(["k0", "k1", "k3", "k4"])] == [b"A", b"B", b"D", b"E"]  # the twin
+        with pytest.raises(CorruptionError) as e:
+            s.get_many(["k0", "k2", "k4"])
+        assert e.value.key == "k2" and e.value.path == seg and e.value.segment is not None
+
+
+def test_contains_many_and_delete_many(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([(k, Blob(k.encode())) for k in ("a", "b", "c")])
+        s.put("c", Blob(b"c"), session="s")
+        assert s.contains_many(["a", "x", "c", b"a"]) == [True, False, True, True]  # as contains: b"a" is "a"
+        assert s.delete_many(["a", "x", "c"]) == [True, False, True]
+        assert s.keys() == ["b"] and s.session_keys("s") == []  # c's reference went with it
+        assert s.delete_many(["x"]) == [False]
+        with pytest.raises(InvalidObject):
+            s.delete_many(["b", "b"])
+        with pytest.raises(InvalidObject):
+            s.contains_many("b")
+        assert s.keys() == ["b"]
+
+
+def test_batches_through_a_scoped_namespace(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([("a", Blob(b"1"))], namespace="t")
+        assert s.get_many(["a"], namespace="t")[0].data == b"1"
+        assert s.get_many(["a"])[0] is None
+
+
+# -- put_async ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("durability", ["sync", "group", "none"])
+def test_put_async_completes_when_synced(store_path, durability):
+    with tierstore.open(store_path, durability=durability) as s:
+        futures = [s.put_async(f"k{i}", Blob(bytes([i]) * 5000)) for i in range(20)]
+        assert s.get("k19").data == bytes([19]) * 5000  # readable at once, before it is durable
+        for f in futures:
+            assert f.result(timeout=30) is None
+        syncs = s.stats()["counters"]["syncs"]
+        assert syncs <= 21  # syncs are shared (often far fewer than 20)
+        with pytest.raises(InvalidObject):
+            s.put_async("bad", "not an object")  # bad input raises at once, nothing written
+        assert "bad" not in s
+
+
+def test_put_async_futures_finish_before_close(store_path):
+    s = tierstore.open(store_path)
+    futures = [s.put_async(f"k{i}", Blob(b"x" * 100_000)) for i in range(8)]
+    s.close()
+    assert all(f.done() and f.exception() is None for f in futures)
+    with tierstore.open(store_path) as s:
+        assert len(s.keys()) == 8
+
+
+# -- get(out=) ----------------------------------------------------------------------------------
+
+
+def _kv(shape=(4, 2, 2, 16, 8), dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("codec", [None, "zstd", "shuffle+zstd"])
+def test_get_into_a_numpy_buffer(store_path, codec):
+    kv = _kv()
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(kv, layer_start=5), codec=codec)
+        out = np.zeros_like(kv)
+        obj = s.get("kv", out=out)
+        assert obj.data is out and np.array_equal(out, kv) and obj.layer_start == 5
+        part = np.zeros((2, *kv.shape[1:]), np.float32)
+        assert s.get("kv", layers=[6, 7], out=part).data is part
+        assert np.array_equal(part, kv[1:3])
+
+
+def test_get_into_a_buffer_from_the_dram_tier(store_path):
+    kv = _kv()
+    with tierstore.open(store_path, dram_bytes="64MiB") as s:
+        s.put("kv", KVCache(kv))
+        s.get("kv")  # promoted
+        out = np.empty_like(kv)
+        s.get("kv", out=out)
+        assert np.array_equal(out, kv) and s.stats()["tiers"]["dram"]["hits"] >= 1
+
+
+def test_get_into_vectors_buffer(store_path):
+    emb = np.random.default_rng(2).standard_normal((1000, 24)).astype(np.float16)
+    with tierstore.open(store_path, vector_extent_bytes=4096) as s:
+        s.put("v", Vectors(emb, ids=np.arange(1000) * 3))
+        out = np.empty_like(emb)
+        v = s.get("v", out=out)
+        assert v.data is out and np.array_equal(out, emb) and np.array_equal(v.ids, np.arange(1000) * 3)
+        rows = np.empty((3, 24), np.float16)
+        assert np.array_equal(s.get("v", rows=[5, 900, 7], out=rows).data, emb[[5, 900, 7]])
+
+
+@pytest.mark.parametrize("out, why", [
+    (np.empty((3, 2, 2, 16, 8), np.float32), "shape"),
+    (np.empty((4, 2, 2, 16, 8), np.float16), "dtype"),
+    (np.empty((4, 2, 2, 16, 16), np.float32)[..., ::2], "C-contiguous"),
+    (np.empty((4, 2, 2, 16, 8), np.float32), "writable"),
+    (bytearray(4 * 2 * 2 * 16 * 8 * 4), "numpy array"),
+])
+def test_get_out_mismatch_is_refused_before_any_io(store_path, out, why):
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(_kv()))
+        s.put("blob", Blob(b"x"))
+        if why == "writable":
+            out.flags.writeable = False
+        before = s.stats()["counters"]
+        with pytest.raises(InvalidObject, match=why):
+            s.get("kv", out=out)
+        after = s.stats()["counters"]
+        assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
+        with pytest.raises(InvalidObject, match="KVCache or Vectors"):
+            s.get("blob", out=np.empty(1, np.uint8))
+        with pytest.raises(InvalidObject, match="out= already says"):
+            s.get("kv", out=np.empty((4, 2, 2, 16, 8), np.float32), device="cpu")
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_get_into_a_torch_tensor(store_path, dtype):
+    import torch
+
+    kv = torch.randn(3, 2, 2, 8, 4).to(getattr(torch, dtype))
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(kv))
+        s.put("q", KVCache(kv.float()), codec="int8")
+        out = torch.zeros_like(kv)
+        assert s.get("kv", out=out).data is out and torch.equal(out, kv)
+        q = torch.zeros(3, 2, 2, 8, 4)
+        s.get("q", out=q)
+        assert torch.equal(q, s.get("q").data)  # the decoded values, into the caller's tensor
+        with pytest.raises(InvalidObject, match="writable"):
+            s.get("kv", out=torch.zeros_like(kv).requires_grad_() if dtype == "float32" else
+                  torch.zeros(3, 2, 2, 8, 4, dtype=kv.dtype, requires_grad=True))
+
+
+# -- scattered puts: KVCache.from_layers --------------------------------------------------------
+
+
+def test_from_layers_stores_what_a_stacked_put_stores(store_path):
+    rng = np.random.default_rng(3)
+    ks = [rng.standard_normal((2, 16, 8)).astype(np.float16) for _ in range(3)]
+    vs = [rng.standard_normal((2, 16, 8)).astype(np.float16) for _ in range(3)]
+    stacked = np.stack([np.stack([k, v]) for k, v in zip(ks, vs)])
+    with tierstore.open(store_path) as s:
+        s.put("pairs", KVCache.from_layers(list(zip(ks, vs)), layer_start=1))
+        s.put("layers", KVCache.from_layers([np.stack([k, v]) for k, v in zip(ks, vs)], layer_start=1))
+        s.put("stacked", KVCache(stacked, layer_start=1))
+        ref = s.info("stacked")
+        for key in ("pairs", "layers"):
+            info = s.info(key)
+            assert info.extent_checksums == ref.extent_checksums and info.shape == ref.shape
+            assert info.stored_bytes == ref.stored_bytes
+            assert np.array_equal(s.get(key).data, stacked)
+        s.put("z", KVCache.from_layers(list(zip(ks, vs))), codec="shuffle+zstd")
+        assert np.array_equal(s.get("z").data, stacked)
+        k_strided = np.stack(ks, axis=1)[:, 0]  # a non-contiguous view of ks[0]
+        assert not k_strided.flags.c_contiguous
+        s.put("views", KVCache.from_layers([(k_strided, vs[0])]))
+        assert np.array_equal(s.get("views").data, np.stack([ks[0], vs[0]])[None])
+    cache = KVCache.from_layers(list(zip(ks, vs)))
+    assert cache.num_layers == 3 and np.array_equal(cache.data, stacked)  # .data stacks on demand
+
+
+def test_from_layers_with_non_contiguous_pieces(store_path):
+    rng = np.random.default_rng(4)
+    paged = rng.standard_normal((2, 8, 2, 16, 4)).astype(np.float32)  # [K/V, blocks, heads, block, dim]
+    k, v = paged[0][[1, 5]].transpose(1, 0, 2, 3), paged[1][[1, 5]].transpose(1, 0, 2, 3)  # [heads, 2, 16, 4]
+    k, v = k.reshape(2, 32, 4), v.reshape(2, 32, 4)
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache.from_layers([(k[:, ::2], v[:, ::2])]))
+        assert np.array_equal(s.get("c").data[0], np.stack([k[:, ::2], v[:, ::2]]))
+
+
+@pytest.mark.parametrize("layers, match", [
+    ([], "non-empty"),
+    ("kv", "non-empty"),
+    ([(np.ones((2, 3, 4), np.float32), np.ones((2, 3, 5), np.float32))], "different shapes"),
+    ([(np.ones((2, 3, 4), np.float32), np.ones((2, 3, 4), np.float16))], "differ in dtype"),
+    ([(np.ones((2, 3, 4), np.float32),) * 3], "got 3 items"),
+    ([np.ones((3, 2, 3, 4), np.float32)], r"\[2, kv_heads"),
+    ([(np.ones((2, 3, 4), np.int32),) * 2], "floating"),
+    ([(np.ones((2, 3, 4), np.float32),) * 2, (np.ones((2, 4, 4), np.float32),) * 2], "every layer must match"),
+    ([(np.ones((2, 0, 4), np.float32),) * 2], "empty"),
+    ([(b"ab", b"cd")], "numpy arrays or torch"),
+])
+def test_from_layers_refuses_bad_layers(layers, match):
+    with pytest.raises(InvalidObject, match=match):
+        KVCache.from_layers(layers)
+
+
+@needs_torch
+def test_from_layers_torch_bf16(store_path):
+    import torch
+
+    ks = [torch.randn(4, 8, 16).bfloat16() for _ in range(2)]
+    vs = [torch.randn(4, 8, 16).bfloat16() for _ in range(2)]
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache.from_layers(list(zip(ks, vs))))
+        got = s.get("c").data
+        assert got.dtype == torch.bfloat16 and torch.equal(got, torch.stack([torch.stack(p) for p in zip(ks, vs)]))
+
+
+def test_large_scattered_put_is_one_gathered_write(store_path):
+    """A chunk larger than the O_DIRECT threshold from per-layer pieces, read back exactly."""
+    rng = np.random.default_rng(5)
+    layers = [(rng.standard_normal((4, 256, 64)).astype(np.float16),
+               rng.standard_normal((4, 256, 64)).astype(np.float16)) for _ in range(20)]
+    with tierstore.open(store_path) as s:
+        s.put("c", KVCache.from_layers(layers))
+        assert s.info("c").logical_bytes > 4 << 20
+    with tierstore.open(store_path) as s:
+        assert np.array_equal(s.get("c").data, np.stack([np.stack(p) for p in layers]))
+
+
+def test_repr_of_a_scattered_chunk():
+    c = KVCache.from_layers([(np.ones((1, 2, 3), np.float32), np.zeros((1, 2, 3), np.float32))], layer_start=4)
+    assert repr(c) == "KVCache(shape=[1, 2, 1, 2, 3], dtype=float32, layer_start=4)"
