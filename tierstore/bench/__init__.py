@@ -48,6 +48,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             say("batches: put_many / get_many / contains_many of 4 KiB blobs; a 32 MiB chunk into a caller's buffer")
             result["batches"] = bench_batches(os.path.join(root, "batches"), n=3000 if quick else 20000,
                                               reps=3 if quick else 7, peers=peers, say=say)
+        if "transformers" in sections:
+            from .transformers_ttft import bench_transformers
+            say("transformers: time to first token, recompute vs PrefixCache (cold, DRAM tier)")
+            result["transformers"] = bench_transformers(os.path.join(root, "transformers"), quick=quick, say=say)
         if "codecs" in sections:
             say("codecs: the real K/V and embedding sample")
             result["codecs"] = bench_codecs(say)

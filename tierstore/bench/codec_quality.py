@@ -38,6 +38,7 @@ def bench_codecs(say: Callable[..., None]) -> dict[str, Any]:
                            "kv": [], "vectors": []}
     kv_specs = ["raw", "zstd", "shuffle+zstd", "fp8", "int8", "int8+zstd", "int4", "int4+zstd", "int2", "int2+zstd",
                 "kvq-ans:bins=64/32", "kvq-ans", "kvq-ans:bins=12/12"]
+    codecs.evaluate("kvq-ans", pairs[0][0][:1])  # warm-up: numba compiles (or loads) the rANS loops once
     for spec in kv_specs:
         runs = [codecs.evaluate(spec, kv, queries=q) for kv, q in pairs]
         row = {k: round(float(np.mean([r[k] for r in runs])), 1 if k.endswith("mb_s") else 5)

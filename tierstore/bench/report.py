@@ -47,6 +47,9 @@ def markdown(result: dict[str, Any]) -> str:
         b = result["blobs"]
         lines += ["", f"4 KiB blobs, {b['n']} operations, ops/s:", "", "| measurement | ops/s |", "| --- | --- |"]
         lines += [f"| {k.removesuffix('_ops').replace('_', ' ')} | {v:,} |" for k, v in b.items() if k.endswith("_ops")]
+    if "transformers" in result:
+        from .transformers_ttft import markdown_transformers
+        lines += markdown_transformers(result["transformers"])
     if "batches" in result:
         from .batches import markdown_batches
         lines += markdown_batches(result["batches"])

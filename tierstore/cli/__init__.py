@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     sp.add_argument("--no-peers", action="store_true", help="skip safetensors / torch.save / h5py / LMDB")
     sp.add_argument("--out", default=None, help="write results.json and plots here")
-    sp.add_argument("--section", action="append", choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers"],
+    sp.add_argument("--section", action="append",
+                    choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers"],
                     help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")

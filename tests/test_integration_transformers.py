@@ -1,0 +1,217 @@
+"""tierstore.integrations.transformers.PrefixCache against real transformers models built from a
+config with random weights (no download): a restored prefix gives the logits and greedy tokens
+of a full prefill, and nothing stale, damaged or of another model is ever loaded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tierstore  # noqa: E402
+from tierstore import InvalidObject  # noqa: E402
+from tierstore.integrations.transformers import PrefixCache, model_fingerprint  # noqa: E402
+
+from .conftest import segment_files  # noqa: E402
+
+VOCAB = 256
+
+
+def _model(arch: str = "llama", dtype=torch.float32, seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    common = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024, **extra)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.MistralConfig(**{"sliding_window": None, **common})
+        cls = transformers.MistralForCausalLM
+    return cls(cfg).to(dtype).eval()
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, n=32):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_restored_prefix_gives_the_full_prefill_logits_and_tokens(store_path, arch):
+    model = _model(arch)
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        first = pc.generate(ids, max_new_tokens=4, do_sample=False)  # stores the prompt's chunks
+        assert store.stats()["objects_indexed"] == 6  # 103 tokens in the cache: 6 full chunks
+        cache, n = pc.load(ids)
+        assert n == 96 and cache.get_seq_length() == 96
+        k0 = cache.layers[0].keys
+        assert k0.shape == (1, 2, 96, 16) and k0.dtype == model.dtype  # the un-repeated GQA heads
+        full = model(ids).logits[:, n:]
+        rest = model(ids[:, n:], **{pc._cache_kw: cache}).logits
+        assert (full - rest).abs().max().item() <= 1e-4
+        ref = _greedy(model, ids)
+        again = pc.generate(ids, max_new_tokens=32, do_sample=False)
+        assert torch.equal(again, ref) and torch.equal(first, ref[:, :104])
+
+
+def test_bf16_greedy_tokens_are_identical(store_path):
+    model = _model("llama", torch.bfloat16)
+    ids = _ids(80)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=2, do_sample=False)
+        assert pc.cached_tokens(ids) == 64
+        assert torch.equal(pc.generate(ids, max_new_tokens=32, do_sample=False), _greedy(model, ids))
+        assert store.info(pc.hashes(ids[0])[0], namespace="transformers").dtype == "bfloat16"
+
+
+def test_int8_chunks_stay_within_the_documented_logit_bound(store_path, capsys):
+    model = _model("llama")
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16, codec="int8")
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        assert store.info(pc.hashes(ids[0])[0], namespace="transformers").codec == "int8"
+        cache, n = pc.load(ids)
+        full = model(ids).logits[:, n:]
+        rest = model(ids[:, n:], **{pc._cache_kw: cache}).logits
+        diff = (full - rest).abs().max().item()
+        scale = full.abs().max().item()
+    with capsys.disabled():
+        print(f"\nint8 chunks: max |logit difference| {diff:.5f} (max |logit| {scale:.3f})")
+    assert diff <= 0.02 * scale  # docs/integrations.md: within 2% of the largest logit
+
+
+def test_the_last_prompt_token_is_always_computed(store_path):
+    model = _model()
+    ids = _ids(64)  # exactly four chunks
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids, **{pc._cache_kw: cache})
+        assert pc.save(ids, cache) == 4
+        assert pc.save(ids, cache) == 0  # nothing new
+        assert pc.cached_tokens(ids) == 48
+        _, n = pc.load(ids)
+        assert n == 48
+
+
+def test_another_model_dtype_or_weights_never_loads_these_chunks(store_path):
+    ids = _ids(50)
+    base = _model()
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, base, chunk_tokens=16).generate(ids, max_new_tokens=1, do_sample=False)
+        assert PrefixCache(store, base, chunk_tokens=16).cached_tokens(ids) == 48
+        others = [PrefixCache(store, _model(dtype=torch.bfloat16), chunk_tokens=16),
+                  PrefixCache(store, _model(rope_theta=5000.0), chunk_tokens=16),
+                  PrefixCache(store, _model("qwen2"), chunk_tokens=16),
+                  PrefixCache(store, base, chunk_tokens=16, weights_digest="fine-tune-2"),
+                  PrefixCache(store, base, chunk_tokens=8)]
+        for pc in others:
+            assert pc.cached_tokens(ids) == 0
+            _, n = pc.load(ids)
+            assert n == 0
+    assert model_fingerprint(base) == model_fingerprint(_model(seed=5))  # same config and dtype: same salt
+    assert model_fingerprint(base, weights_digest="a") != model_fingerprint(base, weights_digest="b")
+
+
+def test_a_damaged_chunk_ends_the_prefix_there(store_path, caplog):
+    model = _model()
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        info = store.info(pc.hashes(ids[0])[2], namespace="transformers")
+    seg = segment_files(store_path)[0]
+    assert info.segment == int(os.path.basename(seg).split(".")[0], 16)
+    with open(seg, "r+b") as f:  # flip a byte inside chunk 2's payload
+        f.seek(info.offset + info.stored_bytes - 100)
+        b = f.read(1)
+        f.seek(info.offset + info.stored_bytes - 100)
+        f.write(bytes([b[0] ^ 0x40]))
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids)
+        assert n == 32 and cache.get_seq_length() == 32  # chunks 0 and 1, then recompute
+        assert sum("damaged" in r.message for r in caplog.records) == 1
+        assert torch.equal(pc.generate(ids, max_new_tokens=16, do_sample=False), _greedy(model, ids, 16))
+
+
+def test_a_session_owns_its_chunks(store_path):
+    model = _model()
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, model, chunk_tokens=16, session="conv-1").generate(_ids(40), max_new_tokens=1,
+                                                                             do_sample=False)
+        shared = _ids(40)  # a second conversation over the same prompt, and one of its own
+        PrefixCache(store, model, chunk_tokens=16, session="conv-2").generate(shared, max_new_tokens=1,
+                                                                             do_sample=False)
+        PrefixCache(store, model, chunk_tokens=16, session="conv-2").generate(_ids(40, seed=9), max_new_tokens=1,
+                                                                             do_sample=False)
+        assert len(store.keys(namespace="transformers")) == 4
+        assert store.drop_session("conv-2", namespace="transformers") == 2  # only conv-2's own chunks
+        assert PrefixCache(store, model, chunk_tokens=16).cached_tokens(_ids(40)) == 32  # conv-1's survive
+
+
+def test_save_takes_a_batch_row_by_row(store_path):
+    model = _model()
+    ids = torch.cat([_ids(48, seed=3), _ids(48, seed=4)])
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids, **{pc._cache_kw: cache})
+        assert pc.save(ids, cache) == 6
+        for row in ids:
+            cache1, n = pc.load(row)
+            assert n == 32
+            ref = transformers.DynamicCache(config=model.config)
+            model(row[None, :32], **{pc._cache_kw: ref})
+            assert torch.allclose(cache1.layers[1].values, ref.layers[1].values, atol=1e-6)
+        with pytest.raises(InvalidObject, match="one row"):
+            pc.load(ids)
+
+
+def test_refuses_sliding_window_models_and_bad_arguments(store_path):
+    with tierstore.open(store_path) as store:
+        sliding = transformers.MistralForCausalLM(transformers.MistralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, sliding_window=32))
+        with pytest.raises(InvalidObject, match="sliding_attention"):
+            PrefixCache(store, sliding)
+        pc = PrefixCache(store, _model(), chunk_tokens=16)
+        with pytest.raises(InvalidObject, match="chunk_tokens"):
+            PrefixCache(store, _model(), chunk_tokens=0)
+        with pytest.raises(InvalidObject, match="integer token ids"):
+            pc.load(torch.rand(1, 20))
+        with pytest.raises(InvalidObject, match="DynamicCache"):
+            pc.save(_ids(20), object())
+        with pytest.raises(InvalidObject, match="makes the cache itself"):
+            pc.generate(_ids(20), past_key_values=transformers.DynamicCache())
+
+
+def test_importing_tierstore_does_not_import_transformers():
+    code = "import sys, tierstore; print('transformers' in sys.modules, 'tierstore.integrations' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_fingerprint_matches_the_worked_example_of_the_spec():
+    class Config:
+        def to_dict(self):
+            return {"hidden_size": 64, "num_hidden_layers": 2, "_name_or_path": "ignored", "use_cache": True}
+
+    LlamaForCausalLM = type("LlamaForCausalLM", (), {"config": Config(), "dtype": torch.float32})
+    assert model_fingerprint(LlamaForCausalLM()).hex() == "66c438b893cbb390a78c79f44aa9162a"  # SPEC.md §13.1

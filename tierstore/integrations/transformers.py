@@ -1,0 +1,224 @@
+"""A prefix cache for Hugging Face transformers models: the KV of every full chunk of a prompt is
+stored once and loaded for any later prompt that starts with the same tokens (across processes and
+restarts), so only the new suffix is computed.
+
+    from tierstore.integrations.transformers import PrefixCache
+    pc = PrefixCache(store, model, chunk_tokens=256)
+    out = pc.generate(input_ids, max_new_tokens=64)   # load the longest stored prefix, generate, save
+    cache, n = pc.load(input_ids)                     # a fresh DynamicCache holding n tokens
+    pc.save(input_ids, cache)                         # store the full chunks not stored yet
+
+It owns the mapping between transformers' ``DynamicCache`` (per layer ``[batch, kv_heads, seq,
+head_dim]``, the un-repeated heads of GQA) and one ``KVCache [layers, 2, kv_heads, tokens,
+head_dim]`` per chunk, keyed by ``chunk_hashes`` salted with the model fingerprint (SPEC.md §13.1).
+It uses only tierstore's public API and never touches a store's internals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .. import CorruptionError, InvalidObject, KVCache, TierstoreError, chunk_hashes
+
+_log = logging.getLogger("tierstore")
+
+# configuration fields that do not change the KV a model computes (names, paths, generation defaults)
+_NOT_KV = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "use_cache",
+                     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+                     "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "_attn_implementation",
+                     "_attn_implementation_autoset", "attn_implementation", "problem_type", "tokenizer_class"})
+FINGERPRINT_VERSION = b"tierstore/transformers/1"
+
+
+def model_fingerprint(model: Any, *, weights_digest: str | bytes | None = None) -> bytes:
+    """The salt of a model's chunk hashes (SPEC.md §13.1): SHA-256 over the fingerprint version,
+    the model class, its dtype and its configuration as sorted JSON (fields that do not change
+    the KV left out), and ``weights_digest`` if given.  Two models whose KV may differ for the same
+    tokens get different salts, so one never loads the other's KV: a fine-tune of the same
+    architecture differs only in its weights, which is what ``weights_digest`` (any string the
+    caller derives from them: a checkpoint revision, a file hash) is for."""
+    config = model.config.to_dict()
+    kept = {k: v for k, v in config.items() if k not in _NOT_KV}
+    h = hashlib.sha256()
+    for part in (FINGERPRINT_VERSION, type(model).__name__.encode(), str(model.dtype).encode(),
+                 json.dumps(kept, sort_keys=True, default=str).encode()):
+        h.update(len(part).to_bytes(4, "little") + part)
+    if weights_digest is not None:
+        w = weights_digest.encode() if isinstance(weights_digest, str) else bytes(weights_digest)
+        h.update(len(w).to_bytes(4, "little") + w)
+    return h.digest()[:16]
+
+
+def _full_attention_only(config: Any) -> None:
+    """Refuse models whose cache layers are not plain full attention (sliding windows, chunked
+    or linear attention, shared KV): their caches cannot be cut into reusable chunks this way."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types = get_layer_types_and_kwargs(text)[0]
+    except (ImportError, AttributeError, TypeError):  # an older release: the config fields themselves
+        types = getattr(text, "layer_types", None) or [
+            "sliding_attention" if getattr(text, "sliding_window", None) is not None else "full_attention"]
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise InvalidObject(f"PrefixCache stores plain full-attention KV; this model has {', '.join(other)} layers",
+                            hint="a sliding-window cache keeps only the last window of tokens, so its chunks are "
+                                 "not a prefix; use a config without sliding_window (if the model allows) or no cache")
+
+
+class PrefixCache:
+    """Chunks of a model's KV cache in a tierstore ``store``, keyed by their token prefix.
+
+    ``chunk_tokens``: tokens per stored chunk (a prompt's trailing partial chunk is not stored);
+    ``namespace``: where the chunks go (default "transformers"); ``codec``: the store codec of
+    the chunks (e.g. "int8"; default lossless); ``session``: tie the chunks to a conversation
+    so ``store.drop_session(session, namespace=...)`` frees what only it used;
+    ``weights_digest``: see ``model_fingerprint``.
+    """
+
+    def __init__(self, store: Any, model: Any, *, chunk_tokens: int = 256, namespace: str = "transformers",
+                 codec: str | None = None, session: str | None = None,
+                 weights_digest: str | bytes | None = None) -> None:
+        if type(chunk_tokens) is not int or chunk_tokens < 1:
+            raise InvalidObject(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        _full_attention_only(model.config)
+        self.store, self.model = store, model
+        self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
+        self.salt = model_fingerprint(model, weights_digest=weights_digest)
+        forward = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"  # transformers 5 renamed it
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _rows(self, input_ids: Any) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise InvalidObject(f"input_ids must be integer token ids shaped [seq] or [batch, seq], got "
+                                f"{tuple(ids.shape)} {ids.dtype}")
+        return ids
+
+    def hashes(self, tokens: Any) -> list[bytes]:
+        """The keys of the full chunks of ``tokens`` (one row of token ids)."""
+        return chunk_hashes(torch.as_tensor(tokens).reshape(-1).cpu().numpy(), chunk_tokens=self.chunk_tokens,
+                            salt=self.salt)
+
+    def cached_tokens(self, input_ids: Any) -> int:
+        """How many leading tokens of ``input_ids`` (one row) ``load`` would restore: whole stored
+        chunks, never the last token (the model must compute it to give the next token's logits)."""
+        ids = self._rows(input_ids)
+        if ids.shape[0] != 1:
+            raise InvalidObject("cached_tokens takes one row of token ids")
+        n = ids.shape[1]
+        usable = (n - 1) // self.chunk_tokens
+        matched = self.store.match_prefix(self.hashes(ids[0, : usable * self.chunk_tokens]), namespace=self.namespace)
+        return matched * self.chunk_tokens
+
+    # -- load and save --------------------------------------------------------------------------
+
+    def load(self, input_ids: Any) -> tuple[DynamicCache, int]:
+        """A fresh ``DynamicCache`` holding the longest stored prefix of ``input_ids`` (one row),
+        on the model's device and dtype, and its length in tokens (0: nothing stored; the cache
+        is then empty).  A chunk that is missing or damaged ends the prefix there, with one logged
+        warning: the rest is recomputed, never loaded wrong."""
+        ids = self._rows(input_ids)
+        if ids.shape[0] != 1:
+            raise InvalidObject("load takes one row of token ids (a DynamicCache holds one prefix length)",
+                                hint="call it per row; save() takes a batch")
+        n = self.cached_tokens(ids)
+        chunks = self.hashes(ids[0, :n])
+        config = self.model.config
+        device, dtype = self.model.device, self.model.dtype
+        dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
+        buf = None  # one chunk, read into the same (warm) memory each time
+        got = 0
+        for i, h in enumerate(chunks):
+            try:
+                if buf is None:
+                    info = self.store.info(h, namespace=self.namespace)
+                    buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype))
+                    heads, t, hd = info.shape[2:]
+                    dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
+                             torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
+                self.store.get(h, namespace=self.namespace, out=buf)
+            except CorruptionError as e:
+                _log.warning("tierstore: chunk %d of a stored prefix is damaged (%s); recomputing from token %d",
+                             i, e, i * self.chunk_tokens)
+                break
+            except TierstoreError as e:  # deleted or evicted since match_prefix: a shorter prefix
+                _log.warning("tierstore: chunk %d of a stored prefix could not be read (%s); recomputing from "
+                             "token %d", i, e, i * self.chunk_tokens)
+                break
+            except (InvalidObject, AttributeError, TypeError) as e:  # a chunk of another shape: not ours
+                _log.warning("tierstore: chunk %d of a stored prefix does not fit this model (%s); recomputing "
+                             "from token %d", i, e, i * self.chunk_tokens)
+                break
+            s = i * self.chunk_tokens
+            for lid, (k, v) in enumerate(dest):
+                k[0, :, s : s + self.chunk_tokens].copy_(buf[lid, 0])
+                v[0, :, s : s + self.chunk_tokens].copy_(buf[lid, 1])
+            got += 1
+        cache = DynamicCache(config=config)
+        if not got:
+            return cache, 0
+        n = got * self.chunk_tokens
+        for layer, (k, v) in zip(cache.layers, dest):
+            k, v = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()  # (a copy only when a chunk failed)
+            if type(layer).__name__ == "DynamicLayer":  # take the tensors as they are (update would copy them)
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            else:
+                layer.update(k, v)
+        return cache, n
+
+    def save(self, input_ids: Any, cache: Any) -> int:
+        """Store the full chunks of ``input_ids`` (a row, or a batch: row b from the cache's batch
+        index b) that ``cache`` holds and the store does not have yet; returns how many were
+        written.  One atomic batch per row (``put_many``)."""
+        ids = self._rows(input_ids)
+        layers = list(cache.layers) if hasattr(cache, "layers") else None
+        if not layers:
+            raise InvalidObject(f"save takes a DynamicCache, got {type(cache).__name__}")
+        held = cache.get_seq_length()
+        written = 0
+        for b in range(ids.shape[0]):
+            n = min(held, ids.shape[1]) // self.chunk_tokens * self.chunk_tokens
+            hashes = self.hashes(ids[b, :n])
+            have = self.store.contains_many(hashes, namespace=self.namespace) if hashes else []
+            items = []
+            for i, (h, stored) in enumerate(zip(hashes, have)):
+                if stored:
+                    continue
+                s, e = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
+                pieces = [(layer.keys[b, :, s:e].detach(), layer.values[b, :, s:e].detach()) for layer in layers]
+                items.append((h, KVCache.from_layers(pieces)))
+            for j in range(0, len(items), 1024):
+                self.store.put_many(items[j : j + 1024], namespace=self.namespace, session=self.session,
+                                    codec=self.codec)
+            written += len(items)
+        return written
+
+    def generate(self, input_ids: Any, **kwargs: Any) -> Any:
+        """``model.generate`` with the longest stored prefix loaded first and the new full chunks
+        saved after (prompt and generated tokens alike).  One row of ``input_ids``; other
+        arguments go to ``generate`` unchanged (``attention_mask`` is made for the full row)."""
+        ids = self._rows(input_ids).to(self.model.device)
+        if ids.shape[0] != 1:
+            raise InvalidObject("generate takes one row of token ids", hint="call it per row")
+        if self._cache_kw in kwargs or "past_key_values" in kwargs:
+            raise InvalidObject("PrefixCache.generate makes the cache itself; do not pass one")
+        cache, _ = self.load(ids)
+        kwargs.setdefault("attention_mask", torch.ones_like(ids))
+        out = self.model.generate(ids, **{self._cache_kw: cache}, **kwargs)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        self.save(sequences[:, : cache.get_seq_length()], cache)
+        return out
