@@ -60,7 +60,7 @@ def test_restored_prefix_gives_the_full_prefill_logits_and_tokens(store_path, ar
         k0 = cache.layers[0].keys
         assert k0.shape == (1, 2, 96, 16) and k0.dtype == model.dtype  # the un-repeated GQA heads
         full = model(ids).logits[:, n:]
-        rest = model(ids[:, n:], **{pc._cache_kw: cache}).logits
+        rest = model(ids[:, n:], **{pc.cache_argument: cache}).logits
         assert (full - rest).abs().max().item() <= 1e-4
         ref = _greedy(model, ids)
         again = pc.generate(ids, max_new_tokens=32, do_sample=False)
@@ -87,7 +87,7 @@ def test_int8_chunks_stay_within_the_documented_logit_bound(store_path, capsys):
         assert store.info(pc.hashes(ids[0])[0], namespace="transformers").codec == "int8"
         cache, n = pc.load(ids)
         full = model(ids).logits[:, n:]
-        rest = model(ids[:, n:], **{pc._cache_kw: cache}).logits
+        rest = model(ids[:, n:], **{pc.cache_argument: cache}).logits
         diff = (full - rest).abs().max().item()
         scale = full.abs().max().item()
     with capsys.disabled():
@@ -101,7 +101,7 @@ def test_the_last_prompt_token_is_always_computed(store_path):
     with tierstore.open(store_path) as store, torch.no_grad():
         pc = PrefixCache(store, model, chunk_tokens=16)
         cache = transformers.DynamicCache(config=model.config)
-        model(ids, **{pc._cache_kw: cache})
+        model(ids, **{pc.cache_argument: cache})
         assert pc.save(ids, cache) == 4
         assert pc.save(ids, cache) == 0  # nothing new
         assert pc.cached_tokens(ids) == 48
@@ -172,13 +172,13 @@ def test_save_takes_a_batch_row_by_row(store_path):
     with tierstore.open(store_path) as store, torch.no_grad():
         pc = PrefixCache(store, model, chunk_tokens=16)
         cache = transformers.DynamicCache(config=model.config)
-        model(ids, **{pc._cache_kw: cache})
+        model(ids, **{pc.cache_argument: cache})
         assert pc.save(ids, cache) == 6
         for row in ids:
             cache1, n = pc.load(row)
             assert n == 32
             ref = transformers.DynamicCache(config=model.config)
-            model(row[None, :32], **{pc._cache_kw: ref})
+            model(row[None, :32], **{pc.cache_argument: ref})
             assert torch.allclose(cache1.layers[1].values, ref.layers[1].values, atol=1e-6)
         with pytest.raises(InvalidObject, match="one row"):
             pc.load(ids)

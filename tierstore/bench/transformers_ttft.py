@@ -36,7 +36,7 @@ def bench_transformers(root: str, *, quick: bool, say: Callable[..., None]) -> d
     path = os.path.join(root, "ts-ttft")
     with open_store(path) as store, torch.no_grad():
         pc = PrefixCache(store, model, chunk_tokens=256)
-        kw = pc._cache_kw
+        kw = pc.cache_argument
         full = []
         for _ in range(reps):
             gc.collect()

@@ -94,7 +94,8 @@ class PrefixCache:
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
         forward = inspect.signature(type(model).forward).parameters
-        self._cache_kw = "cache" if "cache" in forward else "past_key_values"  # transformers 5 renamed it
+        # the name of the model's cache argument: "cache" in transformers 5, "past_key_values" before
+        self.cache_argument = "cache" if "cache" in forward else "past_key_values"
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -214,11 +215,11 @@ class PrefixCache:
         ids = self._rows(input_ids).to(self.model.device)
         if ids.shape[0] != 1:
             raise InvalidObject("generate takes one row of token ids", hint="call it per row")
-        if self._cache_kw in kwargs or "past_key_values" in kwargs:
+        if self.cache_argument in kwargs or "past_key_values" in kwargs:
             raise InvalidObject("PrefixCache.generate makes the cache itself; do not pass one")
         cache, _ = self.load(ids)
         kwargs.setdefault("attention_mask", torch.ones_like(ids))
-        out = self.model.generate(ids, **{self._cache_kw: cache}, **kwargs)
+        out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
         self.save(sequences[:, : cache.get_seq_length()], cache)
         return out
