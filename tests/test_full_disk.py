@@ -66,6 +66,29 @@ def test_delete_and_compact_work_on_a_full_disk(store_path):
     assert repair.fsck(store_path, deep=True).ok
 
 
+def test_drop_session_and_delete_many_work_on_a_full_disk(store_path):
+    with tierstore.open(store_path, segment_bytes="64KiB", reserve_bytes="256KiB") as s:
+        for i in range(12):
+            s.put(f"k{i}", Blob(bytes([i]) * 30000), session="conv" if i < 6 else None)
+    fs = FullDisk(store_path)
+    s = tierstore.open(store_path, _io=fs, segment_bytes="64KiB", reserve_bytes="256KiB")
+    fs.full = True
+    with pytest.raises(tierstore.StoreFull):
+        s.put("more", Blob(b"x" * 30000))
+    assert s.drop_session("conv") == 6  # gives up the reserve, then finishes
+    assert not os.path.exists(os.path.join(store_path, fmt.RESERVE_FILE))
+    assert sorted(s.keys()) == sorted(f"k{i}" for i in range(6, 12)) and s.session_keys("conv") == []
+    s.close()
+    with tierstore.open(store_path, segment_bytes="64KiB", reserve_bytes="256KiB") as s:  # the reserve again
+        s.compact()
+    fs = FullDisk(store_path)
+    s = tierstore.open(store_path, _io=fs, segment_bytes="64KiB", reserve_bytes="256KiB")
+    fs.full = True
+    assert s.delete_many(["k6", "k7", "nope"]) == [True, True, False]
+    s.close()
+    assert repair.fsck(store_path, deep=True).ok
+
+
 def test_small_stores_hold_no_reserve_by_default(store_path):
     with tierstore.open(store_path) as s:
         s.put("a", Blob(b"1"))

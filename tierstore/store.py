@@ -483,9 +483,19 @@ class Store:
         Atomic per object (an object and its references change in one group; up to
         4096 records per group): after a crash each object is either kept with its
         references or gone with them, and calling ``drop_session`` again finishes the job.
-        Returns how many objects were deleted.  Durability follows the store's mode.
+        Returns how many objects were deleted.  Durability follows the store's mode.  On a full
+        disk it uses the store's reserve, as ``delete`` does.
         """
         self._check_writable()
+        for attempt in (0, 1):
+            try:
+                return self._drop_session(session, namespace)
+            except StoreFull:  # the failed group was taken back; the reserve makes room (once), and
+                if attempt or not self._engine.release_reserve():  # a second pass finishes the job
+                    raise
+        raise AssertionError("unreachable")
+
+    def _drop_session(self, session: str, namespace: str) -> int:
         engine = self._engine
         ns = encode_namespace(namespace)
         sess = encode_session(session)
