@@ -590,6 +590,8 @@ class Store:
                 raise InvalidObject("get(device=..., out=...): out= already says where the data goes")
             arrays.validate_device(device)
         ns, k, loc = self._locate(key, namespace)
+        if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
+            return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
         if out is not None:
             name, shape = blk.result_shape(loc.header, layers, rows)
             arrays.check_out(out, name, shape)
@@ -631,34 +633,46 @@ class Store:
         locs = self._engine.lookup_many(ns, ks)
         result: list[Any] = [None] * len(keys)
         batch = []  # small raw blobs the tiers leave to the log: read together
-        tiers = self._tiers if self._tiers is not None and self._tiers.active else None
+        plain = layers is None and rows is None and device is None
         for n, loc in enumerate(locs):
             if loc is None:
                 continue
-            h = loc.header
-            if (h.kind == fmt.KIND_BLOB and h.codec == fmt.CODEC_RAW and layers is None and rows is None
-                    and device is None and h.record_len <= SMALL_READ
-                    and (tiers is None or tiers.passes_by((ns, ks[n]), h))):
+            if plain and self._small_blob(ns, ks[n], loc.header):
                 batch.append(n)
             else:
                 obj = self._read(keys[n], namespace, ns, ks[n], loc, layers=layers, rows=rows, device=device)
                 result[n] = self._delivered(obj, loc, layers, rows)
         if batch:
-            wheres = [{"segment": locs[n].segment, "offset": locs[n].offset, "key": keys[n], "namespace": namespace}
-                      for n in batch]
-            try:
-                datas = self._engine.read_first_extents([locs[n] for n in batch], wheres)  # type: ignore[misc]
-            except FileNotFoundError:  # compaction moved some meanwhile: one by one, following them
-                datas = [self._read(keys[n], namespace, ns, ks[n], locs[n]).data for n in batch]  # type: ignore[arg-type]
-            except CorruptionError as e:
-                if e.path is None and e.segment is not None:
-                    e.path = self._engine.segment_path(e.segment)
-                raise
-            for n, data in zip(batch, datas):
-                loc = locs[n]
-                assert loc is not None
-                result[n] = self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
+            blobs = self._read_small_blobs([keys[n] for n in batch], namespace, ns, [ks[n] for n in batch],
+                                           [locs[n] for n in batch])  # type: ignore[misc]
+            for n, blob in zip(batch, blobs):
+                result[n] = blob
         return result
+
+    def _small_blob(self, ns: bytes, k: bytes, h: rec.RecordHeader) -> bool:
+        """Whether a whole-object read of this record may skip the tiers and the decoder: a raw
+        blob small enough for the page cache that no tier holds or would admit."""
+        if h.kind != fmt.KIND_BLOB or h.codec != fmt.CODEC_RAW or h.record_len > SMALL_READ:
+            return False
+        tiers = self._tiers
+        return tiers is None or not tiers.active or tiers.passes_by((ns, k), h)
+
+    def _read_small_blobs(self, keys: list[Any], namespace: str, ns: bytes, ks: list[bytes],
+                          locs: list[Location]) -> list[Blob]:
+        """Blobs chosen by ``_small_blob``, read together (``Engine.read_first_extents``) and counted."""
+        wheres = [{"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
+                  for key, loc in zip(keys, locs)]
+        try:
+            datas = self._engine.read_first_extents(locs, wheres)
+        except FileNotFoundError:  # compaction moved some meanwhile: one by one, following them
+            return [self._delivered(self._read(key, namespace, ns, k, loc), loc, None, None)
+                    for key, k, loc in zip(keys, ks, locs)]
+        except CorruptionError as e:
+            if e.path is None and e.segment is not None:
+                e.path = self._engine.segment_path(e.segment)
+            raise
+        return [self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
+                for data, loc in zip(datas, locs)]
 
     def contains_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
         """``contains`` of many keys of ``namespace`` in one index snapshot: a list of bools."""

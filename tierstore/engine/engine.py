@@ -763,8 +763,16 @@ class Engine:
         one ``pread`` per run of nearby records of a segment, checksums verified.  Raises
         FileNotFoundError if compaction retired one of the segments meanwhile (look again)."""
         log = self.log
-        if log is not None and any((loc.segment, loc.offset + loc.header.record_len) > log.written for loc in locs):
-            log.flush_buffer()
+        if log is not None:
+            written = log.written
+            for loc in locs:
+                if (loc.segment, loc.offset + loc.header.record_len) > written:
+                    log.flush_buffer()
+                    break
+        if len(locs) == 1:  # a single get: one pread of the extent
+            loc = locs[0]
+            with self.hold_segment(loc.segment) as (fd, _):
+                return [seglib.read_extent_bytes(self.io, fd, loc.offset, loc.header, 0, wheres[0])]
         by_seg: dict[int, list[int]] = {}
         for n, loc in enumerate(locs):
             by_seg.setdefault(loc.segment, []).append(n)
