@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (once) and run one job: demo | test | bench [args].
 #   bash scripts/dev.sh demo     write and read KV caches, vectors and blobs; show timings
-#   bash scripts/dev.sh test     the test suite (what CI runs)
+#   bash scripts/dev.sh test     the test suite (what CI runs): .venv/, then tests/lmcache in .venv-lmcache/
 #   bash scripts/dev.sh bench    the benchmarks (installs the optional peers first)
 # The first run installs into .venv/ (about a minute); later runs skip pip unless pyproject.toml
 # or this script changed (a stamp in .venv/ remembers what was installed).
@@ -29,7 +29,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 case "$job" in
   demo) exec .venv/bin/tierstore demo "$@" ;;
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  test)
+    if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
+    .venv/bin/python -m pytest -q
+    # the LMCache plugin's tests, in LMCache's own environment (built once by scripts/lmcache_env.sh)
+    bash scripts/lmcache_env.sh
+    exec .venv-lmcache/bin/python -m pytest -q -p no:cacheprovider tests/lmcache ;;
   bench)
     if [ ! -f .venv/.tierstore-bench ]; then
       say "installing the benchmark peers (safetensors, h5py, matplotlib)"

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from . import codecs
+from .engine.options import parse_size
 from .errors import (
     AccessDenied,
     CorruptionError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes", "codecs", "policy",
+    "parse_size",
     "TierstoreError", "AccessDenied", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
     "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
 ]

@@ -1,0 +1,232 @@
+"""tierstore.integrations.lmcache.TierstoreBackend driven by LMCache's own engine (LMCacheEngine
+store / retrieve on CPU), configured as a user would: storage_plugins + extra_config.  The
+serving engine's side -- moving KV between its buffers and LMCache's memory objects -- is played
+by a CPU connector over a plain tensor, so every byte retrieved can be compared."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.metadata import LMCacheMetadata
+
+import tierstore
+from tierstore.integrations.lmcache import TierstoreBackend, key_of, namespace_of
+
+LAYERS, HEADS, DIM, CHUNK = 2, 2, 8, 16
+_ids = itertools.count()
+
+
+class CPUConnector(GPUConnectorInterface):
+    """The serving engine's KV buffer: [layers, 2, tokens, heads, dim] on the CPU."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def from_gpu(self, memory_obj, start, end, **kw):  # type: ignore[no-untyped-def]
+        memory_obj.tensor.copy_(self.kv[:, :, start:end].transpose(0, 1).reshape(memory_obj.tensor.shape))
+
+    def to_gpu(self, memory_obj, start, end, **kw):  # type: ignore[no-untyped-def]
+        part = self.kv[:, :, start:end]
+        part.copy_(memory_obj.tensor.reshape(2, LAYERS, end - start, HEADS, DIM).transpose(0, 1))
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kw):  # type: ignore[no-untyped-def]
+        for m, s, e in zip(memory_objs, starts, ends):
+            self.from_gpu(m, s, e)
+
+    def batched_to_gpu(self, memory_objs, starts, ends, **kw):  # type: ignore[no-untyped-def]
+        for m, s, e in zip(memory_objs, starts, ends):
+            self.to_gpu(m, s, e)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, LAYERS, num_tokens, HEADS * DIM])
+
+
+def engine(path: str, kv: torch.Tensor, *, worker: int = 0, extra: dict | None = None, disk: str | None = None):
+    """An LMCacheEngine with the tierstore plugin only (no CPU tier), or LMCache's own disk backend."""
+    cfg = {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.05, "save_unfull_chunk": False}
+    if disk is not None:
+        cfg.update({"local_disk": disk, "max_local_disk_size": 0.1})
+    else:
+        cfg.update({"storage_plugins": ["tierstore"], "extra_config": {
+            "storage_plugin.tierstore.module_path": "tierstore.integrations.lmcache",
+            "storage_plugin.tierstore.class_name": "TierstoreBackend",
+            "tierstore.path": path, **(extra or {})}})
+    meta = LMCacheMetadata(model_name="org/model-7b", world_size=2, local_world_size=2, worker_id=worker,
+                           local_worker_id=worker, kv_dtype=torch.float32, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM))
+    eng = LMCacheEngineBuilder.get_or_create(f"e{next(_ids)}", LMCacheEngineConfig.from_dict(cfg), meta,
+                                             CPUConnector(kv), lambda t, r: None, lambda o, r: o)
+    eng.post_init()
+    return eng
+
+
+def backend_of(eng) -> TierstoreBackend:  # type: ignore[no-untyped-def]
+    return next(b for b in eng.storage_manager.storage_backends.values() if isinstance(b, TierstoreBackend))
+
+
+def wait_stored(eng, tokens, n):  # type: ignore[no-untyped-def]
+    for _ in range(200):
+        if eng.lookup(tokens) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"only {eng.lookup(tokens)} of {n} tokens stored")
+
+
+def retrieve(eng, tokens):  # type: ignore[no-untyped-def]
+    eng.gpu_connector.kv.zero_()
+    got = int(eng.retrieve(tokens).sum())
+    return got, eng.gpu_connector.kv
+
+
+def close(eng) -> None:  # type: ignore[no-untyped-def]
+    eng.close()
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "kv")
+
+
+def test_store_and_retrieve_bit_exact(path):
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    eng = engine(path, src.clone())
+    tokens = torch.arange(64)
+    eng.store(tokens)
+    wait_stored(eng, tokens, 64)
+    got, kv = retrieve(eng, tokens)
+    assert got == 64 and torch.equal(kv, src)
+    b = backend_of(eng)
+    ns = namespace_of(_keys(eng, tokens)[0])
+    assert ns == "lmcache~org~model-7b~ws2~w0~float32"
+    assert len(b.store.keys(namespace=ns)) == 4
+    info = b.store.info(b.store.keys(namespace=ns)[0], namespace=ns)
+    assert info.kind == "kv" and info.shape == (LAYERS, 2, 1, CHUNK, HEADS * DIM)  # typed, one extent per layer
+    close(eng)
+
+
+RESTART = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_lmcache_plugin import engine, retrieve, wait_stored, close
+path, mode, disk = sys.argv[1], sys.argv[2], sys.argv[3] or None
+src = torch.load(sys.argv[4])
+tokens = torch.arange(100, 164)
+eng = engine(path, src.clone() if mode == "store" else torch.zeros_like(src), disk=disk)
+if mode == "store":
+    eng.store(tokens)
+    wait_stored(eng, tokens, 64)
+    print(64)
+else:
+    got, kv = retrieve(eng, tokens)
+    print(got if torch.equal(kv[:, :, :got], src[:, :, :got]) else -1)
+close(eng)
+"""
+
+
+def _run(mode: str, path: str, disk: str, src: str) -> int:
+    """One engine in a process of its own: a real restart (LMCache's chunk hashes need a fixed
+    PYTHONHASHSEED across processes, as its own warning says)."""
+    code = RESTART.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code, path, mode, disk, src], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1])
+
+
+def test_chunks_survive_a_restart_of_the_process(path, tmp_path, capsys):
+    src = str(tmp_path / "src.pt")
+    torch.save(torch.randn(LAYERS, 2, 64, HEADS, DIM), src)
+    assert _run("store", path, "", src) == 64
+    assert _run("retrieve", path, "", src) == 64  # every token back, bit-exact, in a new process
+    disk = str(tmp_path / "lmcache-disk")  # LMCache's own disk backend, the same way
+    assert _run("store", path, disk, src) == 64
+    own = _run("retrieve", path, disk, src)
+    assert own >= 0  # (never wrong bytes)
+    with capsys.disabled():
+        print(f"\nafter a restart: tierstore plugin 64 of 64 tokens, LMCache's local disk backend {own} of 64")
+
+
+def test_a_damaged_chunk_is_a_miss_never_returned(path, caplog):
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    tokens = torch.arange(200, 264)
+    eng = engine(path, src.clone())
+    eng.store(tokens)
+    wait_stored(eng, tokens, 64)
+    b = backend_of(eng)
+    ns = b.store.namespaces()[0]
+    keys = [key_of(k) for k in _keys(eng, tokens)]
+    info = b.store.info(keys[1], namespace=ns)
+    b.store.flush()
+    close(eng)
+    seg = os.path.join(path, "segments", f"{info.segment:016x}.tseg")
+    with open(seg, "r+b") as f:  # flip a byte inside chunk 1's payload
+        f.seek(info.offset + info.stored_bytes - 64)
+        v = f.read(1)
+        f.seek(info.offset + info.stored_bytes - 64)
+        f.write(bytes([v[0] ^ 1]))
+    eng = engine(path, torch.zeros_like(src))
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        got, kv = retrieve(eng, tokens)
+    assert got == 16  # chunk 0 only: the prefix ends at the damaged chunk
+    assert torch.equal(kv[:, :, :16], src[:, :, :16]) and not kv[:, :, 16:].any()
+    assert any("unreadable" in r.message for r in caplog.records)
+    assert not backend_of(eng).store.contains(keys[1], namespace=ns)  # removed: the next store replaces it
+    close(eng)
+
+
+def _keys(eng, tokens):  # type: ignore[no-untyped-def]
+    return [k for _, _, k in eng.token_database.process_tokens(tokens)]
+
+
+def test_max_bytes_holds_across_restarts_evicting_the_oldest(path):
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+    extra = {"tierstore.max_bytes": 6 * chunk_bytes}
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    eng = engine(path, src.clone(), extra=extra)
+    first = torch.arange(0, 64)
+    eng.store(first)
+    wait_stored(eng, first, 64)
+    close(eng)
+    eng = engine(path, src.clone(), extra=extra)  # restarted: the limit still counts the first four
+    second = torch.arange(1000, 1064)
+    eng.store(second)
+    wait_stored(eng, second, 64)
+    b = backend_of(eng)
+    ns = b.store.namespaces()[0]
+    assert len(b.store.keys(namespace=ns)) == 6  # 8 chunks put, the 2 oldest evicted
+    assert eng.lookup(first) == 0 and eng.lookup(second) == 64  # the first prompt's chunks 0, 1 went
+    close(eng)
+
+
+def test_two_workers_on_one_store(path):
+    a, b = torch.randn(LAYERS, 2, 32, HEADS, DIM), torch.randn(LAYERS, 2, 32, HEADS, DIM)
+    tokens = torch.arange(32)
+    e0, e1 = engine(path, a.clone(), worker=0), engine(path, b.clone(), worker=1)  # the same tokens, two ranks
+    e0.store(tokens)
+    e1.store(tokens)
+    wait_stored(e0, tokens, 32)
+    wait_stored(e1, tokens, 32)
+    got0, kv0 = retrieve(e0, tokens)
+    got1, kv1 = retrieve(e1, tokens)
+    assert got0 == got1 == 32 and torch.equal(kv0, a) and torch.equal(kv1, b)  # each rank its own heads
+    assert sorted(backend_of(e0).store.namespaces()) == ["lmcache~org~model-7b~ws2~w0~float32",
+                                                         "lmcache~org~model-7b~ws2~w1~float32"]
+    close(e1)
+    close(e0)
+
+
+def test_bad_configuration_names_the_key(path):
+    with pytest.raises(tierstore.InvalidObject, match="tierstore.path"):
+        TierstoreBackend(config=LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "extra_config": {}}))
+    with pytest.raises(tierstore.InvalidObject, match="tierstore.max_bytes"):
+        TierstoreBackend(config=LMCacheEngineConfig.from_dict(
+            {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_bytes": "lots"}}))

@@ -1,0 +1,318 @@
+"""An LMCache storage plugin: LMCache's KV chunks in a tierstore store, so they survive restarts,
+are checksummed (a damaged chunk is a miss, never returned) and stay within a size limit.
+
+Configuration only (LMCache's ``storage_plugins``), no code:
+
+    storage_plugins: ["tierstore"]
+    extra_config:
+      storage_plugin.tierstore.module_path: tierstore.integrations.lmcache
+      storage_plugin.tierstore.class_name: TierstoreBackend
+      tierstore.path: /data/kv
+      tierstore.max_bytes: 50GiB        # optional: least recently used unpinned chunks go first
+      tierstore.codec: int8             # optional: the store codec of the chunks (default lossless)
+      tierstore.durability: group       # optional (default "group": a put is durable within 10 ms)
+
+It owns the mapping between LMCache's ``CacheEngineKey`` / ``MemoryObj`` and tierstore objects:
+the key's model, world size, worker id and dtype name the namespace, its chunk hash the key; a
+``KV_2LTD`` chunk ``[2, layers, tokens, hidden]`` is stored as a ``KVCache [layers, 2, 1, tokens,
+hidden]`` (one extent per layer, written from the chunk's memory without a staging copy), other
+formats as a blob.  It uses only tierstore's public API.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .. import Blob, InvalidObject, KVCache, NotFound, TierstoreError, parse_size
+from .. import open as open_store
+
+_log = logging.getLogger("tierstore")
+CONFIG_PREFIX = "tierstore."
+DEFAULT_DURABILITY = "group"
+
+
+def _setting(config: Any, name: str, default: Any = None) -> Any:
+    extra = getattr(config, "extra_config", None) or {}
+    return extra.get(CONFIG_PREFIX + name, default)
+
+
+def namespace_of(key: CacheEngineKey) -> str:
+    """Where a key's chunks live: model, world size, worker id and dtype (``/`` is not allowed in
+    a namespace name, so the model name's slashes become ``~``)."""
+    dtype = str(key.dtype).removeprefix("torch.")
+    return f"lmcache~{key.model_name.replace('/', '~')}~ws{key.world_size}~w{key.worker_id}~{dtype}"[:100]
+
+
+def key_of(key: CacheEngineKey) -> bytes:
+    """A chunk hash as a key (8 bytes, two's complement, little-endian; wider hashes in full)."""
+    h = int(key.chunk_hash)
+    n = max(8, (h.bit_length() + 8) // 8)
+    return h.to_bytes(n, "little", signed=True)
+
+
+class TierstoreBackend(StoragePluginInterface):
+    """LMCache's storage backend interface over a tierstore store (see the module docstring).
+
+    Puts run on one background thread (``batched_submit_put_task`` returns at once; the callback
+    runs per key once the chunk is in the store); gets are synchronous.  A chunk that fails its
+    checksum is logged once, removed, and reported as a miss.
+    """
+
+    def __init__(self, dst_device: str = "cpu", config: Any = None, metadata: Any = None,
+                 local_cpu_backend: Any = None, loop: Any = None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        path = _setting(config, "path")
+        if not path:
+            raise InvalidObject("the tierstore storage plugin needs extra_config 'tierstore.path'",
+                                hint="extra_config: {'tierstore.path': '/data/kv', ...}")
+        limit = _setting(config, "max_bytes")
+        self.max_bytes = parse_size(limit, "tierstore.max_bytes") if limit is not None else None
+        self.codec = _setting(config, "codec")
+        self.local_cpu_backend = local_cpu_backend
+        self.store = open_store(path, durability=_setting(config, "durability", DEFAULT_DURABILITY))
+        self._lock = threading.Lock()
+        self._putting: set[CacheEngineKey] = set()
+        self._pins: dict[tuple[str, bytes], int] = {}
+        self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # (ns, key) -> stored bytes, oldest first
+        self._loaded: set[str] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lmcache")
+        self._local = threading.local()
+
+    def __str__(self) -> str:
+        return "TierstoreBackend"
+
+    # -- the size limit -------------------------------------------------------------------------
+
+    def _known(self, ns: str) -> None:
+        """Load a namespace's entries into the LRU order once (caller holds the lock): after a
+        restart the order is the order they were written in (LSN), then this process's use."""
+        if ns in self._loaded:
+            return
+        self._loaded.add(ns)
+        entries = []
+        for k in self.store.keys(namespace=ns):
+            info = self.store.info(k, namespace=ns)
+            entries.append((info.lsn, (ns, k), info.logical_bytes))
+        for _, nk, size in sorted(entries):
+            self._lru[nk] = size
+
+    def _used(self) -> int:
+        return sum(self._lru.values())
+
+    def _make_room(self, ns: str, incoming: int) -> None:
+        """Evict least recently used unpinned chunks until ``incoming`` more bytes fit."""
+        if self.max_bytes is None:
+            return
+        victims: dict[str, list[bytes]] = {}
+        with self._lock:
+            self._known(ns)
+            used = self._used()
+            for nk in list(self._lru):
+                if used + incoming <= self.max_bytes:
+                    break
+                if self._pins.get(nk):
+                    continue
+                used -= self._lru.pop(nk)
+                victims.setdefault(nk[0], []).append(nk[1])
+        for vns, keys in victims.items():
+            for i in range(0, len(keys), 1024):
+                self.store.delete_many(keys[i : i + 1024], namespace=vns)
+        if victims:
+            st = self.store.stats()
+            if st["dead_bytes"] > st["live_bytes"] // 3:
+                self.store.compact(min_dead_ratio=0.25)
+
+    # -- puts --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _nbytes(obj: MemoryObj) -> int:
+        """A chunk's bytes as the size limit counts them (the logical bytes of what is stored)."""
+        t = obj.tensor
+        return int(t.numel() * t.element_size()) if t is not None else len(memoryview(obj.byte_array).cast("B"))
+
+    def _object(self, obj: MemoryObj) -> KVCache | Blob:
+        meta = obj.metadata
+        t = obj.tensor
+        if meta.fmt == MemoryFormat.KV_2LTD and t is not None and t.dim() == 4 and t.shape[0] == 2:
+            layers = [(t[0, i].unsqueeze(0), t[1, i].unsqueeze(0)) for i in range(t.shape[1])]
+            return KVCache.from_layers(layers)
+        return Blob(memoryview(obj.byte_array))
+
+    def _put_batch(self, keys: list[CacheEngineKey], objs: list[MemoryObj],
+                   on_complete: Callable[[CacheEngineKey], None] | None) -> None:
+        try:
+            by_ns: dict[str, list[tuple[CacheEngineKey, bytes, MemoryObj]]] = {}
+            for key, obj in zip(keys, objs):
+                by_ns.setdefault(namespace_of(key), []).append((key, key_of(key), obj))
+            for ns, items in by_ns.items():
+                size = sum(self._nbytes(obj) for _, _, obj in items)
+                self._make_room(ns, size)
+                batch = []
+                for _, k, obj in items:
+                    m = obj.metadata
+                    meta = {"lmcache_shape": list(m.shape), "lmcache_dtype": str(m.dtype).removeprefix("torch."),
+                            "lmcache_fmt": m.fmt.name}
+                    batch.append((k, self._object(obj), meta))
+                for i in range(0, len(batch), 1024):
+                    self.store.put_many(batch[i : i + 1024], namespace=ns, codec=self.codec)
+                with self._lock:
+                    for _, k, obj in items:
+                        self._lru[(ns, k)] = self._nbytes(obj)
+                        self._lru.move_to_end((ns, k))
+        except TierstoreError as e:
+            _log.warning("tierstore: storing %d LMCache chunks failed: %s", len(keys), e)
+        finally:
+            with self._lock:
+                self._putting.difference_update(keys)
+            for obj in objs:
+                obj.ref_count_down()
+        if on_complete is not None:
+            for key in keys:
+                try:
+                    on_complete(key)
+                except Exception as e:  # LMCache's contract: callback errors are logged, not raised
+                    _log.warning("tierstore: an LMCache put callback raised %r", e)
+
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
+                                transfer_spec: Any = None,
+                                on_complete_callback: Callable[[CacheEngineKey], None] | None = None
+                                ) -> list[Future] | None:
+        todo_keys, todo_objs = [], []
+        with self._lock:
+            for key, obj in zip(keys, objs):
+                if key in self._putting:
+                    continue
+                self._putting.add(key)
+                obj.ref_count_up()  # the memory stays ours until the write is done
+                todo_keys.append(key)
+                todo_objs.append(obj)
+        if not todo_keys:
+            return None
+        return [self._writer.submit(self._put_batch, todo_keys, todo_objs, on_complete_callback)]
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._putting
+
+    # -- lookups and gets ---------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        ns, k = namespace_of(key), key_of(key)
+        found = self.store.contains(k, namespace=ns)
+        if found and pin:
+            self.pin(key)
+        return found
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """How many leading keys are stored (LMCache's prefix hit count), in one index snapshot."""
+        hits = 0
+        by_ns: dict[str, list[bytes]] = {}
+        for key in keys:
+            by_ns.setdefault(namespace_of(key), []).append(key_of(key))
+        if len(by_ns) == 1:
+            ((ns, ks),) = by_ns.items()
+            found = self.store.contains_many(ks, namespace=ns)
+        else:
+            found = [self.store.contains(key_of(k), namespace=namespace_of(k)) for k in keys]
+        for key, f in zip(keys, found):
+            if not f:
+                break
+            if pin:
+                self.pin(key)
+            hits += 1
+        return hits
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        ns, k = namespace_of(key), key_of(key)
+        try:
+            info = self.store.info(k, namespace=ns)
+            m = info.meta
+            shape = torch.Size(m["lmcache_shape"])
+            dtype = getattr(torch, m["lmcache_dtype"])
+            fmt = MemoryFormat[m["lmcache_fmt"]]
+        except NotFound:
+            return None
+        except (KeyError, AttributeError) as e:
+            _log.warning("tierstore: %r in namespace %r is not an LMCache chunk (%s): a miss", k, ns, e)
+            return None
+        obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
+        if obj is None:
+            return None
+        try:
+            if info.kind == "kv":
+                t = obj.tensor
+                buf = self._buffer(info.shape, dtype)  # [layers, 2, 1, tokens, hidden], reused: warm memory
+                self.store.get(k, namespace=ns, out=buf)
+                t.view(2, info.shape[0], info.shape[3], info.shape[4]).copy_(buf.squeeze(2).transpose(0, 1))
+            else:
+                data = self.store.get(k, namespace=ns).data
+                memoryview(obj.byte_array).cast("B")[: len(data)] = data
+        except NotFound:
+            obj.ref_count_down()
+            return None
+        except TierstoreError as e:  # damaged: never returned; removed so the next put replaces it
+            obj.ref_count_down()
+            _log.warning("tierstore: LMCache chunk %r in namespace %r is unreadable (%s): a miss, removed", k, ns, e)
+            self.remove(key)
+            return None
+        with self._lock:
+            if (ns, k) in self._lru:
+                self._lru.move_to_end((ns, k))
+        return obj
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A read buffer of this thread, kept for the next chunk of the same shape."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            buf = self._local.buf = torch.empty(shape, dtype=dtype)
+        return buf
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return [self.get_blocking(key) for key in keys]
+
+    # -- pins, removal, the rest ------------------------------------------------------------------------
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        nk = (namespace_of(key), key_of(key))
+        with self._lock:
+            self._pins[nk] = self._pins.get(nk, 0) + 1
+        return True
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        nk = (namespace_of(key), key_of(key))
+        with self._lock:
+            n = self._pins.get(nk, 0)
+            if n <= 1:
+                self._pins.pop(nk, None)
+            else:
+                self._pins[nk] = n - 1
+            return n > 0
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        ns, k = namespace_of(key), key_of(key)
+        with self._lock:
+            if not force and self._pins.get((ns, k)):
+                return False
+            self._lru.pop((ns, k), None)
+        return self.store.delete(k, namespace=ns)
+
+    def touch_cache(self) -> None:
+        return None
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.store.close()
