@@ -157,6 +157,17 @@ class Explorer:
     def state(self, image: str) -> object:
         return checked_state(image, deep=False)
 
+    def explore(self, ops: list[str], lengths: tuple[int, ...] = (1, 2)) -> None:
+        """Run every workload of ``ops`` of these lengths and check each crash state as it
+        comes (bounded space)."""
+        for w in [w for n in lengths for w in itertools.product(ops, repeat=n)]:
+            self.run(w)
+            for image, done, acked, issued in self.images:
+                self.check(image, done, acked, issued)
+                shutil.rmtree(image)
+            self.images.clear()
+            shutil.rmtree(self.tmp / f"w{self.stats['workloads']}")
+
     def check(self, image: str, ops: tuple[str, ...], acked: int, issued: int) -> None:
         state = self.state(image)
         models = self.models(ops)
@@ -252,13 +263,7 @@ class SessionExplorer(Explorer):
 
 def test_power_loss_states_with_sessions(fast_tmp, capsys):
     ex = SessionExplorer(fast_tmp, "16KiB")
-    for w in [w for n in (1, 2) for w in itertools.product(SESSION_OPS, repeat=n)]:
-        ex.run(w)
-        for image, ops, acked, issued in ex.images:
-            ex.check(image, ops, acked, issued)
-            shutil.rmtree(image)
-        ex.images.clear()
-        shutil.rmtree(fast_tmp / f"w{ex.stats['workloads']}")
+    ex.explore(SESSION_OPS)
     with capsys.disabled():
         print(f"\ncrash states (sessions): {ex.stats}")
     assert ex.stats["states"] >= 1000

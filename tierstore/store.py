@@ -225,15 +225,18 @@ class Store:
         unless the error says otherwise (the log could not be cut; the write may then appear,
         whole, after a reopen).
         """
+        self._engine.settle(self._put_one(key, obj, namespace, meta, session, codec))
+
+    def _put_one(self, key: Any, obj: Any, namespace: str, meta: dict[str, Any] | None, session: str | None,
+                 codec: str | None) -> Any:
+        """Check, encode and append one put (with its references); the caller settles it."""
         self._check_writable()
-        engine = self._engine
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
         sess = encode_session(session) if session is not None else None
         record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
-        with engine.write_lock:
-            where = self._append_puts([(k, kflags, record)], ns, sess)
-        engine.settle(where)
+        with self._engine.write_lock:
+            return self._append_puts([(k, kflags, record)], ns, sess)
 
     def _encode_put(self, ns: bytes, k: bytes, kflags: int, obj: Any, meta: dict[str, Any] | None,
                     namespace: str, codec: str | None) -> rec.EncodedRecord:
@@ -347,14 +350,8 @@ class Store:
         against power loss: synced, whatever the durability mode, sharing one sync with other
         puts in flight.  Bad input raises here, as for ``put``, with nothing written; a failed
         sync is the Future's exception (StoreIOError)."""
-        self._check_writable()
         engine = self._engine
-        ns = encode_namespace(namespace)
-        k, kflags = encode_key(key)
-        sess = encode_session(session) if session is not None else None
-        record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
-        with engine.write_lock:
-            where = self._append_puts([(k, kflags, record)], ns, sess)
+        where = self._put_one(key, obj, namespace, meta, session, codec)
         engine.settle_later(where)  # the committer applies it; the sync below makes it durable
         return engine.sync_async(where)
 
