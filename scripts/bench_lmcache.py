@@ -1,8 +1,10 @@
 """LMCache's engine on CPU storing and retrieving the same chunks through the tierstore plugin and
 through LMCache's own local disk backend (buffered and O_DIRECT), in one run; prints a markdown
-table (docs/benchmarks.md).  Runs in LMCache's environment:
+table (docs/benchmarks.md).  With ``--remote``: through the plugin with a remote tier and through
+LMCache's Redis remote backend, on one redis-server started for the run; "cold" is then a
+retrieve by a second engine ("node") with nothing local.  Runs in LMCache's environment:
 
-    bash scripts/lmcache_env.sh && .venv-lmcache/bin/python scripts/bench_lmcache.py [--tokens 4096]
+    bash scripts/lmcache_env.sh && .venv-lmcache/bin/python scripts/bench_lmcache.py [--tokens 4096] [--remote]
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ class CPUConnector(GPUConnectorInterface):
         return torch.Size([2, LAYERS, num_tokens, HEADS * DIM])
 
 
-def make(kind: str, root: str, kv: torch.Tensor):  # type: ignore[no-untyped-def]
+def make(kind: str, root: str, kv: torch.Tensor, url: str | None = None):  # type: ignore[no-untyped-def]
     cfg = {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 2.0, "save_unfull_chunk": False}
-    if kind == "tierstore":
+    if kind.startswith("tierstore"):
         cfg.update({"storage_plugins": ["tierstore"], "extra_config": {
             "storage_plugin.tierstore.module_path": "tierstore.integrations.lmcache",
             "storage_plugin.tierstore.class_name": "TierstoreBackend", "tierstore.path": root,
-            "tierstore.durability": "group"}})
+            "tierstore.durability": "group", **({"tierstore.remote": url} if kind == "tierstore-remote" else {})}})
+    elif kind == "lmcache-redis":
+        cfg.update({"remote_url": url, "remote_serde": "naive"})
     else:
         cfg.update({"local_disk": root, "max_local_disk_size": 20.0,
                     "extra_config": {"use_odirect": kind == "lmcache-odirect"}})
@@ -67,6 +71,18 @@ def make(kind: str, root: str, kv: torch.Tensor):  # type: ignore[no-untyped-def
                                              CPUConnector(kv), lambda t, r: None, lambda o, r: o)
     eng.post_init()
     return eng
+
+
+_OPEN: list[object] = []
+
+
+def close(kind: str, eng) -> None:  # type: ignore[no-untyped-def]
+    """Close an engine; LMCache 0.5.6's Redis backend hangs in close(), so those stay open (the
+    script ends with os._exit)."""
+    if kind == "lmcache-redis":
+        _OPEN.append(eng)
+    else:
+        eng.close()
 
 
 def drop_caches(root: str) -> None:
@@ -84,22 +100,43 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--remote", action="store_true", help="the remote tier vs LMCache's Redis backend")
     args = ap.parse_args()
+    server = None
+    kinds = ("tierstore", "lmcache-disk", "lmcache-odirect")
+    if args.remote:
+        from pathlib import Path
+
+        from tierstore.bench.servers import RedisServer
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="bench-redis-"))).start()
+        kinds = ("tierstore-remote", "lmcache-redis")
+    try:
+        run(args, kinds, server.url if server else None)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def run(args: argparse.Namespace, kinds: tuple[str, ...], url: str | None) -> None:
     n = args.tokens
     src = torch.randn(LAYERS, 2, n, HEADS, DIM).half()
     nbytes = src.numel() * 2
     res: dict[str, dict[str, list[float]]] = {}
     for rep in range(args.reps):
-        for kind in ("tierstore", "lmcache-disk", "lmcache-odirect"):
+        for kind in kinds:
             root = tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=os.environ.get("BENCH_DIR"))
             r = res.setdefault(kind, {"store": [], "cold": [], "warm": []})
-            eng = make(kind, root, src.clone())
+            eng = make(kind, root, src.clone(), url)
             tokens = torch.arange(rep * n, (rep + 1) * n)
             gc.collect()
             t0 = time.perf_counter()
             eng.store(tokens)
             while eng.lookup(tokens) < n:  # stores are asynchronous: done when all are found
                 time.sleep(0.001)
+            if kind == "tierstore-remote":  # ... and, for the remote tier, once the server holds them
+                stores = [b.store for b in eng.storage_manager.storage_backends.values() if hasattr(b, "store")]
+                while sum(st.stats()["tiers"]["remote"]["puts"] for st in stores) < n // CHUNK:
+                    time.sleep(0.001)
             r["store"].append(time.perf_counter() - t0)
             if kind == "tierstore":
                 for b in eng.storage_manager.storage_backends.values():
@@ -107,14 +144,19 @@ def main() -> None:
                         b.store.flush()
                         b.store.drop_cached()
             drop_caches(root)
+            if url is not None:  # a second node, with nothing local, retrieves from the server
+                close(kind, eng)
+                root2 = root + "-node2"
+                eng = make(kind, root2, torch.zeros_like(src), url)
             for mode in ("cold", "warm"):
                 eng.gpu_connector.kv.zero_()
                 t0 = time.perf_counter()
                 got = int(eng.retrieve(tokens).sum())
                 r[mode].append(time.perf_counter() - t0)
                 assert got == n and torch.equal(eng.gpu_connector.kv, src), (kind, mode, got)
-            eng.close()
+            close(kind, eng)
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root + "-node2", ignore_errors=True)
     gb = nbytes / 1e9
     print(f"\nLMCache engine on CPU, {n} tokens x {LAYERS} layers x 2 x {HEADS} heads x {DIM} dims fp16 "
           f"({nbytes / 2**20:.0f} MiB, {n // CHUNK} chunks of {CHUNK} tokens), median of {args.reps}, GB/s:\n")
@@ -123,8 +165,9 @@ def main() -> None:
     for kind, r in res.items():
         print(f"| {kind} | {gb / statistics.median(r['store']):.2f} | {gb / statistics.median(r['cold']):.2f} | "
               f"{gb / statistics.median(r['warm']):.2f} |")
-    t, d = res["tierstore"], res["lmcache-disk"]
-    print(f"\ntierstore / LMCache disk: store {statistics.median(d['store']) / statistics.median(t['store']):.2f}x, "
+    t, d = (res["tierstore-remote"], res["lmcache-redis"]) if url else (res["tierstore"], res["lmcache-disk"])
+    peer = "Redis" if url else "disk"
+    print(f"\ntierstore / LMCache {peer}: store {statistics.median(d['store']) / statistics.median(t['store']):.2f}x, "
           f"cold retrieve {statistics.median(d['cold']) / statistics.median(t['cold']):.2f}x, "
           f"second retrieve {statistics.median(d['warm']) / statistics.median(t['warm']):.2f}x")
     sys.stdout.flush()
@@ -132,3 +175,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # engines left open (see close) have non-daemon threads

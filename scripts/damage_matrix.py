@@ -106,21 +106,28 @@ def rec_end(off: int, h: Any) -> int:
     return off + h.record_len
 
 
+def _records(seg_dir: str, seg: int) -> list[tuple[int, Any]]:
+    f = os.path.join(seg_dir, seglib.segment_name(seg))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        return list(seglib.SegmentScanner(DEFAULT_IO, fd, seg, path=f).records())
+    finally:
+        os.close(fd)
+
+
 def regions_of(path: str) -> dict[tuple[str, str], list[tuple[str, int, int]]]:
     """(region, position) -> [(file, start, end)] byte ranges where damage lands there."""
     seg_dir = os.path.join(path, fmt.SEGMENTS_DIR)
     segs = seglib.list_segments(DEFAULT_IO, seg_dir)
     assert len(segs) >= 3, segs
     out: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
-    picks = {"first segment": segs[0], "middle segment": segs[len(segs) // 2], "last segment": segs[-1]}
+    with_puts = [seg for seg in segs if any(h.type == fmt.REC_PUT for _, h in _records(seg_dir, seg))]
+    # "last segment": the last that holds objects (a clean close may open one for its SYNC record alone)
+    picks = {"first segment": segs[0], "middle segment": segs[len(segs) // 2], "last segment": with_puts[-1]}
     last_put = None
     for position, seg in picks.items():
         f = os.path.join(seg_dir, seglib.segment_name(seg))
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            recs = list(seglib.SegmentScanner(DEFAULT_IO, fd, seg, path=f).records())
-        finally:
-            os.close(fd)
+        recs = _records(seg_dir, seg)
         puts = [(off, h) for off, h in recs if h.type == fmt.REC_PUT]
         if position == "last segment" and puts:
             last_put = (f, *puts[-1])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (once) and run one job: demo | test | bench [args].
 #   bash scripts/dev.sh demo     write and read KV caches, vectors and blobs; show timings
-#   bash scripts/dev.sh test     the test suite (what CI runs): .venv/, then tests/lmcache in .venv-lmcache/
+#   bash scripts/dev.sh test     the test suite (what CI runs): .venv/, then tests/lmcache in .venv-lmcache/;
+#                                installs redis-server first when missing (root, Debian)
 #   bash scripts/dev.sh bench    the benchmarks (installs the optional peers first)
 # The first run installs into .venv/ (about a minute); later runs skip pip unless pyproject.toml
 # or this script changed (a stamp in .venv/ remembers what was installed).
@@ -27,9 +28,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
   say "installed"
 fi
+# the remote tier's tests start real servers: redis-server and redis-cli (Debian package redis-server)
+need_redis() {
+  command -v redis-server >/dev/null && command -v redis-cli >/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing redis-server (Debian package) for the remote tier's tests"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    say "redis-server is missing: install it (apt-get install redis-server); the remote tier's tests need it"
+  fi
+}
 case "$job" in
   demo) exec .venv/bin/tierstore demo "$@" ;;
   test)
+    need_redis
     if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
     .venv/bin/python -m pytest -q
     # the LMCache plugin's tests, in LMCache's own environment (built once by scripts/lmcache_env.sh)

@@ -45,6 +45,7 @@ from .objects import Blob, KVCache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
+from .tiers.remote import REMOTE_OPTIONS, Remote, RemoteDown, RemoteTier, Version, remote_options, version_of
 
 TIERS = ("ssd", "dram", "gpu")
 SMALL_READ = 64 << 10  # get_many reads raw blobs of records up to this size together (one pread per run)
@@ -90,13 +91,53 @@ def cache_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
     return tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
 
 
-def release(engine: Engine, tiers: Hierarchy) -> None:
-    """Close a handle's tiers and its share of the engine (what ``close`` does)."""
-    engine.unsubscribe(tiers.invalidate)
+def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None) -> None:
+    """Close a handle's tiers and its share of the engine (what ``close`` does); the remote tier
+    first, while its queue can still read the log."""
     try:
-        tiers.close()
+        if remote is not None:
+            remote.close()
     finally:
-        engine.close()
+        engine.unsubscribe(tiers.invalidate)
+        try:
+            tiers.close()
+        finally:
+            engine.close()
+
+
+def remote_record(engine: Engine, origin: bytes | None, ns: bytes, k: bytes
+                  ) -> tuple[rec.EncodedRecord, Version] | None:
+    """The current local record of (ns, k) as the remote tier's queue sends it: only a version
+    this store wrote (``origin``; copies of other nodes' objects are theirs to send; None: any
+    version, as ``remote_sync`` sends), and not one that needs a zstd dictionary (dictionaries
+    stay local in this release)."""
+    for _ in range(3):
+        loc = engine.lookup(ns, k)
+        if loc is None:
+            return None
+        version = version_of(loc.header)
+        if (origin is not None and version.origin != origin) or uses_dictionary(loc.header):
+            return None
+        reader = engine.reader(loc, {"segment": loc.segment, "offset": loc.offset, "namespace": ns, "key": k})
+        try:
+            extents = tuple(memoryview(reader.read_bytes(i)) for i in range(len(loc.header.extent_lengths)))
+        except FileNotFoundError:  # compaction moved it: look again
+            continue
+        return rec.EncodedRecord(loc.header, extents), version
+    return None
+
+
+def local_versions(engine: Engine) -> Iterator[tuple[bytes, bytes, Version]]:
+    """(namespace, key, version) of every local object (the remote queue's sweep)."""
+    for ns in engine.namespaces():
+        for k in engine.keys(ns):
+            loc = engine.lookup(ns, k)
+            if loc is not None:
+                yield ns, k, version_of(loc.header)
+
+
+def uses_dictionary(h: rec.RecordHeader) -> bool:
+    return "dict" in h.meta.get("codec_params", {})
 
 
 _EXIT_HOOKED = False
@@ -108,14 +149,14 @@ def _exiting() -> None:
     _EXITING = True
 
 
-def collected(engine: Engine, tiers: Hierarchy) -> None:
+def collected(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None) -> None:
     """A handle was garbage-collected without ``close()``: release it on a thread of its own
     (the collector may run on a thread that holds one of the engine's locks), or inline at
     interpreter exit, when no new thread may start."""
     if _EXITING:
-        release(engine, tiers)
+        release(engine, tiers, remote)
     else:
-        threading.Thread(target=release, args=(engine, tiers), name="tierstore-release").start()
+        threading.Thread(target=release, args=(engine, tiers, remote), name="tierstore-release").start()
 
 
 class Store:
@@ -130,7 +171,8 @@ class Store:
         self._closed = True
         self.codecs = codec_table(options.pop("codecs", None))
         tiers = tier_options(options)
-        self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, "codecs"))
+        remote = remote_options(options)
+        self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, "codecs"))
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidObject(f"path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -139,22 +181,39 @@ class Store:
         self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
         self._tiers: Hierarchy | None = None
+        self._remote: RemoteTier | None = None
         self._engine = open_engine(self.path, create=create, readonly=readonly, durability=durability,
                                    options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None)
         try:
             self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
+            if remote is not None:
+                self._remote = self._open_remote(remote)
         except BaseException:
+            if self._tiers is not None:
+                self._tiers.close()
             self._engine.close()
             raise
         self._engine.subscribe(self._tiers.invalidate)  # a cached copy of an older object goes
         # a handle dropped without close() is closed when it is garbage-collected (or at exit):
         # nothing below refers back to the Store, so dropping the last reference is enough
-        self._finalizer = weakref.finalize(self, collected, self._engine, self._tiers)
+        self._finalizer = weakref.finalize(self, collected, self._engine, self._tiers, self._remote)
         global _EXIT_HOOKED
         if not _EXIT_HOOKED:  # registered after weakref's own exit hook, so it runs before it
             atexit.register(_exiting)
             _EXIT_HOOKED = True
         self._closed = False
+
+    def _open_remote(self, opts: dict[str, Any]) -> RemoteTier:
+        engine = self._engine
+        assert engine.store_uuid is not None
+        if self.readonly:
+            opts["policy"] = "read-only"  # a read-only handle writes nowhere
+        tier = RemoteTier(opts.pop("url"), origin=engine.store_uuid, **opts,
+                          state_path=None if self.readonly else os.path.join(self.path, fmt.REMOTE_FILE))
+        tier.queue.load = functools.partial(remote_record, engine, engine.store_uuid)
+        tier.queue.sweep_source = functools.partial(local_versions, engine)
+        tier.queue.start()
+        return tier
 
     @property
     def recovery(self) -> dict[str, Any]:
@@ -169,7 +228,7 @@ class Store:
             return
         self._closed = True
         if self._finalizer.detach() is not None:  # None: the collector got there first
-            release(self._engine, self._tiers)
+            release(self._engine, self._tiers, self._remote)
 
     def __enter__(self) -> "Store":
         return self
@@ -225,18 +284,84 @@ class Store:
         unless the error says otherwise (the log could not be cut; the write may then appear,
         whole, after a reopen).
         """
-        self._engine.settle(self._put_one(key, obj, namespace, meta, session, codec))
+        where, record = self._put_one(key, obj, namespace, meta, session, codec)
+        self._settle_puts(where, [record])
 
     def _put_one(self, key: Any, obj: Any, namespace: str, meta: dict[str, Any] | None, session: str | None,
-                 codec: str | None) -> Any:
+                 codec: str | None) -> tuple[Any, rec.EncodedRecord]:
         """Check, encode and append one put (with its references); the caller settles it."""
         self._check_writable()
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
         sess = encode_session(session) if session is not None else None
         record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
-        with self._engine.write_lock:
-            return self._append_puts([(k, kflags, record)], ns, sess)
+        try:
+            with self._engine.write_lock:
+                return self._append_puts([(k, kflags, record)], ns, sess), record
+        except BaseException:
+            self._remote_unsent([record])
+            raise
+
+    def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
+        """Make appended puts durable, then send them to the remote tier (when there is one)."""
+        try:
+            self._engine.settle(where)
+        except BaseException:
+            self._remote_unsent(records)
+            raise
+        if self._remote is not None:
+            self._remote_put(records, now=True)
+
+    def _remote_unsent(self, records: list[rec.EncodedRecord]) -> None:
+        """Puts that failed locally: their stamps are no longer waiting to be sent."""
+        remote = self._remote
+        if remote is not None:
+            for r in records:
+                v = version_of(r.header)
+                if v.stamp and v.origin == remote.origin:
+                    remote.queue.sent(v.stamp)
+
+    def _remote_put(self, records: list[rec.EncodedRecord], *, now: bool) -> None:
+        """Send durable puts to the remote: at once ("write-through", ``now``), else through the
+        queue; a send that fails is queued (the local put stands, the remote catches up)."""
+        remote = self._remote
+        assert remote is not None
+        for r in records:
+            v = version_of(r.header)
+            if not v.stamp or v.origin != remote.origin:
+                continue  # a session reference, or a record of an earlier open
+            h = r.header
+            if uses_dictionary(h):
+                remote.queue.sent(v.stamp)
+            elif remote.policy == "write-through" and now:
+                loc = self._engine.lookup(h.namespace, h.key)  # the header as appended (its LSN, its CRC)
+                if loc is None or version_of(loc.header) != v:  # deleted or replaced meanwhile: nothing to send
+                    remote.queue.sent(v.stamp)
+                    continue
+                try:
+                    remote.push(rec.EncodedRecord(loc.header, r.extents), v)
+                except RemoteDown:
+                    remote.queue.add(h.namespace, h.key, v.stamp)
+                else:
+                    remote.queue.sent(v.stamp)
+            else:
+                remote.queue.add(h.namespace, h.key, v.stamp)
+
+    def _remote_deleted(self, ns: bytes, ks: list[bytes]) -> None:
+        """Deletes made durable locally: tombstones to the remote (queued, and saved in REMOTE,
+        when it does not answer or in "write-back")."""
+        remote = self._remote
+        if remote is None or not remote.writes:
+            return
+        for k in ks:
+            v = Version(remote.clock.next(), remote.origin)
+            if remote.policy == "write-back":
+                remote.queue.add_tombstone(ns, k, v)
+                continue
+            try:
+                remote.tombstone(ns, k, v)
+            except RemoteDown:
+                remote.queue.add_tombstone(ns, k, v)
 
     def _encode_put(self, ns: bytes, k: bytes, kflags: int, obj: Any, meta: dict[str, Any] | None,
                     namespace: str, codec: str | None) -> rec.EncodedRecord:
@@ -250,7 +375,16 @@ class Store:
             did = choice.params.get("dict")
             dictionary = self._dictionary(ns, did, missing=InvalidObject) if did is not None else None
             block = blk.apply_codec(block, choice, dictionary)
-        return rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
+        remote = self._remote
+        if remote is None or not remote.writes:
+            return rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
+        stamp = remote.queue.issue()  # the version other nodes compare (SPEC.md §14.2)
+        try:
+            meta = {**block.meta, fmt.META_VERSION: [stamp, remote.origin]}
+            return rec.encode_put(ns, k, kflags, block.kind, meta, block.extents, block.align_log2, block.codec)
+        except BaseException:
+            remote.queue.sent(stamp)
+            raise
 
     def _append_puts(self, puts: list[tuple[bytes, int, rec.EncodedRecord]], ns: bytes, sess: bytes | None) -> Any:
         """Append encoded puts of namespace ``ns`` (with their session references) as one atomic
@@ -295,16 +429,33 @@ class Store:
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
-                    if engine.lookup(ns, k) is None:
-                        return False
-                    where = engine.append_group(engine.deletion(ns, k, kflags))  # with its references, atomically
+                    where = None
+                    if engine.lookup(ns, k) is not None:  # with its references, atomically
+                        where = engine.append_group(engine.deletion(ns, k, kflags))
+                if where is None:  # not held here; the server is asked outside the lock
+                    return self._remote_only_deleted(ns, [k])[0]
                 engine.settle(where)
                 break
             except StoreFull:  # the write was taken back; the reserve makes room for it (once)
                 if attempt or not engine.release_reserve():
                     raise
         self._counters["deletes"] += 1
+        self._remote_deleted(ns, [k])
         return True
+
+    def _remote_only_deleted(self, ns: bytes, ks: list[bytes]) -> list[bool]:
+        """Deletes of keys this store does not hold: a tombstone for each one the remote holds
+        (deletes propagate whoever stored the object).  Per key, whether there was one."""
+        remote = self._remote
+        if remote is None or not remote.writes or not ks:
+            return [False] * len(ks)
+        try:
+            states = remote.states(ns, ks)
+        except RemoteDown:
+            return [False] * len(ks)
+        found = [st is not None and not st.tombstone for st in states]
+        self._remote_deleted(ns, [k for k, f in zip(ks, found) if f])
+        return found
 
     def put_many(self, items: Any, *, namespace: str = "default", session: str | None = None,
                  codec: str | None = None) -> None:
@@ -324,22 +475,31 @@ class Store:
         sess = encode_session(session) if session is not None else None
         puts: list[tuple[bytes, int, rec.EncodedRecord]] = []
         seen: set[bytes] = set()
-        for n, item in enumerate(items):
-            if not isinstance(item, tuple) or len(item) not in (2, 3):
-                raise InvalidObject(f"put_many item {n}: expected (key, obj) or (key, obj, meta), "
-                                    f"got {type(item).__name__}")
-            key, obj, meta = item if len(item) == 3 else (*item, None)
-            k, kflags = encode_key(key)
-            if k in seen:
-                raise InvalidObject(f"put_many: key {key!r} appears twice in the batch", key=key, namespace=namespace,
-                                    hint="a batch is one atomic group: give each key once")
-            seen.add(k)
-            puts.append((k, kflags, self._encode_put(ns, k, kflags, obj, meta, namespace, codec)))
+        try:
+            for n, item in enumerate(items):
+                if not isinstance(item, tuple) or len(item) not in (2, 3):
+                    raise InvalidObject(f"put_many item {n}: expected (key, obj) or (key, obj, meta), "
+                                        f"got {type(item).__name__}")
+                key, obj, meta = item if len(item) == 3 else (*item, None)
+                k, kflags = encode_key(key)
+                if k in seen:
+                    raise InvalidObject(f"put_many: key {key!r} appears twice in the batch", key=key,
+                                        namespace=namespace, hint="a batch is one atomic group: give each key once")
+                seen.add(k)
+                puts.append((k, kflags, self._encode_put(ns, k, kflags, obj, meta, namespace, codec)))
+        except BaseException:  # nothing is written: the stamps of the items encoded so far go
+            self._remote_unsent([r for _, _, r in puts])
+            raise
         if not puts:
             return
-        with engine.write_lock:
-            where = self._append_puts(puts, ns, sess)
-        engine.settle(where)
+        records = [r for _, _, r in puts]
+        try:
+            with engine.write_lock:
+                where = self._append_puts(puts, ns, sess)
+        except BaseException:
+            self._remote_unsent(records)
+            raise
+        self._settle_puts(where, records)
 
     def put_async(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
                   meta: dict[str, Any] | None = None, session: str | None = None,
@@ -351,8 +511,10 @@ class Store:
         puts in flight.  Bad input raises here, as for ``put``, with nothing written; a failed
         sync is the Future's exception (StoreIOError)."""
         engine = self._engine
-        where = self._put_one(key, obj, namespace, meta, session, codec)
+        where, record = self._put_one(key, obj, namespace, meta, session, codec)
         engine.settle_later(where)  # the committer applies it; the sync below makes it durable
+        if self._remote is not None:
+            self._remote_put([record], now=False)
         return engine.sync_async(where)
 
     def delete_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
@@ -372,20 +534,22 @@ class Store:
                     found = engine.lookup_many(ns, [k for k, _ in encoded])
                     records = [r for (k, flags), loc in zip(encoded, found) if loc is not None
                                for r in engine.deletion(ns, k, flags)]
-                    if not records:
-                        return [False] * len(encoded)
-                    if len(records) > fmt.GROUP_MAX:
+                    if records and len(records) > fmt.GROUP_MAX:
                         raise InvalidObject(f"a batch of {len(encoded)} deletes makes {len(records)} records; one "
                                             f"atomic group holds at most {fmt.GROUP_MAX}",
                                             hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
-                    where = engine.append_group(records)
+                    where = engine.append_group(records) if records else None
+                if where is None:  # nothing held here; the server is asked outside the lock
+                    return self._remote_only_deleted(ns, [k for k, _ in encoded])
                 engine.settle(where)
                 break
             except StoreFull:  # as in delete: the reserve makes room (once)
                 if attempt or not engine.release_reserve():
                     raise
         self._counters["deletes"] += sum(loc is not None for loc in found)
-        return [loc is not None for loc in found]
+        self._remote_deleted(ns, [k for (k, _), loc in zip(encoded, found) if loc is not None])
+        elsewhere = iter(self._remote_only_deleted(ns, [k for (k, _), loc in zip(encoded, found) if loc is None]))
+        return [loc is not None or next(elsewhere) for loc in found]
 
     def train_dictionary(self, samples: Any, *, namespace: str = "default", size: int = 16 << 10) -> int:
         """Train a zstd dictionary on ``samples`` (bytes of many small, similar blobs), store it
@@ -497,6 +661,7 @@ class Store:
         ns = encode_namespace(namespace)
         sess = encode_session(session)
         deleted = 0
+        gone: list[bytes] = []
         where = None
         with engine.write_lock:
             batch: list[rec.EncodedRecord] = []
@@ -506,6 +671,7 @@ class Store:
                 if loc is not None and set(engine.sessions_of(ns, target)) <= {sess}:
                     unit.insert(0, rec.encode_delete(ns, target, loc.header.flags & fmt.FLAG_KEY_STR))
                     deleted += 1
+                    gone.append(target)
                 if len(batch) + len(unit) > fmt.GROUP_MAX:
                     where = engine.append_group(batch)
                     batch = []
@@ -519,6 +685,7 @@ class Store:
                     t.policy.session_ended(sess)
         if where is not None:
             engine.settle(where)
+        self._remote_deleted(ns, gone)
         return deleted
 
     def match_prefix(self, hashes: Any, *, namespace: str = "default") -> int:
@@ -531,7 +698,18 @@ class Store:
             raise InvalidObject("match_prefix takes a sequence of hashes (chunk_hashes' list), got one key",
                                 hint="match_prefix([h]) asks about one hash; contains(h) does too")
         keys = (h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in hashes)
-        return self._engine.prefix_run(ns, keys)
+        if self._remote is None:
+            return self._engine.prefix_run(ns, keys)
+        keys = list(keys)
+        n = self._engine.prefix_run(ns, keys)
+        while n < len(keys):  # the rest of the run, from the remote: one pipeline per 256 hashes
+            batch = keys[n:n + 256]
+            has = self._remote_has(ns, batch)
+            run = has.index(False) if False in has else len(has)
+            n += run
+            if run < len(batch):
+                break
+        return n
 
     def namespace(self, name: str, *, shared: Any = (), readonly: bool = False) -> NamespaceHandle:
         """A handle scoped to namespace ``name`` (a tenant's view): it reads and writes ``name``,
@@ -586,7 +764,12 @@ class Store:
             if out is not None:
                 raise InvalidObject("get(device=..., out=...): out= already says where the data goes")
             arrays.validate_device(device)
-        ns, k, loc = self._locate(key, namespace)
+        if self._remote is None:
+            ns, k, loc = self._locate(key, namespace)
+        else:
+            ns, k, loc, fetched = self._locate_everywhere(key, namespace, layers, rows)
+            if fetched is not None:
+                return self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=out)
         if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
             return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
         if out is not None:
@@ -599,6 +782,181 @@ class Store:
             arrays.copy_into(out, obj.data)
             obj.data = out
         return self._delivered(obj, loc, layers, rows)
+
+    def remote_sync(self, *, namespace: str | None = None, progress: Any = None) -> dict[str, Any]:
+        """Send the remote tier every local object it lacks, or holds an older version of (of
+        ``namespace``, or of all): objects written before the store had a remote, while it was
+        unreachable, or evicted from it.  A newer version or a tombstone on the server is never
+        replaced.  ``progress(n)`` is called with each batch's count.  Returns counts:
+        ``checked``, ``sent``, ``present`` (the server holds this or a newer version), ``local_only``
+        (objects that need a zstd dictionary, which stay local) and ``failed`` (no answer).
+        (``tierstore remote-sync PATH --remote URL``.)"""
+        self._check_writable()
+        remote = self._remote
+        if remote is None or not remote.writes:
+            raise InvalidObject("remote_sync needs a store opened with remote= and a policy that writes",
+                                hint='tierstore.open(path, remote="redis://host:6379/0")')
+        engine = self._engine
+        names = [encode_namespace(namespace)] if namespace is not None else engine.namespaces()
+        counts = {"checked": 0, "sent": 0, "present": 0, "local_only": 0, "failed": 0}
+        for ns in names:
+            keys = sorted(engine.keys(ns))
+            for i in range(0, len(keys), 256):
+                batch = keys[i:i + 256]
+                try:
+                    states = remote.states(ns, batch)
+                except RemoteDown:
+                    counts["failed"] += len(batch)
+                    continue
+                for k, st in zip(batch, states):
+                    counts["checked"] += 1
+                    got = remote_record(engine, None, ns, k)
+                    if got is None:
+                        loc = engine.lookup(ns, k)
+                        counts["local_only" if loc is not None else "present"] += 1
+                        continue
+                    record, version = got
+                    if st is not None and st.version >= version:
+                        counts["present"] += 1
+                        continue
+                    try:
+                        counts["sent" if remote.push(record, version) else "present"] += 1
+                    except RemoteDown:
+                        counts["failed"] += 1
+                if progress is not None:
+                    progress(len(batch))
+        return counts
+
+    # -- the remote tier's side of reads ----------------------------------------------------------
+
+    def _locate_everywhere(self, key: Any, namespace: Any, layers: Any,
+                           rows: Any) -> tuple[bytes, bytes, Location, Any]:
+        """``_locate`` with the remote tier: (ns, k, location, None) to read locally, or (ns, k,
+        location of the fetched record, its reader) for an object the remote holds newer."""
+        self._check_open()
+        assert self._remote is not None
+        ns = encode_namespace(namespace)
+        k, _ = encode_key(key)
+        loc = self._engine.lookup(ns, k)
+        if loc is None:  # nothing to compare: fetch at once (one round trip fewer)
+            loc, fetched = self._reconcile(ns, k, None, None, layers, rows, ask=False)
+        else:
+            try:
+                st = self._remote.state(ns, k)
+            except RemoteDown:
+                st = None
+            loc, fetched = self._reconcile(ns, k, loc, st, layers, rows)
+        if loc is None:
+            raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace,
+                           hint_from=functools.partial(self._elsewhere, k, ns))
+        return ns, k, loc, fetched
+
+    def _reconcile(self, ns: bytes, k: bytes, loc: Location | None, st: Remote | None, layers: Any,
+                   rows: Any, *, ask: bool = True) -> tuple[Location | None, Any]:
+        """The rule of SPEC.md §14.4: serve the local copy unless the remote holds a newer
+        version; a newer tombstone removes the local copy (NotFound); a newer object is fetched,
+        checked, cached in the local log (a read of some ``layers`` / ``rows`` of an object not
+        held locally fetches only their extents and caches nothing) and served from the fetched bytes.  A remote
+        that fails, or holds a damaged value, leaves the local answer standing.  ``st`` is the
+        remote's state of the key; without ``ask`` (no local copy) it is not known, and fetched."""
+        remote = self._remote
+        assert remote is not None
+        mine = version_of(loc.header) if loc is not None else None
+        tomb = remote.queue.tombstone_of(ns, k) if loc is None else None
+        if tomb is not None and (not ask or st is None or st.version <= tomb):
+            return None, None  # deleted here, the tombstone not yet sent: the delete is the local version
+        if ask:
+            if st is None or (mine is not None and st.version <= mine):
+                return loc, None
+            if st.tombstone:
+                self._drop_stale(ns, k, loc)
+                return None, None
+        ranged = (layers is not None or rows is not None) and loc is None
+        try:
+            if ranged:
+                got = remote.fetch_extents(ns, k, functools.partial(wanted_extents, layers=layers, rows=rows))
+            else:
+                got = remote.fetch(ns, k)
+        except RemoteDown:
+            return loc, None
+        if got is None:
+            return loc, None
+        env, reader = got
+        if mine is not None and env.version <= mine:
+            return loc, None
+        if reader is None:
+            self._drop_stale(ns, k, loc)
+            return None, None
+        if mine is not None:
+            remote.counters["stale"] += 1
+        if not ranged:  # kept in the background: the caller gets the bytes without waiting for the log
+            if self._tiers is not None:
+                self._tiers.submit(self._cache_fetched, ns, k, reader, mine)
+            else:
+                self._cache_fetched(ns, k, reader, mine)
+        return Location(0, 0, reader.hdr), reader
+
+    def _drop_stale(self, ns: bytes, k: bytes, loc: Location | None) -> None:
+        """Another node deleted the object after the version held here: delete the local copy
+        (no tombstone to send: the remote has it)."""
+        if loc is None or self.readonly:
+            return
+        engine = self._engine
+        with engine.write_lock:
+            cur = engine.lookup(ns, k)
+            if cur is None or version_of(cur.header) != version_of(loc.header):
+                return
+            where = engine.append_group(engine.deletion(ns, k, loc.header.flags & fmt.FLAG_KEY_STR))
+        engine.settle_later(where)
+        assert self._remote is not None
+        self._remote.counters["stale"] += 1
+
+    def _cache_fetched(self, ns: bytes, k: bytes, reader: Any, mine: Version | None) -> None:
+        """Keep a fetched record in the local log (its bytes as fetched, with a local LSN) unless
+        the local copy changed since the fetch was decided (``mine``: its version then, None for
+        none).  Durable with the log's next sync: a cache copy."""
+        if self.readonly or self._closed:
+            return
+        engine = self._engine
+        try:
+            with engine.write_lock:
+                cur = engine.lookup(ns, k)
+                if (version_of(cur.header) if cur is not None else None) != mine:
+                    return
+                where = engine.append(reader.record())
+            engine.settle_later(where)
+        except StoreFull:  # no room for a copy: served from the fetched bytes, not kept
+            assert self._remote is not None
+            self._remote.counters["not_cached"] = self._remote.counters.get("not_cached", 0) + 1
+
+    def _read_fetched(self, reader: Any, ns: bytes, *, layers: Any, rows: Any, device: str | None,
+                      out: Any) -> Any:
+        """An object (or its layers / rows) from a fetched record (checksums verified at fetch)."""
+        hdr = reader.hdr
+        if out is not None:
+            name, shape = blk.result_shape(hdr, layers, rows)
+            arrays.check_out(out, name, shape)
+            if arrays.host_bytes(out) is None:
+                device = str(out.device)
+        dicts = None if hdr.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
+        obj = blk.read_object(hdr, reader, layers=layers, rows=rows, device=device, dictionaries=dicts, out=out)
+        if out is not None and obj.data is not out:
+            arrays.copy_into(out, obj.data)
+            obj.data = out
+        return self._delivered(obj, Location(0, 0, hdr), layers, rows)
+
+    def _remote_has(self, ns: bytes, ks: list[bytes]) -> list[bool]:
+        """Whether the remote holds an object (not a tombstone) for each key; False where it
+        does not answer."""
+        remote = self._remote
+        if remote is None or not ks:
+            return [False] * len(ks)
+        try:
+            states = remote.states(ns, ks)
+        except RemoteDown:
+            return [False] * len(ks)
+        tombs = [remote.queue.tombstone_of(ns, k) for k in ks]  # deletes made here, not yet sent
+        return [st is not None and not st.tombstone and (t is None or st.version > t) for st, t in zip(states, tombs)]
 
     def _delivered(self, obj: Any, loc: Location, layers: Any, rows: Any) -> Any:
         """A read object, given its user metadata and counted."""
@@ -629,6 +987,16 @@ class Store:
         ks = [encode_key(key)[0] for key in keys]
         locs = self._engine.lookup_many(ns, ks)
         result: list[Any] = [None] * len(keys)
+        if self._remote is not None:  # one pipeline of versions, then the rule of _reconcile per key
+            try:
+                states = self._remote.states(ns, ks)
+            except RemoteDown:
+                states = [None] * len(ks)
+            for n, st in enumerate(states):
+                locs[n], fetched = self._reconcile(ns, ks[n], locs[n], st, layers, rows)
+                if fetched is not None:
+                    result[n] = self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=None)
+                    locs[n] = None
         batch = []  # small raw blobs the tiers leave to the log: read together
         plain = layers is None and rows is None and device is None
         for n, loc in enumerate(locs):
@@ -678,7 +1046,12 @@ class Store:
             raise InvalidObject("contains_many takes a sequence of keys, got one key",
                                 hint="contains(key) asks about one")
         ks = [h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in keys]
-        return self._engine.contains_many(encode_namespace(namespace), ks)
+        ns = encode_namespace(namespace)
+        found = self._engine.contains_many(ns, ks)
+        if self._remote is not None and not all(found):
+            elsewhere = iter(self._remote_has(ns, [k for k, f in zip(ks, found) if not f]))
+            found = [f or next(elsewhere) for f in found]
+        return found
 
     def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
               **sel: Any) -> Any:
@@ -733,7 +1106,7 @@ class Store:
         self._check_open()
         ns = encode_namespace(namespace)
         k, _ = encode_key(key)
-        return self._engine.lookup(ns, k) is not None
+        return self._engine.lookup(ns, k) is not None or self._remote_has(ns, [k])[0]
 
     def __contains__(self, key: str | bytes) -> bool:
         return self.contains(key)
@@ -751,9 +1124,26 @@ class Store:
         return [n.decode("utf-8") for n in self._engine.namespaces()]
 
     def info(self, key: str | bytes, *, namespace: str = "default") -> ObjectInfo:
-        """Describe a stored object without reading its payload."""
-        ns, k, loc = self._locate(key, namespace)
+        """Describe a stored object without reading its payload.  With a remote tier, an object
+        only the server holds is described from its header (fetched alone; ``tiers`` is
+        ``("remote",)``, ``segment`` and ``offset`` are None)."""
+        tiers: tuple[str, ...] | None = None
+        try:
+            ns, k, loc = self._locate(key, namespace)
+        except NotFound:
+            if self._remote is None:
+                raise
+            ns, k = encode_namespace(namespace), encode_key(key)[0]
+            try:
+                got = self._remote.fetch_extents(ns, k, lambda h: [])
+            except RemoteDown:
+                got = None
+            if got is None or got[1] is None:
+                raise
+            loc, tiers = Location(None, None, got[1].hdr), ("remote",)  # type: ignore[arg-type]
         h = loc.header
+        if tiers is None:
+            tiers = (*self._tiers.where((ns, k), h), "ssd") if self._tiers is not None else ("ssd",)
         sessions = tuple(x.decode("utf-8", "replace") for x in cache_sessions(self._engine, ns, k))
         meta = h.meta
         kind = fmt.KIND_NAMES[h.kind]
@@ -765,8 +1155,7 @@ class Store:
             codec=cdc.Choice(cdc.BY_ID[h.codec], meta.get("codec_params", {})).spec,
             lossless=cdc.BY_ID[h.codec].lossless, bound=cdc.BY_ID[h.codec].bound_for(meta.get("codec_params", {})),
             checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs,
-            tiers=(*self._tiers.where((ns, k), h), "ssd") if self._tiers is not None else ("ssd",),
-            lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
+            tiers=tiers, lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
             metric=meta.get("metric"), media_type=meta.get("media_type"),
             has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),
             sessions=sessions,
@@ -784,7 +1173,8 @@ class Store:
             "counters": {**self._counters, **engine.pop("counters")},
             "recovery": dict(self.recovery),
             "tiers": {"ssd": {"bytes_used": engine["segment_bytes"], "capacity_bytes": None, "io_path": "posix"},
-                      **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())}},
+                      **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())},
+                      **({"remote": self._remote.stats()} if self._remote is not None else {})},
         }
 
     # -- cache tiers ----------------------------------------------------------------------------

@@ -52,6 +52,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             from .transformers_ttft import bench_transformers
             say("transformers: time to first token, recompute vs PrefixCache (cold, DRAM tier)")
             result["transformers"] = bench_transformers(os.path.join(root, "transformers"), quick=quick, say=say)
+        if "remote" in sections:
+            from .remote import bench_remote
+            say("remote: a 32 MiB chunk and a 1 MiB layer through the remote tier vs redis-py SET/GET; two nodes")
+            result["remote"] = bench_remote(os.path.join(root, "remote"), quick=quick, say=say)
         if "codecs" in sections:
             say("codecs: the real K/V and embedding sample")
             result["codecs"] = bench_codecs(say)

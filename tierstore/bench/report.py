@@ -80,6 +80,9 @@ def markdown(result: dict[str, Any]) -> str:
     if "tiers" in result:
         from .tiers import markdown_tiers
         lines += ["", *markdown_tiers(result["tiers"])]
+    if "remote" in result:
+        from .remote import markdown_remote
+        lines += markdown_remote(result["remote"])
     return "\n".join(lines) + "\n"
 
 

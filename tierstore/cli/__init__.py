@@ -10,6 +10,8 @@ to exit codes, and holds no storage logic of its own.
     tierstore ls      PATH [--namespace NS]        list objects
     tierstore stats   PATH                         sizes: objects, segments, live and dead bytes
     tierstore quarantine PATH [--clear]            what recoveries set aside; --clear deletes it
+    tierstore remote-sync PATH --remote URL        send the remote tier what it lacks of a store
+    tierstore fsck --remote URL [--namespace NS]   check the checksums of a remote tier's values
 
 Every command takes --json.  Exit codes: 0 ok; 1 damage found (fsck, or dump of a damaged
 file); 2 bad arguments; 3 the store cannot be opened (missing, corrupt, newer format);
@@ -63,8 +65,64 @@ def _check(args: argparse.Namespace) -> Any:
         close()
 
 
+def _remote_fsck(args: argparse.Namespace) -> int:
+    from ..names import encode_namespace
+    from ..tiers.remote import RemoteDown, RemoteTier
+
+    tier = RemoteTier(args.remote, origin=bytes(16), policy="read-only")
+    update, close = _progress(None, "verifying remote values", not args.json)
+    try:
+        report = tier.verify(encode_namespace(args.namespace) if args.namespace else None, progress=update)
+    except RemoteDown as e:
+        return _fail(args, EXIT_CANNOT_OPEN, f"remote {tier.url} does not answer: {e}")
+    finally:
+        close()
+        tier.close(0)
+
+    def text() -> None:
+        print(f"{report['remote']}: {_n(report['values'], 'value')} and {_n(report['tombstones'], 'tombstone')} "
+              f"checked ({report['bytes'] / 2**20:.1f} MiB)")
+        for d in report["damaged"]:
+            print(f"  error: {d['why']} key={d['key']}")
+        print("ok" if report["ok"] else "ERRORS FOUND")
+
+    _emit(args, report, text)
+    return EXIT_OK if report["ok"] else EXIT_FINDINGS
+
+
+def cmd_remote_sync(args: argparse.Namespace) -> int:
+    from ..store import Store
+
+    with Store(args.path, create=False, remote=args.remote) as store:
+        total = sum(len(store.keys(namespace=n)) for n in ([args.namespace] if args.namespace else store.namespaces()))
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="remote-sync", unit="obj", leave=False,
+                   disable=args.json or not sys.stderr.isatty())
+        try:
+            counts = store.remote_sync(namespace=args.namespace, progress=bar.update)
+        finally:
+            bar.close()
+        counts["remote"] = store.stats()["tiers"]["remote"]["url"]
+
+    def text() -> None:
+        print(f"{args.path} -> {counts['remote']}: {counts['checked']} checked, {counts['sent']} sent, "
+              f"{counts['present']} already there, {counts['local_only']} local only (zstd dictionary), "
+              f"{counts['failed']} failed")
+
+    _emit(args, counts, text)
+    return EXIT_OK if not counts["failed"] else EXIT_FINDINGS
+
+
 def cmd_fsck(args: argparse.Namespace) -> int:
     from ..engine import repair
+
+    if args.remote:
+        if args.path is not None or args.fix or args.deep:
+            return _fail(args, EXIT_USAGE, "fsck --remote checks the server only: no PATH, --deep or --fix")
+        return _remote_fsck(args)
+    if args.path is None:
+        return _fail(args, EXIT_USAGE, "fsck needs a store PATH (or --remote URL)")
 
     try:
         report = _check(args)
@@ -371,11 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-peers", action="store_true", help="skip safetensors / torch.save / h5py / LMDB")
     sp.add_argument("--out", default=None, help="write results.json and plots here")
     sp.add_argument("--section", action="append",
-                    choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers"],
+                    choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote"],
                     help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
-    sp.add_argument("path")
+    sp.add_argument("path", nargs="?", default=None)
+    sp.add_argument("--remote", default=None, metavar="URL",
+                    help="check the values on a remote tier (redis://..., redis+cluster://...) instead of a store")
+    sp.add_argument("--namespace", default=None, help="with --remote: only this namespace")
     sp.add_argument("--deep", action="store_true",
                     help="also verify every record of the log (overwritten and deleted ones too) and run LMDB's "
                          "structural verifier on the index")
@@ -398,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--namespace", default=None)
     sp = add("stats", cmd_stats, "sizes of a store: objects per namespace, segments, live and dead bytes")
     sp.add_argument("path")
+    sp = add("remote-sync", cmd_remote_sync, "send a remote tier every object of a store it lacks (or holds "
+                                             "an older version of); never replaces newer values or deletes")
+    sp.add_argument("path")
+    sp.add_argument("--remote", required=True, metavar="URL", help="redis://host:6379/0, redis+cluster://h1:p1,...")
+    sp.add_argument("--namespace", default=None, help="only this namespace")
     sp = add("quarantine", cmd_quarantine, "list what recoveries set aside in quarantine/, or --clear it")
     sp.add_argument("path")
     sp.add_argument("--clear", action="store_true", help="delete everything in quarantine/")

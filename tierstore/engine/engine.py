@@ -52,7 +52,8 @@ DURABILITY = ("sync", "group", "none")
 _log = logging.getLogger("tierstore")
 # what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
-                           fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE})
+                           fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
+                           fmt.REMOTE_FILE + ".tmp"})
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
 

@@ -461,6 +461,12 @@ class Log:
             self.durable = max(self.durable, pos)
             self.durable_lsn = max(self.durable_lsn, lsn)
 
+    def _sync_fits(self) -> bool:
+        """Whether a SYNC record fits in the active segment (caller holds append_lock)."""
+        record = rec.encode_sync(self.durable_lsn)
+        start = self._start_for(record.header.align_log2)
+        return start + record.header.record_len <= self.segment_bytes or self.tail <= fmt.SEGMENT_HEADER_SIZE
+
     def _certify(self) -> None:
         """Append a SYNC record vouching for what earlier syncs made durable, if anything became
         durable since the last one (caller holds append_lock).  Recovery uses it to tell damage
@@ -468,10 +474,10 @@ class Log:
         written before the sync that follows, so it only ever vouches for completed syncs."""
         if self.durable_lsn <= self.certified_lsn or self.last_data_lsn <= self.certified_lsn:
             return  # nothing new is durable, or only SYNC records (which need no vouching)
+        if not self._sync_fits():
+            return  # the segment is full: the rollover that comes next seals (and syncs) it anyway
         record = rec.encode_sync(self.durable_lsn)
         start = self._start_for(record.header.align_log2)
-        if start + record.header.record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
-            return  # the segment is full: the rollover that comes next seals (and syncs) it anyway
         lsn = self.next_lsn
         header = record.header.stamped(lsn)
         buf = self._buf
@@ -493,6 +499,9 @@ class Log:
         the records, one for the SYNC record that names them."""
         self.sync()
         if self.durable_lsn > self.certified_lsn and self.last_data_lsn > self.certified_lsn:
+            with self._sync_lock, self.append_lock:
+                if not self._sync_fits():  # the segment is full: the SYNC record opens the next one,
+                    self._rollover()  # so that the last records are vouched for too
             self.sync()
 
     def close(self) -> None:

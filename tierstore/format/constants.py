@@ -151,3 +151,15 @@ SEGMENTS_DIR = "segments"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "LOCK"
 RESERVE_FILE = "RESERVE"  # §1 (informative): space a writer gives up when the disk is full
+REMOTE_FILE = "REMOTE"  # §1, §14.5 (informative): what the remote tier has not been sent yet
+
+# --- SPEC.md §14 The remote tier (informative: a layout on Redis / Valkey, not a file) ------
+REMOTE_PREFIX = b"ts1:"  # §14.1: ts1:<namespace hex>:{<key hex>}; the braces are Redis Cluster's hash tag
+REMOTE_MAGIC = b"TSRV"
+REMOTE_LAYOUT = 1
+# magic, layout, flags, reserved, stamp (ns), origin store uuid, record_len, reserved, crc32c of [0, 44)
+REMOTE_ENVELOPE = struct.Struct(">4sBBHQ16sQII")  # big-endian: bytes [8, 32) sort in version order
+REMOTE_ENVELOPE_CRC_OFFSET = REMOTE_ENVELOPE.size - 4
+REMOTE_FLAG_TOMBSTONE = 0x01
+REMOTE_FLAGS_KNOWN = REMOTE_FLAG_TOMBSTONE
+META_VERSION = "version"  # §5.2, §14.2: [stamp, origin store uuid] of a PUT written by a store with a remote

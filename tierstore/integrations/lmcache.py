@@ -11,6 +11,8 @@ Configuration only (LMCache's ``storage_plugins``), no code:
       tierstore.max_bytes: 50GiB        # optional: least recently used unpinned chunks go first
       tierstore.codec: int8             # optional: the store codec of the chunks (default lossless)
       tierstore.durability: group       # optional (default "group": a put is durable within 10 ms)
+      tierstore.remote: redis://cache-1:6379/0   # optional: share chunks between nodes (docs/remote.md)
+      tierstore.remote_policy: write-back        # optional (default "write-through")
 
 It owns the mapping between LMCache's ``CacheEngineKey`` / ``MemoryObj`` and tierstore objects:
 the key's model, world size, worker id and dtype name the namespace, its chunk hash the key; a
@@ -80,7 +82,9 @@ class TierstoreBackend(StoragePluginInterface):
         self.max_bytes = parse_size(limit, "tierstore.max_bytes") if limit is not None else None
         self.codec = _setting(config, "codec")
         self.local_cpu_backend = local_cpu_backend
-        self.store = open_store(path, durability=_setting(config, "durability", DEFAULT_DURABILITY))
+        remote = {name: _setting(config, name) for name in ("remote", "remote_policy")
+                  if _setting(config, name) is not None}
+        self.store = open_store(path, durability=_setting(config, "durability", DEFAULT_DURABILITY), **remote)
         self._lock = threading.Lock()
         self._putting: set[CacheEngineKey] = set()
         self._pins: dict[tuple[str, bytes], int] = {}

@@ -1,0 +1,622 @@
+"""The remote tier against real servers: a standalone redis-server and a 3-master Redis Cluster
+(tests/redis_servers.py), two stores ("nodes") sharing them, in one process and in two."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+import tierstore
+from tierstore.bench.servers import RedisCluster, RedisServer
+from tierstore.format import constants as fmt
+from tierstore.tiers.remote import parse_url, remote_key
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    s = RedisServer(tmp_path).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = RedisCluster(tmp_path).start()
+    yield c
+    c.stop()
+
+
+def kv(seed: int = 0, layers: int = 4, tokens: int = 16) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((layers, 2, 2, tokens, 8)).astype(np.float16)
+
+
+def node(tmp_path: Path, name: str, url: str, **options) -> tierstore.Store:
+    return tierstore.open(str(tmp_path / name), remote=url, **options)
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.05)
+
+
+def held(store: tierstore.Store, key: bytes, ns: str, like: tierstore.Store | None = None) -> None:
+    """Wait until ``store`` keeps a fetched object in its own log (done in the background): the
+    version ``like`` holds, when given."""
+    def kept() -> bool:
+        try:
+            info = store.info(key, namespace=ns)
+        except tierstore.NotFound:
+            return False
+        return info.tiers != ("remote",) and (
+            like is None or info.extent_checksums == like.info(key, namespace=ns).extent_checksums)
+    wait_for(kept)
+
+
+def remote_of(store: tierstore.Store) -> dict:
+    return store.stats()["tiers"]["remote"]
+
+
+# -- sharing ---------------------------------------------------------------------------------------
+
+def test_an_object_put_on_one_node_is_read_on_another(tmp_path, server):
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    x = kv(1)
+    a.put(b"h1", tierstore.KVCache(x), namespace="llama")
+    assert remote_of(a)["puts"] == 1
+    got = b.get(b"h1", namespace="llama")
+    assert np.array_equal(got.data, x)
+    assert remote_of(b)["hits"] == 1
+    wait_for(lambda: b.info(b"h1", namespace="llama").tiers != ("remote",))  # kept in b's log (in the background)
+    bytes_in = remote_of(b)["bytes_in"]
+    got = b.get(b"h1", namespace="llama")  # now local: only the version is asked for
+    assert np.array_equal(got.data, x)
+    assert remote_of(b)["hits"] == 1 and remote_of(b)["bytes_in"] == bytes_in
+    assert b.info(b"h1", namespace="llama").lsn > 0  # kept in b's own log
+    assert b.contains(b"h1", namespace="llama")
+    assert b.match_prefix([b"h1", b"h2"], namespace="llama") == 1
+    assert b.get_many([b"h1", b"nope"], namespace="llama")[1] is None
+    a.close()
+    b.close()
+
+
+def test_the_server_holds_the_record_as_stored(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    a.put("k", tierstore.Blob(b"payload"), namespace="ns")
+    value = redis.Redis(port=server.port).get(remote_key(b"ns", b"k"))
+    assert value[:4] == fmt.REMOTE_MAGIC
+    info = a.info("k", namespace="ns")
+    record = value[fmt.REMOTE_ENVELOPE.size:]
+    assert record[:4] == fmt.RECORD_MAGIC and len(record) == info.stored_bytes
+    assert int.from_bytes(record[4:8], "little") == int(info.checksum.split(":")[1], 16)  # the header CRC
+    a.close()
+
+
+def test_misses_everywhere_are_not_found(tmp_path, server):
+    b = node(tmp_path, "b", server.url)
+    with pytest.raises(tierstore.NotFound):
+        b.get(b"absent", namespace="x")
+    assert not b.contains(b"absent", namespace="x")
+    b.close()
+
+
+def test_overwrites_and_deletes_reach_other_nodes_on_their_next_read(tmp_path, server):
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"h", tierstore.KVCache(kv(1)), namespace="m")
+    assert np.array_equal(b.get(b"h", namespace="m").data, kv(1))
+    held(b, b"h", "m")
+    a.put(b"h", tierstore.KVCache(kv(2)), namespace="m")
+    assert np.array_equal(b.get(b"h", namespace="m").data, kv(2))  # b's copy was older: fetched again
+    assert remote_of(b)["stale"] == 1
+    held(b, b"h", "m", like=a)
+    assert a.delete(b"h", namespace="m")
+    with pytest.raises(tierstore.NotFound):
+        b.get(b"h", namespace="m")
+    assert b.keys(namespace="m") == []  # the stale local copy is gone too
+    # b overwrites: a sees b's version, and b's delete of a key it never held reaches a
+    b.put(b"h", tierstore.KVCache(kv(3)), namespace="m")
+    assert np.array_equal(a.get(b"h", namespace="m").data, kv(3))
+    a.put(b"only-a", tierstore.Blob(b"a"), namespace="m")
+    assert b.delete(b"only-a", namespace="m")  # b holds no copy: the tombstone is still sent
+    with pytest.raises(tierstore.NotFound):
+        a.get(b"only-a", namespace="m")
+    a.close()
+    b.close()
+
+
+def test_a_stale_resend_never_resurrects_a_delete(tmp_path, server):
+    """b writes while the server is down and closes with the write unsent; a then puts and deletes
+    the key.  b reopens: its re-send is older than a's tombstone, so it is refused, and b's own
+    read finds the newer tombstone and drops its copy."""
+    port = server.port
+    server.kill()
+    b = node(tmp_path, "b", server.url, remote_timeout=0.5, remote_connect_timeout=0.5)
+    b.put(b"k", tierstore.Blob(b"old"), namespace="m")  # local only: the server is gone
+    assert remote_of(b)["errors"] >= 1
+    b.close()
+    assert json.loads((tmp_path / "b" / fmt.REMOTE_FILE).read_text())["dirty"] is True
+    server2 = RedisServer(tmp_path, port=port).start()
+    try:
+        a = node(tmp_path, "a", server2.url)
+        a.put(b"k", tierstore.Blob(b"new"), namespace="m")
+        assert a.delete(b"k", namespace="m")
+        b = node(tmp_path, "b", server2.url)
+        wait_for(lambda: remote_of(b)["resent"] >= 1)  # the sweep re-sent the unsent put ...
+        assert remote_of(b)["put_conflicts"] >= 1  # ... and the server kept the newer tombstone
+        with pytest.raises(tierstore.NotFound):
+            b.get(b"k", namespace="m")
+        with pytest.raises(tierstore.NotFound):
+            a.get(b"k", namespace="m")
+        a.close()
+        b.close()
+    finally:
+        server2.stop()
+
+
+def test_two_processes_share_a_server(tmp_path, server):
+    script = """
+import sys, numpy as np, tierstore
+path, url, op = sys.argv[1:4]
+s = tierstore.open(path, remote=url)
+if op == "put":
+    s.put(b"chunk", tierstore.KVCache(np.full((2, 2, 1, 4, 8), float(sys.argv[4]), np.float16)), namespace="m")
+else:
+    try:
+        print(float(s.get(b"chunk", namespace="m").data.ravel()[0]))
+    except tierstore.NotFound:
+        print("missing")
+s.close()
+"""
+    def run(*argv: str) -> str:
+        out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    run(str(tmp_path / "p1"), server.url, "put", "1")
+    assert run(str(tmp_path / "p2"), server.url, "get") == "1.0"
+    run(str(tmp_path / "p1"), server.url, "put", "2")  # p1 overwrites; p2 notices on its next read
+    assert run(str(tmp_path / "p2"), server.url, "get") == "2.0"
+    s = node(tmp_path, "p1", server.url)
+    s.delete(b"chunk", namespace="m")
+    s.close()
+    assert run(str(tmp_path / "p2"), server.url, "get") == "missing"
+
+
+# -- damage ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "truncate", "other-key", "garbage"])
+def test_a_damaged_remote_value_is_a_miss_never_data(tmp_path, server, damage, caplog):
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"k", tierstore.KVCache(kv(1)), namespace="m")
+    a.put(b"other", tierstore.KVCache(kv(2)), namespace="m")
+    r = redis.Redis(port=server.port)
+    name = remote_key(b"m", b"k")
+    value = r.get(name)
+    if damage == "flip-payload":
+        r.setrange(name, len(value) - 10, bytes([value[-10] ^ 1]))
+    elif damage == "flip-header":
+        r.setrange(name, fmt.REMOTE_ENVELOPE.size + 60, bytes([value[fmt.REMOTE_ENVELOPE.size + 60] ^ 1]))
+    elif damage == "truncate":
+        r.set(name, value[:len(value) // 2])
+    elif damage == "other-key":
+        r.set(name, r.get(remote_key(b"m", b"other")))
+    else:
+        r.set(name, b"not a tierstore value")
+    with caplog.at_level(logging.WARNING, logger="tierstore.remote"):
+        with pytest.raises(tierstore.NotFound):
+            b.get(b"k", namespace="m")
+        with pytest.raises(tierstore.NotFound):
+            b.get(b"k", namespace="m")
+    assert remote_of(b)["bad_values"] >= 1
+    assert len([m for m in caplog.messages if "damaged" in m]) == 1  # logged once
+    assert np.array_equal(a.get(b"k", namespace="m").data, kv(1))  # the writer's own copy is untouched
+    assert np.array_equal(b.get(b"other", namespace="m").data, kv(2))  # the twin: a valid value still loads
+    a.close()
+    b.close()
+
+
+# -- faults -----------------------------------------------------------------------------------------------
+
+def test_a_killed_server_degrades_to_local_and_the_remote_catches_up(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_timeout=0.5, remote_connect_timeout=0.5, remote_retry_s=0.2)
+    a.put(b"before", tierstore.Blob(b"1"), namespace="m")
+    port = server.port
+    server.kill()
+    t0 = time.monotonic()
+    for i in range(20):
+        a.put(b"during%d" % i, tierstore.Blob(b"2" * 1000), namespace="m")
+    assert a.get(b"before", namespace="m").data == b"1"
+    assert a.get(b"during3", namespace="m").data == b"2" * 1000
+    assert time.monotonic() - t0 < 10  # one timeout per retry period, not one per call
+    st = remote_of(a)
+    assert st["errors"] >= 1 and st["queue_length"] >= 1
+    server2 = RedisServer(tmp_path, port=port).start()  # back, empty (no persistence)
+    try:
+        wait_for(lambda: remote_of(a)["queue_length"] == 0)
+        b = node(tmp_path, "b", server2.url)
+        for i in range(20):
+            assert b.get(b"during%d" % i, namespace="m").data == b"2" * 1000
+        b.close()
+        a.close()
+    finally:
+        server2.stop()
+
+
+def test_a_paused_server_costs_a_timeout_not_a_hang(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_timeout=0.3, remote_retry_s=5)
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        a.put(b"k2", tierstore.Blob(b"v2"), namespace="m")
+        assert a.get(b"k", namespace="m").data == b"v"
+        assert a.get(b"k2", namespace="m").data == b"v2"
+        assert time.monotonic() - t0 < 3
+        assert 1 <= remote_of(a)["errors"] <= 2 and remote_of(a)["down"]  # one timeout per thread in flight
+    finally:
+        server.resume()
+    a.close()
+
+
+def test_unsent_puts_are_resent_after_a_crash(tmp_path, server):
+    """The process dies before its queue drains: the next open re-sends from the log."""
+    port = server.port
+    server.kill()
+    script = f"""
+import os, tierstore
+s = tierstore.open({str(tmp_path / 'a')!r}, remote="redis://127.0.0.1:{port}/0", remote_timeout=0.3,
+                   remote_connect_timeout=0.3)
+for i in range(5):
+    s.put(b"k%d" % i, tierstore.Blob(b"v%d" % i), namespace="m")
+os._exit(0)  # no close: the queue is lost with the process
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    server2 = RedisServer(tmp_path, port=port).start()
+    try:
+        a = node(tmp_path, "a", server2.url)
+        wait_for(lambda: remote_of(a)["resent"] >= 5)
+        b = node(tmp_path, "b", server2.url)
+        assert [b.get(b"k%d" % i, namespace="m").data for i in range(5)] == [b"v%d" % i for i in range(5)]
+        a.close()
+        b.close()
+    finally:
+        server2.stop()
+
+
+def test_a_full_server_is_an_error_counted_not_a_failed_put(tmp_path):
+    s = RedisServer(tmp_path, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction").start()
+    try:
+        a = node(tmp_path, "a", s.url)
+        for i in range(8):
+            a.put(b"k%d" % i, tierstore.Blob(os.urandom(1 << 20)), namespace="m")
+        assert remote_of(a)["full"] >= 1
+        assert len(a.keys(namespace="m")) == 8
+        a.close()
+    finally:
+        s.stop()
+
+
+def test_an_evicted_value_is_a_miss(tmp_path):
+    s = RedisServer(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru").start()
+    try:
+        a = node(tmp_path, "a", s.url)
+        for i in range(12):
+            a.put(b"k%d" % i, tierstore.Blob(bytes([i]) * (1 << 20)), namespace="m")
+        b = node(tmp_path, "b", s.url)
+        results = b.get_many([b"k%d" % i for i in range(12)], namespace="m")
+        assert any(r is None for r in results)  # evicted: misses
+        assert all(r.data == bytes([i]) * (1 << 20) for i, r in enumerate(results) if r is not None)
+        assert remote_of(b)["errors"] == 0
+        a.close()
+        b.close()
+    finally:
+        s.stop()
+
+
+# -- policies --------------------------------------------------------------------------------------------
+
+def test_write_back_returns_first_and_sends_later(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_policy="write-back")
+    a.put(b"k", tierstore.KVCache(kv(4)), namespace="m")
+    a.delete(b"gone", namespace="m")
+    wait_for(lambda: remote_of(a)["queue_length"] == 0 and remote_of(a)["puts"] == 1)
+    b = node(tmp_path, "b", server.url)
+    assert np.array_equal(b.get(b"k", namespace="m").data, kv(4))
+    a.close()
+    b.close()
+
+
+def test_read_only_policy_never_writes_to_the_server(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    a.put(b"shared", tierstore.Blob(b"s"), namespace="m")
+    r = node(tmp_path, "r", server.url, remote_policy="read-only")
+    r.put(b"mine", tierstore.Blob(b"m"), namespace="m")
+    r.delete(b"shared", namespace="m")
+    assert redis.Redis(port=server.port).get(remote_key(b"m", b"mine")) is None
+    assert a.get(b"shared", namespace="m").data == b"s"
+    assert r.get(b"shared", namespace="m").data == b"s"  # read from the remote (the delete stayed local)
+    a.close()
+    r.close()
+
+
+# -- layers ------------------------------------------------------------------------------------------------
+
+def test_a_single_layer_get_moves_about_the_layers_bytes(tmp_path, server):
+    x = np.random.default_rng(0).standard_normal((4, 2, 8, 256, 128)).astype(np.float16)  # 1 MiB per layer
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"chunk", tierstore.KVCache(x), namespace="m")
+    got = b.get(b"chunk", namespace="m", layers=2)
+    assert np.array_equal(got.data, x[2:3])
+    moved = remote_of(b)["bytes_in"]
+    assert moved <= 1.1 * x[2].nbytes, moved
+    info = b.info(b"chunk", namespace="m")  # a ranged read caches nothing locally: described from the server
+    assert info.tiers == ("remote",) and info.segment is None and info.shape == x.shape
+    with pytest.raises(tierstore.NotFound):
+        b.info(b"nothing", namespace="m")
+    assert np.array_equal(b.get(b"chunk", namespace="m").data, x)
+    a.close()
+    b.close()
+
+
+def test_get_out_and_device_from_the_remote(tmp_path, server):
+    x = kv(5)
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"c", tierstore.KVCache(x), namespace="m")
+    out = np.empty_like(x)
+    got = b.get(b"c", namespace="m", out=out)
+    assert got.data is out and np.array_equal(out, x)
+    with pytest.raises(tierstore.InvalidObject):
+        node(tmp_path, "c", server.url).get(b"c", namespace="m", out=np.empty((1,), np.float16))
+    a.close()
+    b.close()
+
+
+# -- security ------------------------------------------------------------------------------------------------
+
+def test_auth_and_credentials_never_shown(tmp_path, caplog, monkeypatch):
+    s = RedisServer(tmp_path, "--requirepass", "s3cret-pw").start()
+    try:
+        url = f"redis://:s3cret-pw@127.0.0.1:{s.port}/0"
+        a = node(tmp_path, "a", url)
+        a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+        assert remote_of(a)["puts"] == 1
+        shown = json.dumps(a.stats(), default=str) + repr(a)
+        assert "s3cret" not in shown
+        a.close()
+        monkeypatch.setenv("TIERSTORE_REMOTE_PASSWORD", "s3cret-pw")  # from the environment
+        b = node(tmp_path, "b", f"redis://127.0.0.1:{s.port}/0")
+        assert b.get(b"k", namespace="m").data == b"v"
+        b.close()
+        monkeypatch.delenv("TIERSTORE_REMOTE_PASSWORD")
+        with caplog.at_level(logging.WARNING, logger="tierstore.remote"):
+            c = node(tmp_path, "c", f"redis://:wrong-pw@127.0.0.1:{s.port}/0")
+            c.put(b"x", tierstore.Blob(b"y"), namespace="m")  # refused by the server: local only
+            assert c.get(b"x", namespace="m").data == b"y"
+            assert remote_of(c)["errors"] >= 1
+            c.close()
+        assert caplog.messages and not any("wrong-pw" in m for m in caplog.messages)
+    finally:
+        s.stop()
+
+
+def test_urls_are_checked_before_anything_opens(tmp_path):
+    for bad in ("http://x", "redis://h:99999", "redis://a:1,b:2", "redis+cluster://h:1/3", "redis://h/x"):
+        with pytest.raises(tierstore.InvalidObject):
+            tierstore.open(str(tmp_path / "s"), remote=bad)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(tierstore.InvalidObject):
+        tierstore.open(str(tmp_path / "s"), remote_policy="write-back")  # without remote=
+    t = parse_url("rediss://user:pw@h:7000/2")
+    assert t.tls and t.username == "user" and t.password == "pw" and t.db == 2 and "pw" not in t.shown
+    assert not parse_url("redis://h").tls and parse_url("valkeys+cluster://a:1,b:2").cluster
+
+
+def test_a_scoped_handle_stays_in_its_namespace_prefix(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    tenant = a.namespace("tenant-a")
+    tenant.put(b"k", tierstore.Blob(b"v"))
+    names = redis.Redis(port=server.port).keys(b"*")
+    assert names == [remote_key(b"tenant-a", b"k")]
+    assert names[0].startswith(fmt.REMOTE_PREFIX + b"tenant-a".hex().encode() + b":{")
+    with pytest.raises(tierstore.AccessDenied):
+        tenant.get(b"k", namespace="tenant-b")
+    a.close()
+
+
+# -- cluster -------------------------------------------------------------------------------------------------
+
+def test_a_cluster_shares_chunks_across_nodes_and_survives_a_lost_master(tmp_path, cluster):
+    a = node(tmp_path, "a", cluster.url, remote_timeout=0.5, remote_connect_timeout=0.5, remote_retry_s=0.2)
+    b = node(tmp_path, "b", cluster.url, remote_timeout=0.5, remote_connect_timeout=0.5, remote_retry_s=0.2)
+    hashes = [b"chunk-%02d" % i for i in range(24)]
+    for i, h in enumerate(hashes):
+        a.put(h, tierstore.KVCache(kv(i)), namespace="m")
+    masters = {n.port: n.cli("dbsize") for n in cluster.nodes}
+    assert sum(int(v) for v in masters.values()) == 24 and all(int(v) > 0 for v in masters.values())
+    assert b.match_prefix(hashes, namespace="m") == 24  # sees chunks another node stored
+    assert np.array_equal(b.get(hashes[5], namespace="m").data, kv(5))
+    assert remote_of(b)["hits"] == 1
+    cluster.nodes[1].kill()  # a master is gone (no replica to fail over to)
+    a.put(b"new", tierstore.Blob(b"local"), namespace="m")
+    assert a.get(b"new", namespace="m").data == b"local"
+    assert np.array_equal(b.get(hashes[5], namespace="m").data, kv(5))  # b's local copy
+    got = 0
+    for h in hashes:
+        try:
+            got += np.array_equal(b.get(h, namespace="m").data, kv(hashes.index(h)))
+        except tierstore.NotFound:
+            pass
+    assert got >= 1
+    assert remote_of(a)["errors"] + remote_of(b)["errors"] >= 1
+    a.close()
+    b.close()
+
+
+# -- tools ----------------------------------------------------------------------------------------------------
+
+def test_remote_sync_sends_what_the_server_lacks_and_fsck_checks_it(tmp_path, server):
+    from tierstore.cli import main
+
+    path = str(tmp_path / "a")
+    with tierstore.open(path) as s:  # written before the store had a remote
+        for i in range(5):
+            s.put(b"k%d" % i, tierstore.KVCache(kv(i)), namespace="m")
+    assert main(["remote-sync", path, "--remote", server.url, "--json"]) == 0
+    b = node(tmp_path, "b", server.url)
+    assert all(np.array_equal(b.get(b"k%d" % i, namespace="m").data, kv(i)) for i in range(5))
+    b.close()
+    with tierstore.open(path, remote=server.url) as a:  # a second sync finds everything there
+        assert a.remote_sync() == {"checked": 5, "sent": 0, "present": 5, "local_only": 0, "failed": 0}
+        a.delete(b"k0", namespace="m")
+    assert main(["fsck", "--remote", server.url, "--namespace", "m"]) == 0
+    r = redis.Redis(port=server.port)
+    name = remote_key(b"m", b"k3")
+    r.setrange(name, len(r.get(name)) - 1, b"\x00" if r.get(name)[-1] else b"\x01")
+    assert main(["fsck", "--remote", server.url, "--json"]) == 1
+    with tierstore.open(path, remote=server.url) as a:  # the tombstone of k0 is not overwritten by a sync
+        counts = a.remote_sync()
+        assert counts["checked"] == 4
+    assert redis.Redis(port=server.port).get(remote_key(b"m", b"k0"))[5] & fmt.REMOTE_FLAG_TOMBSTONE
+
+
+def test_a_cluster_failover_keeps_serving_and_remote_sync_refills_what_it_lost(tmp_path):
+    c = RedisCluster(tmp_path, replicas=1).start()
+    try:
+        a = node(tmp_path, "a", c.url, remote_timeout=0.5, remote_connect_timeout=0.5, remote_retry_s=0.3)
+        hashes = [b"chunk-%02d" % i for i in range(12)]
+        for i, h in enumerate(hashes):
+            a.put(h, tierstore.Blob(b"%d" % i), namespace="m")
+        c.masters()[0].kill()
+        a.put(b"during", tierstore.Blob(b"x"), namespace="m")  # local, whatever the cluster does
+        assert a.get(b"during", namespace="m").data == b"x"
+        wait_for(lambda: len(c.masters()) == 3, 30)  # a replica takes over (cluster-node-timeout 1 s)
+        time.sleep(0.5)  # past a's retry window
+        # replication is asynchronous: the failover may have lost the newest writes; the node that
+        # wrote them still has them and sends them again
+        wait_for(lambda: a.remote_sync(namespace="m")["failed"] == 0, 30)
+        b = node(tmp_path, "b", c.url)
+        got = b.get_many([*hashes, b"during"], namespace="m")
+        assert [g.data for g in got] == [b"%d" % i for i in range(12)] + [b"x"]
+        a.close()
+        b.close()
+    finally:
+        c.stop()
+
+
+def test_a_full_queue_drops_keys_from_memory_and_a_sweep_resends_them(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_policy="write-back", remote_queue=3, remote_timeout=0.3,
+             remote_connect_timeout=0.3, remote_retry_s=0.2)
+    port = server.port
+    server.kill()
+    for i in range(10):
+        a.put(b"k%d" % i, tierstore.Blob(b"v%d" % i), namespace="m")
+    st = remote_of(a)
+    assert st["queue_length"] <= 3 and st["queue_dropped"] >= 7
+    server2 = RedisServer(tmp_path, port=port).start()
+    try:
+        wait_for(lambda: remote_of(a)["queue_length"] == 0 and remote_of(a)["resent"] >= 7, 20)
+        b = node(tmp_path, "b", server2.url)
+        assert [g.data for g in b.get_many([b"k%d" % i for i in range(10)], namespace="m")] == \
+            [b"v%d" % i for i in range(10)]
+        a.close()
+        b.close()
+    finally:
+        server2.stop()
+
+
+def test_tls_with_a_ca_file(tmp_path, monkeypatch):
+    from tierstore.bench.servers import self_signed
+
+    cert, key = self_signed(tmp_path)
+    s = RedisServer(tmp_path, tls=(cert, key)).start()
+    try:
+        monkeypatch.setenv("TIERSTORE_REMOTE_CA", cert)
+        a, b = node(tmp_path, "a", s.url), node(tmp_path, "b", s.url)
+        assert s.url.startswith("rediss://")
+        a.put(b"k", tierstore.KVCache(kv(7)), namespace="m")
+        assert np.array_equal(b.get(b"k", namespace="m").data, kv(7))
+        assert remote_of(a)["errors"] == 0
+        a.close()
+        b.close()
+        monkeypatch.delenv("TIERSTORE_REMOTE_CA")  # an unknown certificate: refused, local only
+        c = node(tmp_path, "c", s.url, remote_timeout=0.5)
+        c.put(b"x", tierstore.Blob(b"y"), namespace="m")
+        assert remote_of(c)["errors"] >= 1 and c.get(b"x", namespace="m").data == b"y"
+        c.close()
+    finally:
+        s.stop()
+
+
+def test_scattered_layers_travel_as_one_record(tmp_path, server):
+    """``KVCache.from_layers`` (an extent of two pieces per layer, as the LMCache plugin writes)."""
+    import torch
+
+    x = torch.from_numpy(kv(9))
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put_many([(b"c", tierstore.KVCache.from_layers([(x[i, 0], x[i, 1]) for i in range(x.shape[0])]))],
+               namespace="m")
+    assert remote_of(a)["puts"] == 1 and remote_of(a)["errors"] == 0
+    assert torch.equal(b.get(b"c", namespace="m").data, x)
+    a.close()
+    b.close()
+
+
+def test_a_delete_waiting_to_be_sent_is_the_local_answer(tmp_path, server):
+    """write-back: until the tombstone reaches the server, reads on this node see the delete."""
+    a = node(tmp_path, "a", server.url)
+    for i in range(20):
+        a.put(b"k%d" % i, tierstore.Blob(b"v"), namespace="m")
+    a.close()
+    w = node(tmp_path, "a", server.url, remote_policy="write-back")
+    server.pause()  # nothing reaches the server meanwhile
+    try:
+        for i in range(20):
+            assert w.delete(b"k%d" % i, namespace="m")
+        server.resume()
+        for i in range(20):
+            with pytest.raises(tierstore.NotFound):
+                w.get(b"k%d" % i, namespace="m")
+            assert not w.contains(b"k%d" % i, namespace="m")
+        assert w.keys(namespace="m") == []
+        wait_for(lambda: remote_of(w)["tombstones"] == 20)
+        b = node(tmp_path, "b", server.url)
+        assert b.get_many([b"k%d" % i for i in range(20)], namespace="m") == [None] * 20
+        b.close()
+    finally:
+        server.resume()
+    w.close()
+
+
+def test_many_deletes_in_write_back_save_remote_safely(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_policy="write-back")
+    for i in range(50):
+        a.put(b"k%d" % i, tierstore.Blob(b"v"), namespace="m")
+    wait_for(lambda: remote_of(a)["queue_length"] == 0)
+    for i in range(50):
+        assert a.delete(b"k%d" % i, namespace="m")  # REMOTE is rewritten by this thread and the sender's
+    wait_for(lambda: remote_of(a)["tombstones"] == 50)
+    a.close()
+    state = json.loads((tmp_path / "a" / fmt.REMOTE_FILE).read_text())
+    assert state["tombstones"] == [] and state["dirty"] is False
+
+
+def test_a_password_with_slashes_is_never_echoed():
+    with pytest.raises(tierstore.InvalidObject) as e:
+        parse_url("redis://user:pa/ss,w@h:notaport/0")
+    assert "pa/ss" not in str(e.value) and "ss,w" not in str(e.value)
+    t = parse_url("redis://user:pa%2Fss@h:1/0")
+    assert t.password == "pa/ss" and t.hosts == (("h", 1),)
+    t = parse_url("redis://user:pa/ss@h:1/0")
+    assert t.password == "pa/ss" and t.hosts == (("h", 1),)

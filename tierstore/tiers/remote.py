@@ -1,0 +1,921 @@
+"""The remote tier: stored records on a Redis or Valkey server (standalone or Redis Cluster),
+shared by every store ("node") that names the same server (SPEC.md §14).
+
+It owns the remote layout (key names, the value envelope, the compare-and-set of versions),
+the client, its failures and the push queue.  Failures never leave this module as exceptions
+on the read path: they become counted misses (``RemoteDown`` to the caller, which then serves
+what it has locally).  It never opens a segment or the index: the handle gives it records to
+send and ``load`` (the current local record of a key) for the queue, and reads what it fetches.
+
+Versions: every object version has one, ``(stamp, origin)``: a hybrid clock in Unix
+nanoseconds and the uuid of the store that wrote it, ordered as a tuple.  The server keeps the
+newest: a put or a tombstone is applied by a script that compares versions (§14.3), so a late
+or repeated send never replaces a newer value and never resurrects a deleted one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from ..errors import CorruptionError, InvalidObject, TierstoreError
+from ..format import constants as fmt
+from ..format import record as rec
+
+_log = logging.getLogger("tierstore.remote")
+
+POLICIES = ("write-through", "write-back", "read-only")
+SCHEMES = {"redis": False, "rediss": False, "valkey": False, "valkeys": False,
+           "redis+cluster": True, "rediss+cluster": True, "valkey+cluster": True, "valkeys+cluster": True}
+ENV_USER, ENV_PASSWORD = "TIERSTORE_REMOTE_USER", "TIERSTORE_REMOTE_PASSWORD"
+LATENCY_SAMPLES = 4096
+QUEUE_DEFAULT = 65536  # pushes waiting for the remote (keys, not bytes: the bytes stay in the log)
+HEADER_GUESS = 2048  # a ranged read fetches this much of the record first (a 64-layer KV header fits)
+UNVERSIONED = (0, bytes(16))  # objects written before the store had a remote
+
+# Compare-and-set (SPEC.md §14.3).  KEYS[1] the object's key, KEYS[2] a staged value (a put);
+# ARGV[1] the new envelope (48 bytes).  Byte-wise version comparison: no locale-dependent
+# string comparison.  Returns 1 (applied), 0 (the server holds this or a newer version),
+# -1 (the staged value is gone: expired or evicted before the swap).
+CAS_SCRIPT = """
+local cur = redis.call('GETRANGE', KEYS[1], 0, 47)
+local new = ARGV[1]
+if #cur == 48 and string.sub(cur, 1, 4) == 'TSRV' then
+  local newer = false
+  for i = 9, 32 do
+    local a, b = string.byte(new, i), string.byte(cur, i)
+    if a ~= b then newer = a > b; break end
+  end
+  if not newer then
+    if #KEYS == 2 then redis.call('DEL', KEYS[2]) end
+    return 0
+  end
+end
+if #KEYS == 2 then
+  if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+  redis.call('RENAME', KEYS[2], KEYS[1])
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('SET', KEYS[1], new)
+end
+return 1
+"""
+STAGE_TTL_MS = 60_000  # a staged value a dead client left behind expires
+
+
+class RemoteDown(Exception):
+    """The remote did not answer (or refused): the caller degrades to local-only.  Internal to
+    the handle and this module; never raised to users."""
+
+
+class Version(NamedTuple):
+    """An object version: ordered by stamp, then origin."""
+
+    stamp: int
+    origin: bytes
+
+
+class Remote(NamedTuple):
+    """What the server holds for a key: a version and whether it is a tombstone."""
+
+    version: Version
+    tombstone: bool
+    record_len: int
+
+
+# -- URLs and credentials --------------------------------------------------------------------
+
+class Target(NamedTuple):
+    cluster: bool
+    tls: bool
+    hosts: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None
+    shown: str  # the URL without credentials (errors, logs, stats)
+
+
+def parse_url(url: str) -> Target:
+    """``redis://[user:password@]host:port/db``, ``rediss://`` (TLS), ``valkey://``, and
+    ``redis+cluster://h1:p1,h2:p2`` (a Redis Cluster; db 0).  The password may instead come from
+    TIERSTORE_REMOTE_PASSWORD (and the user from TIERSTORE_REMOTE_USER)."""
+    if not isinstance(url, str):
+        raise InvalidObject(f"remote= is a URL string like 'redis://host:6379/0', got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise InvalidObject(f"remote=: unsupported URL scheme {scheme!r}",
+                            hint="use redis://, rediss:// (TLS), valkey://, or redis+cluster://h1:p1,h2:p2")
+    scheme = scheme.lower()
+    cluster, tls = SCHEMES[scheme], scheme.split("+")[0] in ("rediss", "valkeys")
+    userinfo, at, hostpath = rest.rpartition("@")  # credentials first: they may hold '/' or ','
+    hostpart, _, path = hostpath.partition("/")
+    path = path.split("?")[0]
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(pw) if colon else None
+        if not colon:  # redis://password@host is how some clients spell a bare password
+            username, password = None, urllib.parse.unquote(user)
+    password = password or os.environ.get(ENV_PASSWORD) or None
+    username = username or os.environ.get(ENV_USER) or None
+    hosts = []
+    for part in hostpart.split(","):
+        host, colon, port = part.strip().rpartition(":")
+        if not colon:
+            host, port = part.strip(), "6379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidObject(f"remote=: bad host:port {part!r} in {scheme}://{hostpart}")
+        hosts.append((host, int(port)))
+    if len(hosts) > 1 and not cluster:
+        raise InvalidObject("remote=: several hosts need a cluster URL", hint=f"{scheme}+cluster://{hostpart}")
+    db = 0
+    if path:
+        if not path.isdigit():
+            raise InvalidObject(f"remote=: the database is a number, got {path!r}")
+        db = int(path)
+        if cluster and db:
+            raise InvalidObject("remote=: a Redis Cluster has only database 0")
+    shown = f"{scheme}://{','.join(f'{h}:{p}' for h, p in hosts)}" + (f"/{db}" if db else "")
+    return Target(cluster, tls, tuple(hosts), db, username, password, shown)
+
+
+def remote_key(ns: bytes, k: bytes) -> bytes:
+    """The server key of (namespace, key): ts1:<ns hex>:{<key hex>} (SPEC.md §14.1)."""
+    return b"%s%s:{%s}" % (fmt.REMOTE_PREFIX, ns.hex().encode(), k.hex().encode())
+
+
+def namespace_pattern(ns: bytes) -> bytes:
+    return b"%s%s:{*}" % (fmt.REMOTE_PREFIX, ns.hex().encode())
+
+
+def parse_remote_key(name: bytes) -> tuple[bytes, bytes] | None:
+    """(namespace, key) of a server key of the layout, or None."""
+    if not name.startswith(fmt.REMOTE_PREFIX) or not name.endswith(b"}"):
+        return None
+    body = name[len(fmt.REMOTE_PREFIX):-1]
+    ns_hex, sep, key_hex = body.partition(b":{")
+    try:
+        return bytes.fromhex(ns_hex.decode()), bytes.fromhex(key_hex.decode())
+    except ValueError:
+        return None
+
+
+# -- values ------------------------------------------------------------------------------------
+
+def envelope(version: Version, record_len: int, tombstone: bool = False) -> bytes:
+    """The 48-byte envelope that starts every value (SPEC.md §14.2)."""
+    body = fmt.REMOTE_ENVELOPE.pack(fmt.REMOTE_MAGIC, fmt.REMOTE_LAYOUT,
+                                    fmt.REMOTE_FLAG_TOMBSTONE if tombstone else 0, 0, version.stamp,
+                                    version.origin, record_len, 0, 0)
+    crc = rec.crc32c(body[:fmt.REMOTE_ENVELOPE_CRC_OFFSET])
+    return body[:fmt.REMOTE_ENVELOPE_CRC_OFFSET] + crc.to_bytes(4, "big")
+
+
+def parse_envelope(b: bytes) -> Remote:
+    """Check and decode an envelope; CorruptionError if it is not one."""
+    if len(b) < fmt.REMOTE_ENVELOPE.size:
+        raise CorruptionError(f"remote value of {len(b)} bytes: shorter than its envelope")
+    magic, layout, flags, reserved, stamp, origin, record_len, reserved2, crc = \
+        fmt.REMOTE_ENVELOPE.unpack_from(b, 0)
+    if magic != fmt.REMOTE_MAGIC:
+        raise CorruptionError("remote value: bad magic (not written by tierstore)")
+    if rec.crc32c(memoryview(b)[:fmt.REMOTE_ENVELOPE_CRC_OFFSET]) != crc:
+        raise CorruptionError("remote value: envelope checksum mismatch")
+    if layout != fmt.REMOTE_LAYOUT:
+        raise CorruptionError(f"remote value: layout {layout} (this reader knows {fmt.REMOTE_LAYOUT})")
+    if flags & ~fmt.REMOTE_FLAGS_KNOWN or reserved or reserved2:
+        raise CorruptionError("remote value: unknown flags or non-zero reserved fields")
+    tomb = bool(flags & fmt.REMOTE_FLAG_TOMBSTONE)
+    if tomb and record_len:
+        raise CorruptionError("remote value: a tombstone with a record length")
+    return Remote(Version(stamp, origin), tomb, record_len)
+
+
+def version_of(hdr: rec.RecordHeader) -> Version:
+    """The version a PUT record carries (meta ``version``), or UNVERSIONED."""
+    v = hdr.meta.get(fmt.META_VERSION)
+    if (type(v) is list and len(v) == 2 and type(v[0]) is int and 0 < v[0] < 1 << 64
+            and type(v[1]) is bytes and len(v[1]) == 16):
+        return Version(v[0], v[1])
+    return Version(*UNVERSIONED)
+
+
+def check_fetched(ns: bytes, k: bytes, value: Any, *, full: bool = True) -> tuple[Remote, rec.RecordHeader]:
+    """Validate a fetched value (or, without ``full``, its envelope and header only): the
+    envelope, the record header (SPEC.md §4.4), that the record is this key's, that its version
+    is the envelope's and (``full``) every extent checksum.  CorruptionError otherwise."""
+    env = parse_envelope(bytes(value[:fmt.REMOTE_ENVELOPE.size]))
+    if env.tombstone:
+        if len(value) != fmt.REMOTE_ENVELOPE.size:
+            raise CorruptionError("remote value: a tombstone with a body")
+        return env, None  # type: ignore[return-value]
+    view = memoryview(value)[fmt.REMOTE_ENVELOPE.size:]
+    if full and len(view) != env.record_len:
+        raise CorruptionError(f"remote value truncated or padded: {len(view)} record bytes, envelope says "
+                              f"{env.record_len}")
+    hdr = rec.decode_header(view)
+    if hdr.type != fmt.REC_PUT or hdr.namespace != ns or hdr.key != k:
+        raise CorruptionError("remote value belongs to another key")
+    if hdr.record_len != env.record_len or version_of(hdr) != env.version:
+        raise CorruptionError("remote value: the record's version or length is not the envelope's")
+    if full:
+        for off, n, crc in zip(hdr.offsets, hdr.extent_lengths, hdr.extent_crcs):
+            if rec.crc32c(view[off:off + n]) != crc:
+                raise CorruptionError("remote value: extent checksum mismatch")
+    return env, hdr
+
+
+class BufferReader:
+    """An ExtentReader (format/block.py) over a fetched record: extents are views of it, with
+    their checksums verified when the value was fetched (``check_fetched``)."""
+
+    def __init__(self, hdr: rec.RecordHeader, value: Any, base: int = fmt.REMOTE_ENVELOPE.size,
+                 extents: dict[int, memoryview] | None = None) -> None:
+        self.hdr = hdr
+        view = memoryview(value)
+        self.extents = extents if extents is not None else {
+            i: view[base + off:base + off + n] for i, (off, n) in enumerate(zip(hdr.offsets, hdr.extent_lengths))}
+
+    def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
+        for i, dest in wanted:
+            dest[:] = self.extents[i]
+
+    def read_bytes(self, index: int) -> bytes:
+        return bytes(self.extents[index])
+
+    def record(self) -> rec.EncodedRecord:
+        """The fetched record as one to append to the local log (its header is restamped there)."""
+        return rec.EncodedRecord(self.hdr, tuple(self.extents[i] for i in range(len(self.hdr.extent_lengths))))
+
+
+# -- the clock -------------------------------------------------------------------------------
+
+class Clock:
+    """A hybrid clock: Unix nanoseconds, strictly increasing within the process."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1)
+            return self._last
+
+    @property
+    def last(self) -> int:
+        return self._last
+
+    def seen(self, stamp: int) -> None:
+        """Another node's version was seen: later stamps of this process exceed it (so an
+        overwrite is newer than what it overwrote, whatever the clocks' skew)."""
+        with self._lock:
+            self._last = max(self._last, stamp)
+
+
+# -- the client ------------------------------------------------------------------------------
+
+def connect(target: Target, timeout: float, connect_timeout: float) -> Any:
+    """A redis-py client for ``target`` (redis.Redis or redis.cluster.RedisCluster)."""
+    try:
+        import redis
+    except ImportError:
+        raise InvalidObject("remote= needs redis-py, which is not installed",
+                            hint="pip install 'tierstore[remote]'") from None
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    # no retries inside the client: a failure marks the tier down for retry_s (RemoteTier._call)
+    common = {"username": target.username, "password": target.password, "socket_timeout": timeout,
+              "socket_connect_timeout": connect_timeout, "retry": Retry(NoBackoff(), 0)}
+    if target.tls:
+        common["ssl"] = True
+        ca = os.environ.get("TIERSTORE_REMOTE_CA")
+        if ca:
+            common["ssl_ca_certs"] = ca
+    if target.cluster:
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], **common)
+    host, port = target.hosts[0]
+    return redis.Redis(host=host, port=port, db=target.db, **common)
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    """What redis-py raises when a server fails: its errors, the cluster client's (which do not
+    derive from RedisError), and socket errors."""
+    try:
+        import redis
+    except ImportError:
+        raise InvalidObject("remote= needs redis-py, which is not installed",
+                            hint="pip install 'tierstore[remote]'") from None
+    return (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+class RemoteTier:
+    """The remote tier of one handle.  Thread-safe (redis-py clients are).
+
+    Every call either answers or raises ``RemoteDown`` after counting the failure; after a
+    failure the tier stays *down* (answers ``RemoteDown`` at once, without a round trip) for
+    ``retry_s``, so a dead server costs one timeout, not one per call.
+    """
+
+    def __init__(self, url: str, *, origin: bytes, policy: str = "write-through", timeout: float = 2.0,
+                 connect_timeout: float = 1.0, retry_s: float = 1.0, queue: int = QUEUE_DEFAULT,
+                 state_path: str | None = None) -> None:
+        if policy not in POLICIES:
+            raise InvalidObject(f"remote_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        for name, value in (("remote_timeout", timeout), ("remote_connect_timeout", connect_timeout),
+                            ("remote_retry_s", retry_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidObject(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+            raise InvalidObject(f"remote_queue must be a positive number of keys, got {queue!r}")
+        self.target = parse_url(url)
+        self.url = self.target.shown
+        self.policy = policy
+        self.origin = origin
+        self.retry_s, self.timeout, self.connect_timeout = retry_s, timeout, connect_timeout
+        self.clock = Clock()
+        self.counters = {"hits": 0, "misses": 0, "stale": 0, "bad_values": 0, "bytes_in": 0, "bytes_out": 0,
+                         "puts": 0, "put_conflicts": 0, "tombstones": 0, "errors": 0, "full": 0, "skipped": 0,
+                         "queued": 0, "queue_dropped": 0, "resent": 0}
+        self._latency: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
+        self._down_until = 0.0
+        self._down_logged = False
+        self._bad_logged: set[bytes] = set()
+        self._errors = _redis_errors()
+        self._client: Any = None  # connected on first use: a server down at open is a failure counted
+        self._cas: Any = None
+        self._connect_lock = threading.Lock()
+        self.queue = PushQueue(self, queue, state_path)
+        self.clock.seen(self.queue.pushed_to)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    @property
+    def writes(self) -> bool:
+        return self.policy != "read-only"
+
+    @property
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    @property
+    def down_for(self) -> float:
+        """Seconds until the next try, when down."""
+        return self._down_until - time.monotonic()
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, connected on first use (a cluster client reads the slot map then)."""
+        if self._client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    client = connect(self.target, self.timeout, self.connect_timeout)
+                    self._cas = client.register_script(CAS_SCRIPT)
+                    self._client = client
+        return self._client
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.down:
+            self.counters["skipped"] += 1
+            raise RemoteDown("remote marked down")
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        except self._errors as e:
+            self._failed(e)
+            raise RemoteDown(self._scrub(str(e))) from None
+        self._latency.append((time.perf_counter() - t0) * 1e3)
+        if self._down_logged:
+            _log.warning("remote %s answers again", self.url)
+            self._down_logged = False
+        return out
+
+    def _scrub(self, text: str) -> str:
+        pw = self.target.password
+        return text.replace(pw, "***") if pw else text
+
+    def _failed(self, e: BaseException) -> None:
+        import redis
+
+        text = self._scrub(str(e))
+        if "OOM" in text or "maxmemory" in text:
+            self.counters["full"] += 1  # a full server (noeviction): an error counted, not down
+            if not self._down_logged:
+                _log.warning("remote %s is full: %s", self.url, text)
+            return
+        if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type):
+            self.counters["errors"] += 1  # counted; the server itself answers, so it is not down
+            return
+        self.counters["errors"] += 1
+        self._down_until = time.monotonic() + self.retry_s
+        if not self._down_logged:
+            _log.warning("remote %s unavailable (%s: %s); serving local data only, retrying every %.1f s",
+                         self.url, type(e).__name__, text, self.retry_s)
+            self._down_logged = True
+
+    def bad_value(self, name: bytes, why: str) -> None:
+        """A value that failed its checks: a miss, counted, logged once per key."""
+        self.counters["bad_values"] += 1
+        if name not in self._bad_logged and len(self._bad_logged) < 10_000:
+            self._bad_logged.add(name)
+            _log.warning("remote %s: ignoring damaged value of %r: %s", self.url, name, why)
+
+    def close(self, drain_s: float = 5.0) -> None:
+        """Send what the queue holds (for at most ``drain_s``), save its state, disconnect."""
+        try:
+            self.queue.close(drain_s)
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def stats(self) -> dict[str, Any]:
+        lat = sorted(self._latency)
+
+        def pct(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None
+
+        return {"url": self.url, "policy": self.policy, "down": self.down, **self.counters,
+                "queue_length": len(self.queue), "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99)}
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def state(self, ns: bytes, k: bytes) -> Remote | None:
+        """What the server holds for the key (its envelope), None if nothing (or a damaged value)."""
+        name = remote_key(ns, k)
+        head = self._call(lambda: self.client.getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1))
+        return self._envelope(name, head)
+
+    def states(self, ns: bytes, ks: Sequence[bytes]) -> list[Remote | None]:
+        """``state`` of many keys with one pipeline."""
+        if not ks:
+            return []
+        names = [remote_key(ns, k) for k in ks]
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1)
+            return pipe.execute()
+
+        return [self._envelope(name, head) for name, head in zip(names, self._call(run))]
+
+    def _envelope(self, name: bytes, head: bytes) -> Remote | None:
+        if not head:
+            return None
+        try:
+            env = parse_envelope(head)
+        except CorruptionError as e:
+            self.bad_value(name, e.message)
+            return None
+        self.clock.seen(env.version.stamp)
+        return env
+
+    def fetch(self, ns: bytes, k: bytes) -> tuple[Remote, BufferReader | None] | None:
+        """The key's value, checked (``check_fetched``): (state, reader over the record; None for a
+        tombstone), or None when the server holds nothing usable (a miss, counted)."""
+        name = remote_key(ns, k)
+        value = self._call(lambda: self.client.get(name))
+        if value is None:
+            self.counters["misses"] += 1
+            return None
+        self.counters["bytes_in"] += len(value)
+        try:
+            env, hdr = check_fetched(ns, k, value)
+        except CorruptionError as e:
+            self.bad_value(name, e.message)
+            self.counters["misses"] += 1
+            return None
+        self.clock.seen(env.version.stamp)
+        if env.tombstone:
+            self.counters["misses"] += 1
+            return env, None
+        self.counters["hits"] += 1
+        return env, BufferReader(hdr, value)
+
+    def fetch_extents(self, ns: bytes, k: bytes, wanted: Callable[[rec.RecordHeader], list[int]]
+                      ) -> tuple[Remote, BufferReader | None] | None:
+        """Like ``fetch``, but only the extents ``wanted(header)`` names: ranged reads of the
+        value (the envelope and header first, then one range per run of wanted extents)."""
+        name = remote_key(ns, k)
+        size = fmt.REMOTE_ENVELOPE.size
+        head = self._call(lambda: self.client.getrange(name, 0, size + HEADER_GUESS - 1))
+        if not head:
+            self.counters["misses"] += 1
+            return None
+        self.counters["bytes_in"] += len(head)
+        try:
+            env = parse_envelope(head)
+            if env.tombstone:
+                self.counters["misses"] += 1
+                return env, None
+            hdr_len = int.from_bytes(head[size + 12:size + 16], "little") if len(head) >= size + 16 else 0
+            if size + hdr_len > len(head) and hdr_len <= fmt.HEADER_MAX_BYTES:
+                start = len(head)
+                more = self._call(lambda: self.client.getrange(name, start, size + hdr_len - 1))
+                self.counters["bytes_in"] += len(more)
+                head += more
+            _, hdr = check_fetched(ns, k, head, full=False)
+            want = wanted(hdr)
+            runs: list[list[int]] = []
+            for i in want:
+                if runs and runs[-1][-1] == i - 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+
+            def ranges() -> list[bytes]:
+                pipe = self.client.pipeline(transaction=False)
+                for run in runs:
+                    lo = size + hdr.offsets[run[0]]
+                    pipe.getrange(name, lo, size + hdr.offsets[run[-1]] + hdr.extent_lengths[run[-1]] - 1)
+                return pipe.execute()
+
+            parts = self._call(ranges)
+            extents = {}
+            for run, part in zip(runs, parts):
+                self.counters["bytes_in"] += len(part)
+                base = hdr.offsets[run[0]]
+                view = memoryview(part)
+                for i in run:
+                    ext = view[hdr.offsets[i] - base:hdr.offsets[i] - base + hdr.extent_lengths[i]]
+                    if len(ext) != hdr.extent_lengths[i] or rec.crc32c(ext) != hdr.extent_crcs[i]:
+                        raise CorruptionError("remote value: extent truncated or checksum mismatch")
+                    extents[i] = ext
+        except CorruptionError as e:
+            self.bad_value(name, e.message)
+            self.counters["misses"] += 1
+            return None
+        if want:  # a header alone (``info``) is not a hit
+            self.counters["hits"] += 1
+        return env, BufferReader(hdr, b"", extents=extents)
+
+    def scan(self, ns: bytes | None = None, count: int = 1000) -> Iterator[bytes]:
+        """Server keys of the layout (of one namespace, or all), over every cluster master."""
+        pattern = namespace_pattern(ns) if ns is not None else fmt.REMOTE_PREFIX + b"*"
+        for name in self.client.scan_iter(match=pattern, count=count):
+            name = name if isinstance(name, bytes) else name.encode()
+            if parse_remote_key(name) is not None:
+                yield name
+
+    def verify(self, ns: bytes | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Check every value of the layout (of namespace ``ns``, or all) on the server: envelope,
+        record header, that it is its key's, every extent checksum (``tierstore fsck --remote``).
+        Raises RemoteDown if the server does not answer."""
+        report: dict[str, Any] = {"remote": self.url, "values": 0, "tombstones": 0, "bytes": 0, "damaged": []}
+        for name in self._call(lambda: list(self.scan(ns))):
+            value = self._call(lambda name=name: self.client.get(name))
+            if value is None:  # deleted or evicted since the scan
+                continue
+            parsed = parse_remote_key(name)
+            assert parsed is not None
+            try:
+                env, _ = check_fetched(parsed[0], parsed[1], value)
+            except CorruptionError as e:
+                report["damaged"].append({"key": name.decode("ascii", "replace"), "why": e.message})
+                continue
+            finally:
+                report["bytes"] += len(value)
+                if progress is not None:
+                    progress(len(value))
+            report["tombstones" if env.tombstone else "values"] += 1
+        report["ok"] = not report["damaged"]
+        return report
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def push(self, record: rec.EncodedRecord, version: Version) -> bool:
+        """Send a PUT record; True if the server now holds it, False if it holds a newer (or this)
+        version.  The value is staged under a key of the same hash slot and swapped in by the
+        compare-and-set script: a reader never sees half a value."""
+        hdr = record.header
+        name = remote_key(hdr.namespace, hdr.key)
+        stage = b"%s:w:%s:%d" % (name, version.origin.hex().encode(), version.stamp)
+        env = envelope(version, hdr.record_len)
+        total = len(env) + hdr.record_len
+
+        def run() -> int:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.setrange(stage, total - 1, b"\0")  # one allocation of the whole value, zeroed
+            pipe.pexpire(stage, STAGE_TTL_MS)  # at once: a client dying mid-upload leaves nothing for long
+            pos = 0
+            for buf in [env, *record.iovecs()]:
+                view = rec.byte_view(buf)  # redis-py sizes a value by len(): flat bytes, not an array view
+                pipe.setrange(stage, pos, view)
+                pos += view.nbytes
+            pipe.execute()
+            return int(self._cas(keys=[name, stage], args=[env]))
+
+        out = self._call(run)
+        if out == -1:
+            raise RemoteDown("the staged value vanished before it was swapped in (server evicting)")
+        self.counters["bytes_out"] += total
+        self.counters["puts" if out == 1 else "put_conflicts"] += 1
+        return out == 1
+
+    def tombstone(self, ns: bytes, k: bytes, version: Version) -> bool:
+        """Mark the key deleted at ``version`` (unless the server holds a newer version)."""
+        env = envelope(version, 0, tombstone=True)
+
+        def run() -> int:
+            client = self.client  # connects (and registers the script) on first use
+            return int(self._cas(keys=[remote_key(ns, k)], args=[env], client=client))
+
+        out = self._call(run)
+        self.counters["tombstones" if out == 1 else "put_conflicts"] += 1
+        return out == 1
+
+
+def write_state(path: str, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data`` atomically and durably (write, fsync, rename,
+    fsync the directory)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# -- the push queue ----------------------------------------------------------------------------
+
+class PushQueue:
+    """Keys whose newest local version the remote has not been sent (write-back puts, and any
+    push or tombstone that failed), sent by one thread.  Bounded by ``limit`` keys: past it the
+    oldest are dropped from memory, and a *sweep* re-sends from the local log everything newer
+    than ``pushed_to`` once the remote answers again.
+
+    ``pushed_to`` (saved in REMOTE, SPEC.md §14.5) is a stamp: every put of this store with an
+    older stamp has reached the server.  After a crash, a sweep of the local objects newer
+    than it re-sends what may be missing; tombstones not yet sent are saved in REMOTE itself
+    (a delete leaves nothing in the log to re-send them from).  Stamps are issued here
+    (``issue``) so that none is between the clock and the pending set when ``pushed_to`` moves.
+    """
+
+    def __init__(self, tier: RemoteTier, limit: int, state_path: str | None) -> None:
+        self.tier, self.limit, self.state_path = tier, limit, state_path
+        self._items: collections.OrderedDict[tuple[bytes, bytes], Version] = collections.OrderedDict()
+        self._tombs: dict[tuple[bytes, bytes], Version] = {}
+        self._pending: collections.Counter[int] = collections.Counter()  # stamps issued, not yet sent
+        self._cv = threading.Condition()
+        self._save_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.load: Callable[[bytes, bytes], tuple[rec.EncodedRecord, Version] | None] | None = None
+        self.sweep_source: Callable[[], Iterator[tuple[bytes, bytes, Version]]] | None = None
+        self.pushed_to = 0
+        self.sweep_needed = False
+        self.sweeping = False
+        self._saved: tuple[Any, ...] | None = None
+        self.failing = False  # the last send failed
+        if state_path is not None:
+            self._read_state()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _read_state(self) -> None:
+        try:
+            with open(self.state_path, "rb") as f:  # type: ignore[arg-type]
+                state = json.loads(f.read())
+            self.pushed_to = int(state.get("pushed_to", 0))
+            for ns_hex, key_hex, stamp, origin_hex in state.get("tombstones", []):
+                self._tombs[(bytes.fromhex(ns_hex), bytes.fromhex(key_hex))] = Version(int(stamp),
+                                                                                      bytes.fromhex(origin_hex))
+            # another server than last time: it may lack everything (remote_sync sends the rest)
+            self.sweep_needed = bool(state.get("dirty", True)) or state.get("remote") != self.tier.url
+        except FileNotFoundError:
+            self.sweep_needed = True  # never synced with a remote from this store: sweep once
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            _log.warning("%s unreadable (%s): re-sending every local object the remote lacks", self.state_path, e)
+            self.sweep_needed = True
+
+    def start(self) -> None:
+        """Begin sending what an earlier run left (once ``load`` and ``sweep_source`` are set)."""
+        if self._tombs or self.sweep_needed:
+            self._wake()
+
+    def save(self, *, clean: bool = False) -> None:
+        """Write REMOTE (atomically, one writer at a time): ``pushed_to``, the tombstones not yet
+        sent, and whether a sweep is still owed."""
+        if self.state_path is None:
+            return
+        with self._save_lock:
+            with self._cv:
+                behind = self.sweep_needed or self.sweeping
+                if not behind:
+                    pushed = (min(self._pending) - 1) if self._pending else self.tier.clock.last
+                    self.pushed_to = max(self.pushed_to, pushed)
+                dirty = behind or bool(self._items) or not clean
+                tombs = [[ns.hex(), k.hex(), v.stamp, v.origin.hex()] for (ns, k), v in self._tombs.items()]
+                state = {"layout": fmt.REMOTE_LAYOUT, "remote": self.tier.url, "pushed_to": self.pushed_to,
+                         "dirty": dirty, "tombstones": tombs}
+            key = (state["pushed_to"], json.dumps(tombs), dirty)
+            if key == self._saved:
+                return
+            write_state(self.state_path, json.dumps(state).encode())
+            self._saved = key
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def issue(self) -> int:
+        """A stamp for a put about to be written; ``pushed_to`` stays below it until ``sent``."""
+        with self._cv:
+            stamp = self.tier.clock.next()
+            self._pending[stamp] += 1
+            return stamp
+
+    def _release(self, stamp: int) -> None:
+        if stamp:
+            self._pending[stamp] -= 1
+            if self._pending[stamp] <= 0:
+                del self._pending[stamp]
+
+    def sent(self, stamp: int) -> None:
+        """The put with this stamp reached the server (or will never be sent: it failed locally)."""
+        with self._cv:
+            self._release(stamp)
+
+    def add(self, ns: bytes, k: bytes, stamp: int) -> None:
+        """Queue the key's newest local version (``stamp`` stays pending until it is sent)."""
+        with self._cv:
+            key = (ns, k)
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._release(old.stamp)  # superseded by the newer put
+            self._items[key] = Version(stamp, b"")
+            self.tier.counters["queued"] += 1
+            while len(self._items) > self.limit:
+                _, dropped = self._items.popitem(last=False)
+                self._release(dropped.stamp)
+                self.tier.counters["queue_dropped"] += 1
+                self.sweep_needed = True
+            self._wake_locked()
+
+    def add_tombstone(self, ns: bytes, k: bytes, version: Version) -> None:
+        with self._cv:
+            self._tombs[(ns, k)] = version
+            old = self._items.pop((ns, k), None)
+            if old is not None:
+                self._release(old.stamp)
+        self.save()  # survives a crash: a delete leaves nothing the log could re-send
+        self._wake()
+
+    def tombstone_of(self, ns: bytes, k: bytes) -> Version | None:
+        """The version of a delete of the key not yet sent, if any (reads treat it as local)."""
+        return self._tombs.get((ns, k))
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._thread is None and not self._stopping:
+            self._thread = threading.Thread(target=self._run, name="tierstore-remote-push", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    # -- the sender ----------------------------------------------------------------------------
+
+    def _work_left(self) -> bool:
+        return bool(self._items or self._tombs or self.sweeping
+                    or (self.sweep_needed and self.sweep_source is not None))
+
+    def _run(self) -> None:
+        tier = self.tier
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._work_left():
+                        self._cv.wait()
+                    if self._stopping:  # close() waited for the drain it allows: the rest waits in REMOTE
+                        return
+                if tier.down:
+                    with self._cv:
+                        self._cv.wait(max(0.01, tier.down_for))
+                    continue
+                try:
+                    self._step()
+                    self.failing = False
+                except (RemoteDown, TierstoreError, OSError) as e:  # down, refused (a full server), or
+                    if not isinstance(e, RemoteDown):  # the local record unreadable: try again later
+                        _log.warning("remote %s: a send failed: %s", tier.url, e)
+                    with self._cv:
+                        self.failing = True
+                        self._cv.notify_all()
+                        if self._stopping:
+                            return
+                        self._cv.wait(tier.retry_s)
+        finally:
+            with self._cv:
+                self._thread = None  # a later wake starts a new sender
+                self._cv.notify_all()
+
+    def _step(self) -> None:
+        tier = self.tier
+        with self._cv:
+            tomb = next(iter(self._tombs.items()), None)
+            item = None if tomb else next(iter(self._items.items()), None)
+        if tomb is not None:
+            (ns, k), version = tomb
+            tier.tombstone(ns, k, version)
+            with self._cv:
+                if self._tombs.get((ns, k)) == version:
+                    del self._tombs[(ns, k)]
+            self.save()
+            return
+        if item is not None:
+            (ns, k), queued = item
+            self._send(ns, k)
+            with self._cv:
+                if self._items.get((ns, k)) is queued:
+                    del self._items[(ns, k)]
+                    self._release(queued.stamp)
+            if not self._items:
+                self.save()
+            return
+        if self.sweep_needed and self.sweep_source is not None:
+            self.sweep()
+
+    def _send(self, ns: bytes, k: bytes) -> None:
+        assert self.load is not None
+        got = self.load(ns, k)
+        if got is not None:  # None: deleted meanwhile (its tombstone is queued) or not this store's
+            record, version = got
+            self.tier.push(record, version)
+
+    def sweep(self) -> int:
+        """Re-send every local object of this store newer than ``pushed_to`` (compare-and-set
+        makes a repeat harmless); ``pushed_to`` does not move while it runs.  Returns how many
+        were sent."""
+        assert self.sweep_source is not None
+        with self._cv:
+            self.sweep_needed, self.sweeping = False, True
+            floor = self.pushed_to
+        sent = 0
+        try:
+            for ns, k, version in self.sweep_source():
+                if self._stopping:
+                    raise RemoteDown("closing")
+                if version.stamp > floor and version.origin == self.tier.origin:
+                    self._send(ns, k)
+                    sent += 1
+                    self.tier.counters["resent"] += 1
+        except BaseException:
+            with self._cv:
+                self.sweep_needed, self.sweeping = True, False
+            raise
+        with self._cv:
+            self.sweeping = False
+        self.save()
+        return sent
+
+    def close(self, drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        with self._cv:
+            while self._work_left() and self._thread is not None and time.monotonic() < deadline \
+                    and not self.tier.down and not self.failing:
+                self._cv.wait(0.05)
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:  # at most one send in flight, bounded by the client's timeouts
+            thread.join(2 * self.tier.timeout + self.tier.connect_timeout + 1)
+        self.save(clean=True)
+
+
+REMOTE_OPTIONS = ("remote", "remote_policy", "remote_timeout", "remote_connect_timeout", "remote_retry_s",
+                  "remote_queue")
+
+
+def remote_options(options: dict[str, Any]) -> dict[str, Any] | None:
+    """Pop and check the remote tier's options of ``tierstore.open``; None without ``remote=``."""
+    url = options.pop("remote", None)
+    picked = {name: options.pop(name) for name in REMOTE_OPTIONS[1:] if name in options}
+    if url is None:
+        if picked:
+            raise InvalidObject(f"{', '.join(picked)} given without remote= (the server's URL)")
+        return None
+    parse_url(url)  # checked before anything is opened
+    out = {"url": url}
+    for name, value in picked.items():
+        out[{"remote_policy": "policy", "remote_timeout": "timeout", "remote_connect_timeout": "connect_timeout",
+             "remote_retry_s": "retry_s", "remote_queue": "queue"}[name]] = value
+    return out
