@@ -129,3 +129,29 @@ def test_a_damaged_dictionary_is_found_and_its_blobs_are_set_aside(store_path):
     assert report.ok, [f.what for f in report.findings]
     with tierstore.open(store_path) as s:
         assert "doc" not in s.keys() and s.get("plain").data == b"p" * 100
+
+
+def test_a_full_last_segment_still_gets_its_sync_record(store_path):
+    """The last put fills its segment to within a SYNC record's length: the clean close opens the
+    next segment for the SYNC record, so a damaged last record is CorruptionError with the index
+    and without it (it used to be cut as a torn tail when the index was rebuilt)."""
+    seg_bytes = 64 << 10
+    with tierstore.open(store_path, segment_bytes=seg_bytes) as s:
+        s.put("a1", Blob(b"a" * 1000))
+        a = s.info("a1")
+        header = a.stored_bytes - 1000
+        start = -(-(a.offset + a.stored_bytes) // 4096) * 4096  # a synced put ends its page
+        n = seg_bytes - 16 - start - header
+        s.put("b2", Blob(b"b" * n))
+        b = s.info("b2")
+        assert b.segment == a.segment and seg_bytes - 64 < b.offset + b.stored_bytes <= seg_bytes
+    segs = sorted(os.listdir(os.path.join(store_path, "segments")))
+    assert len(segs) == 2  # the second holds the SYNC record alone
+    with open(os.path.join(store_path, "segments", segs[0]), "r+b") as f:
+        f.seek(b.offset + b.stored_bytes - 10)
+        byte = f.read(1)
+        f.seek(b.offset + b.stored_bytes - 10)
+        f.write(bytes([byte[0] ^ 1]))
+    kept = answers(store_path)
+    shutil.rmtree(os.path.join(store_path, "index"))
+    assert answers(store_path) == kept == {"a1": b"aaaaa", "b2": "CorruptionError"}
