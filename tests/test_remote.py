@@ -584,6 +584,7 @@ def test_a_delete_waiting_to_be_sent_is_the_local_answer(tmp_path, server):
     try:
         for i in range(20):
             assert w.delete(b"k%d" % i, namespace="m")
+        assert remote_of(w)["tombstones_pending"] == 20
         server.resume()
         for i in range(20):
             with pytest.raises(tierstore.NotFound):
@@ -620,3 +621,29 @@ def test_a_password_with_slashes_is_never_echoed():
     assert t.password == "pa/ss" and t.hosts == (("h", 1),)
     t = parse_url("redis://user:pa/ss@h:1/0")
     assert t.password == "pa/ss" and t.hosts == (("h", 1),)
+
+
+def test_one_remote_handle_per_store_and_process(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    with pytest.raises(tierstore.InvalidObject) as e:
+        node(tmp_path, "a", server.url)
+    assert "thread-safe" in e.value.hint
+    plain = tierstore.open(str(tmp_path / "a"))  # a handle without remote= shares the engine as before
+    plain.close()
+    a.close()
+    node(tmp_path, "a", server.url).close()  # released with the first
+
+
+def test_a_refused_database_is_logged_and_remote_sync_says_the_server_does_not_answer(tmp_path, server, caplog):
+    from tierstore.cli import main
+
+    with caplog.at_level(logging.WARNING, logger="tierstore.remote"):
+        a = node(tmp_path, "a", f"redis://127.0.0.1:{server.port}/99")  # the server has databases 0-15
+        a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+        assert a.get(b"k", namespace="m").data == b"v"
+        assert remote_of(a)["errors"] >= 1
+        a.close()
+    assert any("DB index" in m for m in caplog.messages)
+    port = server.port
+    server.kill()
+    assert main(["remote-sync", str(tmp_path / "a"), "--remote", f"redis://127.0.0.1:{port}/0"]) == 3

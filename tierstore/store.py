@@ -91,12 +91,20 @@ def cache_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
     return tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
 
 
+_REMOTE_ENGINES: set[int] = set()  # engines (shared by a process's handles on a store) with a remote tier
+_REMOTE_LOCK = threading.Lock()
+
+
 def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None) -> None:
     """Close a handle's tiers and its share of the engine (what ``close`` does); the remote tier
     first, while its queue can still read the log."""
     try:
         if remote is not None:
-            remote.close()
+            try:
+                remote.close()
+            finally:
+                with _REMOTE_LOCK:
+                    _REMOTE_ENGINES.discard(id(engine))
     finally:
         engine.unsubscribe(tiers.invalidate)
         try:
@@ -208,8 +216,19 @@ class Store:
         assert engine.store_uuid is not None
         if self.readonly:
             opts["policy"] = "read-only"  # a read-only handle writes nowhere
-        tier = RemoteTier(opts.pop("url"), origin=engine.store_uuid, **opts,
-                          state_path=None if self.readonly else os.path.join(self.path, fmt.REMOTE_FILE))
+        else:
+            with _REMOTE_LOCK:  # one queue and one REMOTE file per store: one remote handle per process
+                if id(engine) in _REMOTE_ENGINES:
+                    raise InvalidObject(f"{self.path} already has a writable handle with remote= in this process",
+                                        path=self.path, hint="share that handle between threads (it is thread-safe)")
+                _REMOTE_ENGINES.add(id(engine))
+        try:
+            tier = RemoteTier(opts.pop("url"), origin=engine.store_uuid, **opts,
+                              state_path=None if self.readonly else os.path.join(self.path, fmt.REMOTE_FILE))
+        except BaseException:
+            with _REMOTE_LOCK:
+                _REMOTE_ENGINES.discard(id(engine))
+            raise
         tier.queue.load = functools.partial(remote_record, engine, engine.store_uuid)
         tier.queue.sweep_source = functools.partial(local_versions, engine)
         tier.queue.start()
@@ -240,7 +259,8 @@ class Store:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("read-only" if self.readonly else f"durability={self.durability}")
-        return f"<tierstore.Store {self.path!r} {state}>"
+        remote = f" remote={self._remote.url} ({self._remote.policy})" if self._remote is not None else ""
+        return f"<tierstore.Store {self.path!r} {state}{remote}>"
 
     @property
     def closed(self) -> bool:

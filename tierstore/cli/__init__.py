@@ -104,6 +104,9 @@ def cmd_remote_sync(args: argparse.Namespace) -> int:
         finally:
             bar.close()
         counts["remote"] = store.stats()["tiers"]["remote"]["url"]
+    if counts["failed"] and not counts["checked"]:
+        return _fail(args, EXIT_CANNOT_OPEN, f"remote {counts['remote']} does not answer (or refuses every command): "
+                                             "nothing was sent; the warning above says why")
 
     def text() -> None:
         print(f"{args.path} -> {counts['remote']}: {counts['checked']} checked, {counts['sent']} sent, "

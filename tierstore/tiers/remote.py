@@ -110,8 +110,10 @@ def parse_url(url: str) -> Target:
         raise InvalidObject(f"remote= is a URL string like 'redis://host:6379/0', got {type(url).__name__}")
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
-        raise InvalidObject(f"remote=: unsupported URL scheme {scheme!r}",
-                            hint="use redis://, rediss:// (TLS), valkey://, or redis+cluster://h1:p1,h2:p2")
+        shown = scheme.split(":")[0] if not sep else scheme  # never the rest: it may hold a password
+        raise InvalidObject(f"remote=: not a URL of the form scheme://host:port (scheme {shown!r})" if not sep
+                            else f"remote=: unsupported URL scheme {shown!r}",
+                            hint="use redis://host:6379/0, rediss:// (TLS), valkey://, or redis+cluster://h1:p1,h2:p2")
     scheme = scheme.lower()
     cluster, tls = SCHEMES[scheme], scheme.split("+")[0] in ("rediss", "valkeys")
     userinfo, at, hostpath = rest.rpartition("@")  # credentials first: they may hold '/' or ','
@@ -352,6 +354,7 @@ class RemoteTier:
         self._down_until = 0.0
         self._down_logged = False
         self._bad_logged: set[bytes] = set()
+        self._refusals_logged: set[str] = set()
         self._errors = _redis_errors()
         self._client: Any = None  # connected on first use: a server down at open is a failure counted
         self._cas: Any = None
@@ -414,8 +417,12 @@ class RemoteTier:
             if not self._down_logged:
                 _log.warning("remote %s is full: %s", self.url, text)
             return
-        if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type):
-            self.counters["errors"] += 1  # counted; the server itself answers, so it is not down
+        if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type,
+            self.counters["errors"] += 1  # a database out of range): counted and logged once per kind;
+            kind = text.split(" ")[0][:40]  # the server itself answers, so it is not down
+            if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
+                self._refusals_logged.add(kind)
+                _log.warning("remote %s refused a command: %s", self.url, text)
             return
         self.counters["errors"] += 1
         self._down_until = time.monotonic() + self.retry_s
@@ -446,7 +453,8 @@ class RemoteTier:
             return round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None
 
         return {"url": self.url, "policy": self.policy, "down": self.down, **self.counters,
-                "queue_length": len(self.queue), "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99)}
+                "queue_length": len(self.queue), "tombstones_pending": self.queue.tombstones_pending,
+                "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99)}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -777,6 +785,11 @@ class PushQueue:
                 self._release(old.stamp)
         self.save()  # survives a crash: a delete leaves nothing the log could re-send
         self._wake()
+
+    @property
+    def tombstones_pending(self) -> int:
+        """Deletes not yet sent (kept in REMOTE)."""
+        return len(self._tombs)
 
     def tombstone_of(self, ns: bytes, k: bytes) -> Version | None:
         """The version of a delete of the key not yet sent, if any (reads treat it as local)."""
