@@ -467,13 +467,9 @@ class Store:
         """Deletes of keys this store does not hold: a tombstone for each one the remote holds
         (deletes propagate whoever stored the object).  Per key, whether there was one."""
         remote = self._remote
-        if remote is None or not remote.writes or not ks:
+        if remote is None or not remote.writes:
             return [False] * len(ks)
-        try:
-            states = remote.states(ns, ks)
-        except RemoteDown:
-            return [False] * len(ks)
-        found = [st is not None and not st.tombstone for st in states]
+        found = self._remote_has(ns, ks)
         self._remote_deleted(ns, [k for k, f in zip(ks, found) if f])
         return found
 

@@ -527,8 +527,8 @@ class RemoteTier:
             if env.tombstone:
                 self.counters["misses"] += 1
                 return env, None
-            hdr_len = int.from_bytes(head[size + 12:size + 16], "little") if len(head) >= size + 16 else 0
-            if size + hdr_len > len(head) and hdr_len <= fmt.HEADER_MAX_BYTES:
+            hdr_len = rec.parse_fixed(memoryview(head)[size:]).header_len  # bounds checked (SPEC.md §4.4)
+            if size + hdr_len > len(head):
                 start = len(head)
                 more = self._call(lambda: self.client.getrange(name, start, size + hdr_len - 1))
                 self.counters["bytes_in"] += len(more)
