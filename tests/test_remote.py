@@ -634,6 +634,36 @@ def test_one_remote_handle_per_store_and_process(tmp_path, server):
     node(tmp_path, "a", server.url).close()  # released with the first
 
 
+def test_one_process_per_store_sends_to_the_remote(tmp_path, server):
+    """Several writer processes may share a store (SPEC.md §7.8), but its REMOTE file has one
+    owner: a second process asking for a writable remote tier is refused with a hint, and may
+    open it read-only (or write without remote=)."""
+    import subprocess
+    import sys
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
+    code = (f"import sys; sys.path.insert(0, {src!r})\n"
+            "import tierstore\n"
+            "path, url = sys.argv[1], sys.argv[2]\n"
+            "try:\n"
+            "    tierstore.open(path, remote=url).close()\n"
+            "    print('opened')\n"
+            "except tierstore.StoreLocked as e:\n"
+            "    print('refused', 'read-only' in e.hint)\n"
+            "with tierstore.open(path, remote=url, remote_policy='read-only') as s:\n"
+            "    s.put('theirs', tierstore.Blob(b'2'))\n"
+            "    print(s.get('mine').data.decode())\n")
+    with node(tmp_path, "a", server.url) as a:
+        a.put("mine", tierstore.Blob(b"1"))
+        a.flush()
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), server.url], capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.split() == ["refused", "True", "1"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), server.url], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split()[0] == "opened", out.stderr  # the claim went with the first process's close
+
+
 def test_a_refused_database_is_logged_and_remote_sync_says_the_server_does_not_answer(tmp_path, server, caplog):
     from tierstore.cli import main
 

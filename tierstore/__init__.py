@@ -57,10 +57,11 @@ def open(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = 
 
     ``durability``: "sync" (a put returns once it survives power loss: one fdatasync),
     "group" (puts are made durable together by ``flush()`` or within ``group_commit_ms``),
-    "none" (no fsync; survives a process crash, not power loss).  ``readonly=True`` opens
-    without taking the writer lock; any number of read-only handles may coexist with one
-    writer.  ``options``: see ``tierstore.engine.options.Options`` (segment_bytes, group_commit_ms,
-    group_commit_bytes, index_commit_ms, index_batch, lock_timeout, vector_extent_bytes,
-    index_map_size).
+    "none" (no fsync; survives a process crash, not power loss).  Any number of processes may
+    open a store writable at once (SPEC.md §7.8); ``exclusive=True`` keeps other writers out.
+    ``readonly=True`` opens without taking the writer lock; any number of read-only handles
+    may coexist with the writers.  ``options``: see ``tierstore.engine.options.Options``
+    (segment_bytes, group_commit_ms, group_commit_bytes, index_commit_ms, index_batch,
+    lock_timeout, exclusive, vector_extent_bytes, index_map_size).
     """
     return Store(path, create=create, readonly=readonly, durability=durability, **options)

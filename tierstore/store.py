@@ -11,8 +11,9 @@ Batches:     Store.put_many -> (encode every item first) -> Engine.append_group 
              -> Engine.settle;  Store.get_many -> Engine.lookup_many (one snapshot) ->
              Engine.read_first_extents (small blobs, one pread per run) | Store._read
 
-Threads: a Store may be shared by threads.  Processes: one writer at a time (the engine holds an
-exclusive ``flock`` on LOCK for the life of a writable handle); any number of read-only handles.
+Threads: a Store may be shared by threads.  Processes: any number of writers (the engine holds a
+shared ``flock`` on LOCK for a writable handle's life and serialises each append across processes,
+SPEC.md §7.8) and any number of read-only handles.
 Never use a Store across ``fork()``.
 """
 
@@ -36,7 +37,7 @@ from .engine.engine import Engine, open_engine
 from .engine.fileio import PosixIO, io_error
 from .engine.index import Location
 from .engine.options import Options
-from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, StoreFull, TierstoreError
+from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, StoreFull, StoreLocked, TierstoreError
 from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
@@ -91,7 +92,9 @@ def cache_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
     return tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
 
 
-_REMOTE_ENGINES: set[int] = set()  # engines (shared by a process's handles on a store) with a remote tier
+# engines (shared by a process's handles on a store) with a writable remote tier -> the fd of their
+# claim on REMOTE.lock (one process per store sends to the remote: it owns the REMOTE file)
+_REMOTE_ENGINES: dict[int, int] = {}
 _REMOTE_LOCK = threading.Lock()
 
 
@@ -104,7 +107,9 @@ def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None) 
                 remote.close()
             finally:
                 with _REMOTE_LOCK:
-                    _REMOTE_ENGINES.discard(id(engine))
+                    fd = _REMOTE_ENGINES.pop(id(engine), -1)
+                if fd >= 0:
+                    os.close(fd)
     finally:
         engine.unsubscribe(tiers.invalidate)
         try:
@@ -216,18 +221,27 @@ class Store:
         assert engine.store_uuid is not None
         if self.readonly:
             opts["policy"] = "read-only"  # a read-only handle writes nowhere
-        else:
+        writes = opts.get("policy", "write-through") != "read-only"
+        if writes:
             with _REMOTE_LOCK:  # one queue and one REMOTE file per store: one remote handle per process
                 if id(engine) in _REMOTE_ENGINES:
                     raise InvalidObject(f"{self.path} already has a writable handle with remote= in this process",
                                         path=self.path, hint="share that handle between threads (it is thread-safe)")
-                _REMOTE_ENGINES.add(id(engine))
+                try:
+                    _REMOTE_ENGINES[id(engine)] = engine.claim(
+                        fmt.REMOTE_LOCK_FILE, "another process writes this store with a writable remote tier")
+                except StoreLocked as e:
+                    e.hint = ("one process per store sends to the remote (it owns the REMOTE file): open this "
+                              "handle with remote_policy='read-only', or without remote=")
+                    raise
         try:
             tier = RemoteTier(opts.pop("url"), origin=engine.store_uuid, **opts,
-                              state_path=None if self.readonly else os.path.join(self.path, fmt.REMOTE_FILE))
+                              state_path=os.path.join(self.path, fmt.REMOTE_FILE) if writes else None)
         except BaseException:
             with _REMOTE_LOCK:
-                _REMOTE_ENGINES.discard(id(engine))
+                fd = _REMOTE_ENGINES.pop(id(engine), -1)
+            if fd >= 0:
+                os.close(fd)
             raise
         tier.queue.load = functools.partial(remote_record, engine, engine.store_uuid)
         tier.queue.sweep_source = functools.partial(local_versions, engine)
@@ -577,13 +591,16 @@ class Store:
         data = cdc.train_dictionary([bytes(x) for x in samples], size)
         did = cdc.dictionary_id(data)
         key = rec.dict_key(ns, did)
+        where = None
         with engine.write_lock:
             if engine.lookup(fmt.DICT_NAMESPACE, key) is None:
                 block = blk.encode_block(Blob(data, media_type=fmt.DICT_MEDIA_TYPE), None,
                                          vector_extent_bytes=self.options.vector_extent_bytes)
                 record = rec.encode_put(fmt.DICT_NAMESPACE, key, 0, block.kind, block.meta, block.extents,
                                         block.align_log2)
-                engine.settle(engine.append(record))
+                where = engine.append(record)
+        if where is not None:  # never sync under the write lock (it is the append lock)
+            engine.settle(where)
         return did
 
     def _dictionary(self, ns: bytes, did: int, missing: type[TierstoreError] = CorruptionError) -> bytes:

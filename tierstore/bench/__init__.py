@@ -48,6 +48,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             say("batches: put_many / get_many / contains_many of 4 KiB blobs; a 32 MiB chunk into a caller's buffer")
             result["batches"] = bench_batches(os.path.join(root, "batches"), n=3000 if quick else 20000,
                                               reps=3 if quick else 7, peers=peers, say=say)
+        if "writers" in sections:
+            from .writers import bench_writers
+            say("writers: 1, 2, 4 writer processes on one store (32 MiB durable puts; 4 KiB put_many)")
+            result["writers"] = bench_writers(os.path.join(root, "writers"), quick=quick, say=say)
         if "transformers" in sections:
             from .transformers_ttft import bench_transformers
             say("transformers: time to first token, recompute vs PrefixCache (cold, DRAM tier)")
@@ -83,6 +87,9 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             if "tiers" in result:
                 from .tiers import plot_tiers
                 plot_tiers(result["tiers"], os.path.join(out, "tiers.png"))
+            if "writers" in result:
+                from .writers import plot_writers
+                plot_writers(result["writers"], os.path.join(out, "writers.png"))
         say(f"results: {os.path.join(out, 'results.json')}, {os.path.join(out, 'results.md')}")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(markdown(result))

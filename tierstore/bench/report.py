@@ -83,6 +83,9 @@ def markdown(result: dict[str, Any]) -> str:
     if "remote" in result:
         from .remote import markdown_remote
         lines += markdown_remote(result["remote"])
+    if "writers" in result:
+        from .writers import markdown_writers
+        lines += markdown_writers(result["writers"])
     return "\n".join(lines) + "\n"
 
 

@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-peers", action="store_true", help="skip safetensors / torch.save / h5py / LMDB")
     sp.add_argument("--out", default=None, help="write results.json and plots here")
     sp.add_argument("--section", action="append",
-                    choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote"],
+                    choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote",
+                             "writers"],
                     help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
@@ -456,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path")
     sp.add_argument("--min-dead-ratio", type=float, default=0.0,
                     help="rewrite only segments with at least this fraction of dead bytes")
-    sp.add_argument("--lock-timeout", type=float, default=60.0, help="seconds to wait for a running writer")
+    sp.add_argument("--lock-timeout", type=float, default=60.0,
+                    help="seconds to wait while a tool (recover) has the store to itself; other writers never hold "
+                         "it up")
     sp = add("ls", cmd_ls, "list the objects of a store")
     sp.add_argument("path")
     sp.add_argument("--namespace", default=None)
@@ -499,7 +502,8 @@ def _warn_if_waiting(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "lock_timeout", None) is not None and (args.command != "quarantine" or args.clear):
+        # recover and quarantine --clear need the store to themselves; compact runs beside writers
+        if args.command == "recover" or args.command == "quarantine" and args.clear:
             _warn_if_waiting(args)
         return args.fn(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat

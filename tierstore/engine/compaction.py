@@ -50,8 +50,16 @@ def compact(engine: Engine, *, min_dead_ratio: float,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Steps 1-5 above; returns what was done (victims, records copied / carried / dropped).
     ``progress(n)`` is told the bytes of each victim segment once it is done."""
-    t0 = time.perf_counter()
     engine.check_writable()
+    lock = engine.compaction_lock()  # one compaction at a time, across processes too
+    try:
+        return _compact(engine, min_dead_ratio, progress)
+    finally:
+        engine.io.close(lock)
+
+
+def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], None] | None) -> dict[str, Any]:
+    t0 = time.perf_counter()
     engine.commit(force=True, sync=True)
     small = engine.options.segment_bytes // SMALL_FRACTION
     stats = engine.segment_stats()

@@ -20,6 +20,7 @@ offline tools (repair.py) are its neighbours, given the engine; recovery.py is b
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -44,7 +45,16 @@ from . import segment as seglib
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
 from .index import stamp as index_stamp
-from .lock import acquire_writer_lock, writer_active
+from .lock import (
+    AppendLock,
+    acquire_writer_lock,
+    alone_now,
+    claim,
+    compaction_lock,
+    downgrade,
+    join_writers,
+    writer_active,
+)
 from .log import Appended, Log
 from .options import Options
 
@@ -53,7 +63,7 @@ _log = logging.getLogger("tierstore")
 # what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
                            fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
-                           fmt.REMOTE_FILE + ".tmp"})
+                           fmt.REMOTE_FILE + ".tmp", fmt.APPEND_FILE, fmt.COMPACT_FILE, fmt.REMOTE_LOCK_FILE})
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
 
@@ -108,7 +118,8 @@ class SegmentReader:
     def ensure_written(self) -> None:
         """Hand the record to the OS if it is still in the log's write buffer."""
         log = self.engine.log
-        if log is not None and (self.loc.segment, self.loc.offset + self.loc.header.record_len) > log.written:
+        if log is not None and log.buffered and \
+                (self.loc.segment, self.loc.offset + self.loc.header.record_len) > log.written:
             log.flush_buffer()
 
     def read_into(self, wanted: Sequence[tuple[int, memoryview]]) -> None:
@@ -126,12 +137,14 @@ class SegmentReader:
 
 
 class Engine:
-    """The log and the index of one store directory, opened for writing (one process at a time,
-    under the writer lock) or read-only (any number).  Thread-safe.
+    """The log and the index of one store directory, opened for writing (any number of processes,
+    SPEC.md §7.8) or read-only (any number).  Thread-safe.
 
     ``write_lock`` serialises read-modify-write sequences of callers (look a key up, decide,
-    append); ``append`` itself needs no lock.  ``close`` makes every write durable and visible,
-    stops the committer and releases the writer lock.
+    append) across threads and processes: it is the append lock, and taking it first catches up
+    with the records other processes appended; ``append`` itself needs no lock.  Never sync
+    (``settle``, ``flush``) while holding it.  ``close`` makes every write durable and visible,
+    stops the committer and releases the locks.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
@@ -150,7 +163,11 @@ class Engine:
         self.store_uuid: bytes | None = None
         self.recovery: dict[str, Any] = {}  # what opening found and did (replay, rebuild, damage)
         self.counters = {"sync_requests": 0, "index_commits": 0}  # and "syncs", from the log (stats)
-        self.write_lock = threading.RLock()
+        self.write_lock: Any = threading.RLock()  # the append lock once opened writable
+        self._append: AppendLock | None = None
+        self.alone = True  # no other process had the store open for writing when this one opened
+        self._entered_at: tuple[int, int, int] | None = None  # the log's end when the append lock was taken
+        self._marked = False  # APPEND says "writing" (this process wrote under the append lock it holds)
         self._syncer: ThreadPoolExecutor | None = None  # put_async's syncs, started on first use
         self._syncer_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
@@ -203,11 +220,40 @@ class Engine:
                 raise InvalidObject(f"{self.path} is not empty and holds no store "
                                     f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''})",
                                     path=self.path, hint="create a store in a new or empty directory")
-        if not self.readonly:
+        if self.readonly:
+            self._open_files(create)
+            return
+        if self.options.exclusive:  # one writer for the handle's life (SPEC.md §7.2): no append lock
             self._lock_fd = acquire_writer_lock(io, self.path, self.options.lock_timeout)
+            self._open_files(create)
+            return
+        # every writer takes the append lock, then the writer lock: exclusively when no other
+        # writer has the store open (then this one may recover the log and rebuild the index),
+        # shared beside them otherwise (SPEC.md §7.8)
+        self._append = append = AppendLock(io, self.path)
+        append.acquire(timeout=self.options.lock_timeout)
+        try:
+            self._lock_fd, self.alone = join_writers(io, self.path, self.options.lock_timeout)
+            self._open_files(create)
+            assert self.log is not None
+            append.on_enter, append.on_leave = self._catch_up, self._publish
+            self.log.before_write = self._mark_writing
+            if self.alone:
+                downgrade(io, self._lock_fd)
+        finally:
+            append.release()  # publishes where the log ends
+        self.write_lock = append
+
+    def _open_files(self, create: bool) -> None:
+        io = self.io
+        joining = not self.readonly and not self.alone
         index_dir = os.path.join(self.path, fmt.INDEX_DIR)
         has_segments = os.path.isdir(self.seg_dir) and bool(seglib.list_segments(io, self.seg_dir))
         has_index = Index.exists(index_dir)
+        if joining and not (has_segments and has_index):
+            raise CorruptionError("the index or the segments are missing while other processes write the store",
+                                  path=self.path, hint="close the other writers; the next writer to open the "
+                                                       "store alone rebuilds the index")
         if has_segments and recovery.abandoned_creation(io, self.path) and not self.readonly:
             seg = seglib.list_segments(io, self.seg_dir)[0]
             recovery.quarantine_file(io, self.path, self.files.path(seg))  # a crash during creation
@@ -226,10 +272,13 @@ class Engine:
             self._rebuild("index missing")
         try:
             self.index = Index.open(index_dir, writable=not self.readonly, map_size=self.options.index_map_size,
-                                    at_rest=not self.readonly or not writer_active(self.io, self.path))
+                                    at_rest=self.alone if not self.readonly else not writer_active(self.io, self.path))
             scan = self._replay()
         except CorruptionError as e:
-            if self.readonly or not getattr(e, "index", False):
+            if self.readonly or joining or not getattr(e, "index", False):
+                if joining and getattr(e, "index", False):
+                    e.hint = ("other processes write this store: close them, and the next writer to open it "
+                              "alone rebuilds the index")
                 raise
             if self.index is not None:
                 self.index.close()
@@ -245,11 +294,13 @@ class Engine:
         if scan.ops:
             self.index.apply(scan.ops, scan.last, durable=True)
         self._refs_seen = self.index.ref_count() > 0
-        self._drop_dead_segments(keep=scan.active)
+        if self.alone:  # a compaction in another process may be unlinking them right now
+            self._drop_dead_segments(keep=scan.active)
         assert self.store_uuid is not None
         self.log = Log(io, self.seg_dir, self.store_uuid, active=scan.active, tail=scan.tail,
                        next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
-                       sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio)
+                       sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio,
+                       append_lock=self._append, alone=self._alone_now if self._append is not None else None)
         self.log.on_discard = self._on_discard
         self.ensure_reserve()
 
@@ -298,7 +349,7 @@ class Engine:
                 raise recovery.IndexAhead("the index's applied position is not in the log")
             scan = recovery.scan_log(self.io, self.path, uuid, applied, writable=not self.readonly, repair=False)
         except recovery.IndexAhead as e:
-            if self.readonly:
+            if self.readonly or not self.alone:
                 raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
                                       hint="open the store writable (or run `tierstore recover PATH`) "
                                            "to rebuild the index") from None
@@ -354,17 +405,21 @@ class Engine:
                     self.log.certify()  # a SYNC record names everything: damage is never a torn tail
             finally:
                 self.closed = True
-                self._teardown()
-                if healthy and self.index_damage is None and not self.readonly:
-                    index_stamp(os.path.join(self.path, fmt.INDEX_DIR))  # closed cleanly: the next open trusts it
-                if self.index_damage is not None and not self.readonly:
-                    index_dir = os.path.join(self.path, fmt.INDEX_DIR)
-                    if os.path.isdir(index_dir):  # the next writable open rebuilds it from the log
-                        dest = recovery.quarantine_file(self.io, self.path, index_dir)
-                        with open(os.path.join(dest, "REASON.txt"), "w") as f:
-                            f.write(f"index damaged: {self.index_damage}\n")
+                self._teardown(healthy)
 
-    def _teardown(self) -> None:
+    def _at_rest(self, healthy: bool) -> None:
+        """The last writer leaves (the caller holds the writer lock exclusively): stamp a clean
+        index, or move a damaged one to quarantine/ for the next writable open to rebuild."""
+        if healthy and self.index_damage is None:
+            index_stamp(os.path.join(self.path, fmt.INDEX_DIR))  # closed cleanly: the next open trusts it
+        if self.index_damage is not None:
+            index_dir = os.path.join(self.path, fmt.INDEX_DIR)
+            if os.path.isdir(index_dir):  # the next writable open rebuilds it from the log
+                dest = recovery.quarantine_file(self.io, self.path, index_dir)
+                with open(os.path.join(dest, "REASON.txt"), "w") as f:
+                    f.write(f"index damaged: {self.index_damage}\n")
+
+    def _teardown(self, healthy: bool = False) -> None:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -376,11 +431,22 @@ class Engine:
             self.log.close()
         self.files.close_all()
         self.executor.shutdown(wait=True)
+        last = False  # the last writer: no other process can join until the writer lock is let go
+        if self._lock_fd >= 0 and self.log is not None:
+            try:
+                self.io.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                last = True
+            except OSError:
+                pass  # other writers remain (a failed upgrade drops the shared lock: this one is leaving)
         if self.index is not None:
             self.index.close()
+        if last:
+            self._at_rest(healthy)
         if self._lock_fd >= 0:
             self.io.close(self._lock_fd)  # closing the fd releases the flock
             self._lock_fd = -1
+        if self._append is not None:
+            self._append.close()
 
     def check_writable(self) -> Log:
         """The log, if this engine may write now; else why not (ReadOnlyError, the committer's
@@ -487,16 +553,115 @@ class Engine:
     def _on_written(self, where: Appended, hdr: rec.RecordHeader) -> None:
         """Runs under the log's append lock, in LSN order."""
         loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
-        op = Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc)
-        if hdr.namespace == fmt.REF_NAMESPACE:
+        self._took(Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc))
+
+    def _took(self, op: Op) -> None:
+        """A record joined the log (this process's or another's, under the append lock, in LSN
+        order): the listeners are told, the memtable holds it until the index applies it."""
+        if op.namespace == fmt.REF_NAMESPACE:
             self._refs_seen = True
         for listener in self._listeners:
-            listener((hdr.namespace, hdr.key), hdr if loc is not None else None)
+            listener((op.namespace, op.key), op.location.header if op.location is not None else None)
         with self._pending_lock:
             self._mem[(op.namespace, op.key)] = op
             self._pending.append(op)
             if self._oldest_pending is None:
                 self._oldest_pending = time.monotonic()
+
+    # -- several writer processes (SPEC.md §7.8) ------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """The append lock was just taken: read the records other processes appended since this
+        one last held it, so its LSNs, memtable and read-modify-write decisions follow them.
+
+        APPEND says where the log ended when the last holder that wrote let go, and whether a
+        holder is writing now: a holder marks it "writing" before its first write and "clean",
+        with the new end, when it lets go.  Clean at this log's position: nothing happened.
+        Clean elsewhere: the log is scanned from here, headers only (a live holder writes whole
+        records before it lets go).  Still "writing": that holder died holding the lock, and may
+        have left a torn record -- the scan checks payloads too and cuts what is torn (non-zero
+        bytes to quarantine/), as recovery cuts a torn tail; no live writer can be writing now."""
+        log = self.log
+        append = self._append
+        assert log is not None and append is not None
+        self._marked = False
+        here = log.position()
+        raw = append.read_state()
+        state = fmt.APPEND_STATE.unpack(raw) if len(raw) == fmt.APPEND_STATE.size else None
+        clean = state is not None and state[0] == fmt.APPEND_MAGIC and state[1] == fmt.APPEND_CLEAN
+        if clean and state is not None and state[2:] == here:
+            self._entered_at = here
+            return
+        scan = self._scan_from(here, verify=False) if clean else None
+        died = scan is None or (scan.active, scan.tail, scan.next_lsn) != (state[2:] if state is not None else None)
+        if died:
+            scan = self._scan_from(here, verify=True)
+            if scan.damage:
+                _log.warning("tierstore: %s: a writer process died mid-append; its torn bytes were cut (%s)",
+                             self.path, "; ".join(d.reason for d in scan.damage))
+        assert scan is not None
+        if scan.damage:
+            self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
+        if (scan.active, scan.tail) < here[:2] or scan.next_lsn < here[2]:
+            raise CorruptionError("the log is shorter than this handle last saw it", path=self.path,
+                                  segment=scan.active, offset=scan.tail,
+                                  hint="another process cut the log under the append lock; reopen the store")
+        new = [op for op in scan.ops if op.lsn >= here[2]]
+        log.adopt(scan.active, scan.tail, scan.next_lsn, new[-1].lsn if new else None)
+        for op in new:
+            self._took(op)
+        self._entered_at = None if died else log.position()  # after a death: publish the end at release
+
+    def _mark_writing(self) -> None:
+        """The log is about to write under the append lock: say so in APPEND (once per hold), so
+        that if this process dies before it lets go, the next holder checks what it left."""
+        if not self._marked:
+            assert self._append is not None and self.log is not None
+            self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, fmt.APPEND_WRITING,
+                                                           *self.log.position()))
+            self._marked = True
+
+    def _scan_from(self, here: tuple[int, int, int], *, verify: bool) -> recovery.LogScan:
+        """The records after position ``here`` (see ``_catch_up``); ``verify`` checks payloads
+        and cuts a torn tail."""
+        assert self.store_uuid is not None
+        try:
+            return recovery.scan_log(self.io, self.path, self.store_uuid, Applied(here[0], here[1], here[2] - 1,
+                                                                               here[1]),
+                                     writable=True, repair=False, verify_tail=verify)
+        except recovery.IndexAhead:  # compaction retired the segment this log stood in: every
+            assert self.index is not None  # record of it is applied; go on from the index's position
+            return recovery.scan_log(self.io, self.path, self.store_uuid, self.index.applied(), writable=True,
+                                     repair=False, verify_tail=verify)
+
+    def _publish(self) -> None:
+        """The append lock is being let go: hand buffered records to the file, then, if the log
+        moved while it was held, say where it ends (the next holder skips its scan when nothing
+        changed, and knows a writer that died holding the lock by records past that end)."""
+        log = self.log
+        assert log is not None and self._append is not None
+        try:
+            if log.poisoned is None:
+                log.flush_buffer()
+        finally:
+            if log.poisoned is None and (self._marked or self._entered_at is None):  # poisoned: stays
+                self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, fmt.APPEND_CLEAN,  # "writing"
+                                                               *log.position()))
+            self._marked = False
+
+    def _alone_now(self) -> bool:
+        """Whether no other process writes the store now (the caller holds the append lock)."""
+        return self._lock_fd < 0 or alone_now(self.io, self._lock_fd)
+
+    def claim(self, name: str, busy: str) -> int:
+        """An exclusive ``flock`` on coordination file ``name`` of the store (not waiting): the fd
+        to close when done, or StoreLocked(``busy``) when another process holds it."""
+        return claim(self.io, self.path, name, busy)
+
+    def compaction_lock(self) -> int:
+        """Take the compaction lock (one compaction at a time across processes); returns the fd
+        to close when done."""
+        return compaction_lock(self.io, self.path)
 
     def _on_discard(self, first_lsn: int) -> None:
         """The log took back records from ``first_lsn`` on (a failed write): forget them."""
@@ -764,7 +929,7 @@ class Engine:
         one ``pread`` per run of nearby records of a segment, checksums verified.  Raises
         FileNotFoundError if compaction retired one of the segments meanwhile (look again)."""
         log = self.log
-        if log is not None:
+        if log is not None and log.buffered:  # (only while another thread of this process appends)
             written = log.written
             for loc in locs:
                 if (loc.segment, loc.offset + loc.header.record_len) > written:
@@ -861,7 +1026,10 @@ class Engine:
         assert self.index is not None
         self.index.mark_dead(segs)
         for seg in segs:
-            self.io.unlink(self.files.path(seg))
+            try:
+                self.io.unlink(self.files.path(seg))
+            except FileNotFoundError:
+                pass  # a writer that opened alone meanwhile unlinked it (it was marked dead)
             self.files.retire(seg)
         self.io.fsync_dir(self.seg_dir)
         self.index.forget_segments(segs)

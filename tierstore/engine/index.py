@@ -395,6 +395,9 @@ class Index:
             while True:
                 try:
                     txn = self.env.begin(write=True)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    self.env.set_mapsize(0)
+                    continue
                 except lmdb.DiskError as e:
                     raise StoreFull(f"index write failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
@@ -441,8 +444,16 @@ class Index:
         older segment may still hold a PUT it hides).
         """
         def fn(txn: lmdb.Transaction) -> None:
+            # several writer processes apply the same log (SPEC.md §7.8): what another one applied
+            # already is skipped, and the applied position never goes back
+            cur = txn.get(b"applied", db=self.meta)
+            done = _APPLIED.unpack(cur)[2] if cur is not None else 0
+            if applied.lsn <= done:
+                return
             deltas: dict[int, int] = {}
             for op in ops:
+                if op.lsn <= done:
+                    continue
                 ik = index_key(op.namespace, op.key)
                 old = txn.get(ik, db=self.objects)
                 if old is not None:

@@ -47,7 +47,8 @@ class Log:
     BOUNCE_BYTES = 8 << 20  # O_DIRECT writes go through three page-aligned buffers of this size
 
     def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
-                 segment_bytes: int, sync_enabled: bool, executor: Any = None, dio: DirectIO | None = None) -> None:
+                 segment_bytes: int, sync_enabled: bool, executor: Any = None, dio: DirectIO | None = None,
+                 append_lock: Any = None, alone: Callable[[], bool] | None = None) -> None:
         self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
         self.executor = executor
         self.dio = dio or DirectIO()
@@ -55,7 +56,14 @@ class Log:
         self._bounce: list[memoryview] = []
         self.segment_bytes = segment_bytes
         self.sync_enabled = sync_enabled
-        self.append_lock = threading.Lock()
+        # serialises appends: across processes too when the engine gives an AppendLock (lock.py)
+        self.append_lock = append_lock if append_lock is not None else threading.RLock()
+        # whether no other process writes the store now (asked, under the append lock, before a
+        # failed write is cut back past this process's own records)
+        self.alone = alone or (lambda: True)
+        # called (under the append lock) before each write to a segment file: other processes
+        # learn from it that a writer that dies now may leave a torn record (SPEC.md §7.8)
+        self.before_write: Callable[[], None] = lambda: None
         self._sync_lock = threading.Lock()
         self.active = active
         self.tail = tail  # end of the log, buffered bytes included
@@ -158,6 +166,7 @@ class Log:
                     self._flush_buffer()
             else:
                 self._flush_buffer()
+                self.before_write()
                 try:
                     if self._direct_ok(start, record_len):
                         write_all(self.io, self.fd, self._pad_iov(self.tail, start), self.tail)
@@ -211,6 +220,7 @@ class Log:
                     self._flush_buffer()
             else:
                 self._flush_buffer()
+                self.before_write()
                 if len(iov) > self.COALESCE_IOVECS and pos - self.tail < len(iov) * self.SMALL_PIECE:
                     iov = [b"".join(iov)]  # many small records (a batch): one copy beats thousands of iovecs
                 try:
@@ -303,11 +313,15 @@ class Log:
         if not self._buf:
             return
         start = self.tail - len(self._buf)
+        self.before_write()
         try:
             write_all(self.io, self.fd, [self._buf], start)
         except OSError as e:
             err = io_error(e, "write to segment", path=self._path(self.active), segment=self.active)
-            if not (self.sync_enabled and self._take_back(err)):
+            shared = not self.alone()
+            if shared:  # never cut other processes' records: only this append's, and stop writing
+                self.poisoned = self.poisoned or e
+            if not (self.sync_enabled and not shared and self._take_back(err)):
                 first = self.written_lsn + 1  # durability "none": the buffered records only
                 self._buf = bytearray()
                 self.tail = start
@@ -318,10 +332,19 @@ class Log:
                     self.on_discard(first)
                 if isinstance(err, TierstoreError):
                     err.taken_back = self.poisoned is None
+                    if shared:
+                        err.poisoned = True
+                        err.hint = ("other processes write this store: records this handle appended before "
+                                    "the failed write may appear after a reopen (never torn); reopen it")
             raise err from None
         self._buf = bytearray()
         self.written = (self.active, self.tail)
         self.written_lsn = self.next_lsn - 1
+
+    @property
+    def buffered(self) -> bool:
+        """Whether appended records wait in the write buffer (only while the append lock is held)."""
+        return bool(self._buf)
 
     def flush_buffer(self) -> None:
         """Hand every appended record to the OS (no fsync)."""
@@ -381,6 +404,7 @@ class Log:
         The sealed segment is synced first (unless durability is "none", where the next
         ``sync`` does it), so a sealed segment never has a torn tail.
         """
+        self.before_write()
         self._pad_to_page()
         self._flush_buffer()
         if self.sync_enabled:
@@ -451,9 +475,9 @@ class Log:
                 for old in sealed:  # older segments first: the log stays a prefix on disk
                     self._fdatasync(old)
                 self._fdatasync(fd)  # outside append_lock: appends continue during the sync
-            except StoreIOError as e:  # poisoned; what was not durable is taken back
-                with self.append_lock:
-                    if fd == self.fd:
+            except StoreIOError as e:  # poisoned; what was not durable is taken back (when no other
+                with self.append_lock:  # process writes: their records after ours are never cut)
+                    if fd == self.fd and self.alone():
                         self._take_back(e)
                 raise
             for old in sealed + to_close:
@@ -503,6 +527,33 @@ class Log:
                 if not self._sync_fits():  # the segment is full: the SYNC record opens the next one,
                     self._rollover()  # so that the last records are vouched for too
             self.sync()
+
+    # -- several writer processes (SPEC.md §7.8) ------------------------------------------
+
+    def position(self) -> tuple[int, int, int]:
+        """(active segment, tail, next LSN): where the next record goes (caller holds append_lock)."""
+        return self.active, self.tail, self.next_lsn
+
+    def adopt(self, active: int, tail: int, next_lsn: int, last_data_lsn: int | None) -> None:
+        """Other processes appended: the log now ends at ``tail`` of segment ``active`` and the
+        next LSN is ``next_lsn`` (caller holds append_lock, with nothing buffered).  A segment
+        left behind was sealed by another writer: this one syncs it before it next claims
+        durability past it."""
+        assert not self._buf
+        if active != self.active:
+            try:
+                fd = self.io.open(self._path(active), os.O_RDWR)
+            except OSError as e:
+                raise io_error(e, "open segment", path=self._path(active), segment=active) from None
+            self._sealed_unsynced.append(self.fd)
+            if self.dfd is not None and self.dfd >= 0:
+                self.io.close(self.dfd)
+            self.dfd = None
+            self.fd, self.active = fd, active
+        self.tail, self.next_lsn = tail, next_lsn
+        self.written, self.written_lsn = (active, tail), next_lsn - 1
+        if last_data_lsn is not None:
+            self.last_data_lsn = last_data_lsn
 
     def close(self) -> None:
         with self._sync_lock, self.append_lock:

@@ -52,11 +52,15 @@ class Options:
     index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
     direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
     reserve_bytes: int | None = None  # disk space held back for deletes and compact() on a full disk (None: auto)
+    # hold the store alone for the handle's life (SPEC.md §7.2): other writer processes wait and fail
+    # with StoreLocked, appends skip the cross-process append lock (§7.8), small puts run faster
+    exclusive: bool = False
 
     def engine_settings(self) -> dict[str, Any]:
         """The settings the log and the index run with (what handles sharing an engine must agree on)."""
         return {k: getattr(self, k) for k in ("segment_bytes", "group_commit_ms", "group_commit_bytes",
-                                              "index_commit_ms", "index_batch", "index_map_size", "direct_reads")}
+                                              "index_commit_ms", "index_batch", "index_map_size", "direct_reads",
+                                              "exclusive")}
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], *, also: Sequence[str] = ()) -> "Options":
@@ -79,6 +83,10 @@ class Options:
             elif k == "direct_reads":
                 if not isinstance(v, str) or v not in DIRECT_READS:
                     raise InvalidObject(f"{k} must be one of {', '.join(DIRECT_READS)}, got {v!r}")
+                vals[k] = v
+            elif k == "exclusive":
+                if not isinstance(v, bool):
+                    raise InvalidObject(f"{k} must be True or False, got {v!r}")
                 vals[k] = v
             elif k in ("index_batch",):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -178,12 +178,17 @@ class _LogScanner:
     """One pass over the segments; see ``scan_log``."""
 
     def __init__(self, io: PosixIO, root: str, store_uuid: bytes | None, *, writable: bool, repair: bool,
-                 verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0) -> None:
+                 verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0,
+                 verify_tail: bool = True) -> None:
         self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
+        self.verify_tail = verify_tail  # check payload checksums in the last segment
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
         self.seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
         self.result = LogScan()
+
+    def _verify(self, is_last: bool) -> bool:
+        return is_last and self.verify_tail or self.verify_sealed
 
     def run(self, start: Applied | None) -> LogScan:
         segs = seglib.list_segments(self.io, self.seg_dir)
@@ -242,7 +247,7 @@ class _LogScanner:
                 expect = header.base_lsn
             size = io.size(fd)
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
-                                            verify_payload=is_last or self.verify_sealed, size=size)
+                                            verify_payload=self._verify(is_last), size=size)
             group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
 
             def take(off: int, hdr: rec.RecordHeader) -> None:
@@ -339,7 +344,7 @@ class _LogScanner:
                     stop = seglib.ScanStop(size, "end")
                     break
                 scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=nxt, expect_lsn=resume_lsn,
-                                                verify_payload=is_last or self.verify_sealed, size=size)
+                                                verify_payload=self._verify(is_last), size=size)
             r.bytes_scanned += size - offset
             if self.progress is not None:
                 self.progress(size - offset)
@@ -473,14 +478,16 @@ class _LogScanner:
 
 def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | None, *, writable: bool,
              repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None,
-             proven_lsn: int = 0) -> LogScan:
+             proven_lsn: int = 0, verify_tail: bool = True) -> LogScan:
     """Scan the log from ``start`` (None: from the first segment) and cut a torn tail if writable.
+    ``verify_tail=False`` skips the payload checksums of the last segment (a writer catching up
+    with records other live writers wrote whole, SPEC.md §7.8).
 
     Returns the records past ``start`` in LSN order and where the valid log ends.  Raises
     ``IndexAhead`` when ``start`` is not in the log.  See the module docstring for the rules.
     """
     return _LogScanner(io, root, store_uuid, writable=writable, repair=repair, verify_sealed=verify_sealed,
-                       progress=progress, proven_lsn=proven_lsn).run(start)
+                       progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail).run(start)
 
 
 def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:

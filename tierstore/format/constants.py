@@ -150,8 +150,18 @@ INDEX_DIR = "index"
 SEGMENTS_DIR = "segments"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "LOCK"
+# --- SPEC.md §7.8 Several writer processes (coordination files, not data) -------------------
+APPEND_FILE = "APPEND"  # flock held per append; holds the log end its last holder left
+COMPACT_FILE = "COMPACT"  # flock held by a compaction
+APPEND_MAGIC = b"TSAP"
+APPEND_CLEAN, APPEND_WRITING = 0, 1  # the holder let go / is writing (or died writing)
+# magic, state, active segment id, tail offset, next LSN (where the log ended when the state was
+# written).  Little-endian, never synced (after a crash the first writer opens alone, runs
+# recovery and writes it again)
+APPEND_STATE = struct.Struct("<4sIQQQ")
 RESERVE_FILE = "RESERVE"  # §1 (informative): space a writer gives up when the disk is full
 REMOTE_FILE = "REMOTE"  # §1, §14.5 (informative): what the remote tier has not been sent yet
+REMOTE_LOCK_FILE = "REMOTE.lock"  # §1, §14.5 (informative): flock of the one process whose remote tier writes
 
 # --- SPEC.md §14 The remote tier (informative: a layout on Redis / Valkey, not a file) ------
 REMOTE_PREFIX = b"ts1:"  # §14.1: ts1:<namespace hex>:{<key hex>}; the braces are Redis Cluster's hash tag

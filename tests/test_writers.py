@@ -1,0 +1,336 @@
+"""Several writer processes on one store (SPEC.md §7.8): one log, appends serialised per append,
+LSNs from the log, crash consistency when writers are killed independently, and the tools
+(fsck, compact, recover) beside live writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tierstore
+from tierstore import Blob
+from tierstore.cli import main as cli
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
+
+# a writer process: puts (some large: written outside the small-record buffer), atomic batches,
+# deletes and overwrites of a shared key; prints each acknowledged operation, flushed, after
+# the call returned
+WRITER = r"""
+import os, sys
+sys.path.insert(0, SRC)
+import tierstore
+from tierstore import Blob
+path, name, first, count, durability = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+s = tierstore.open(path, durability=durability, segment_bytes="1MiB", lock_timeout=60)
+print("open", flush=True)
+def value(i):
+    size = 200_000 if i % 5 == 0 else 100 + i % 300
+    return (f"{name}:{i}:".encode() * (size // 8 + 1))[:size]
+for i in range(first, first + count):
+    s.put(f"{name}-{i}", Blob(value(i)))
+    print("put", i, flush=True)
+    if i % 7 == 0:
+        s.put_many([(f"{name}-g{i}-{j}", Blob(value(i) + bytes([j]))) for j in range(4)])
+        print("group", i, flush=True)
+    if i % 11 == 0 and i > first:
+        s.delete(f"{name}-{i - 1}")
+        print("del", i - 1, flush=True)
+    s.put("shared", Blob(f"{name}:{i}".encode()))
+if os.environ.get("TS_NO_CLOSE"):
+    os._exit(0)
+s.close()
+print("closed", flush=True)
+""".replace("SRC", repr(SRC))
+
+
+def value(name: str, i: int) -> bytes:
+    size = 200_000 if i % 5 == 0 else 100 + i % 300
+    return (f"{name}:{i}:".encode() * (size // 8 + 1))[:size]
+
+
+def spawn(path: str, name: str, first: int, count: int, durability: str = "sync",
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, path, name, str(first), str(count), durability],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+class Acked:
+    """What each writer reported done: puts, groups and deletes (in order, per writer)."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[str, int]]] = {}
+        self.uncertain: set[str] = set()  # keys a killed writer may have deleted without saying so
+
+    def take(self, name: str, out: str, killed: bool = False) -> None:
+        mine = []
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] in ("put", "group", "del"):
+                mine.append((parts[0], int(parts[1])))
+        self.events.setdefault(name, []).extend(mine)
+        if killed and mine and mine[-1][0] in ("put", "group") and mine[-1][1] % 11 == 0:
+            self.uncertain.add(f"{name}-{mine[-1][1] - 1}")  # its next call was that delete
+
+    def expected(self) -> tuple[dict[str, bytes], set[str]]:
+        """Keys that must hold a value, and keys that must be gone (the last acknowledged
+        operation on each key decides; keys a killed writer was still writing are left out)."""
+        present: dict[str, bytes] = {}
+        gone: set[str] = set()
+        for name, events in self.events.items():
+            for kind, i in events:
+                if kind == "put":
+                    present[f"{name}-{i}"] = value(name, i)
+                    gone.discard(f"{name}-{i}")
+                elif kind == "group":
+                    for j in range(4):
+                        present[f"{name}-g{i}-{j}"] = value(name, i) + bytes([j])
+                else:
+                    present.pop(f"{name}-{i}", None)
+                    gone.add(f"{name}-{i}")
+        for k in self.uncertain:
+            present.pop(k, None)
+            gone.discard(k)
+        return present, gone
+
+
+def check_store(path: str, acked: Acked) -> None:
+    """Every acknowledged object reads back whole, every acknowledged delete holds, nothing
+    raises; fsck --deep is clean; an index rebuilt from the segments alone answers the same."""
+    present, gone = acked.expected()
+    answers = []
+    for attempt in ("kept index", "rebuilt index"):
+        with tierstore.open(path, lock_timeout=30) as s:
+            if attempt == "rebuilt index":
+                assert s.recovery.get("rebuilt_index"), s.recovery
+            for k, v in present.items():
+                assert s.get(k).data == v, (attempt, k)
+            for k in gone:
+                assert k not in s, (attempt, k)
+            keys = sorted(s.keys())
+            for k in keys:  # whatever else is there (a killed writer's last calls) is whole too
+                s.get(k)
+            answers.append({k: (s.info(k).lsn, s.info(k).extent_checksums) for k in keys})
+        assert cli(["fsck", path, "--deep"]) == 0
+        shutil.rmtree(os.path.join(path, "index"))
+    assert answers[0] == answers[1]
+
+
+def test_writer_processes_at_once_share_one_log(store_path):
+    tierstore.open(store_path).close()
+    procs = {name: spawn(store_path, name, 0, 120) for name in ("a", "b", "c")}
+    acked = Acked()
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert out.splitlines()[-1] == "closed"
+        acked.take(name, out)
+    with tierstore.open(store_path, readonly=True) as r:
+        assert r.get("shared").data.split(b":")[1] == b"119"  # each writer's last put of it
+        stats = r.stats()
+    assert stats["segments"] > 3  # 1 MiB segments: writers rolled the log over for each other
+    check_store(store_path, acked)
+
+
+def test_a_second_writer_process_joins_and_each_sees_the_other(store_path):
+    with tierstore.open(store_path, index_commit_ms=5) as s:
+        s.put("mine", Blob(b"1"))
+        out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n"
+                              "import tierstore\n"
+                              "with tierstore.open(sys.argv[1], lock_timeout=0.5) as t:\n"
+                              "    print(t.get('mine').data.decode())\n"
+                              "    t.put('theirs', tierstore.Blob(b'2'))\n"
+                              "    t.delete('mine')\n", store_path],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "1"
+        s.put("after", Blob(b"3"))  # this append catches up with the other process's records
+        assert s.get("theirs").data == b"2" and "mine" not in s
+        assert sorted(s.keys()) == ["after", "theirs"]
+    with tierstore.open(store_path, readonly=True) as r:
+        assert sorted(r.keys()) == ["after", "theirs"]
+
+
+def test_writers_killed_at_random_lose_nothing_acknowledged(store_path):
+    """2-4 writers, each SIGKILLed at random moments and restarted; then every acknowledged
+    put, batch and delete holds, nothing reads torn, and the index rebuilds to the same answer."""
+    tierstore.open(store_path).close()
+    rng = random.Random(7)
+    acked = Acked()
+    kills = 0
+    for round_ in range(6):
+        names = [f"w{n}" for n in range(rng.randint(2, 4))]
+        procs = {n: spawn(store_path, n, 1000 * round_, 400, durability=rng.choice(["sync", "group"]))
+                 for n in names}
+        for p in procs.values():
+            if p.stdout.readline().strip() != "open":
+                raise AssertionError(p.communicate(timeout=60)[1])
+        time.sleep(rng.uniform(0.05, 0.6))
+        victims = rng.sample(names, rng.randint(1, len(names)))
+        for n in victims:
+            procs[n].send_signal(signal.SIGKILL)
+            time.sleep(rng.uniform(0, 0.1))
+        for n, p in procs.items():
+            out, err = p.communicate(timeout=300)
+            killed = n in victims and p.returncode == -signal.SIGKILL
+            kills += killed
+            assert killed or p.returncode == 0, err
+            acked.take(n, out, killed)
+    assert kills >= 6
+    check_store(store_path, acked)
+
+
+class _DiesMidWrite:
+    """Child-process code: an I/O layer that writes half of the first large write, then SIGKILLs
+    its own process (a writer dying in the middle of an append, its append lock held)."""
+
+    CODE = r"""
+import os, signal, sys
+sys.path.insert(0, SRC)
+import tierstore
+from tierstore.engine.fileio import PosixIO
+
+class Dies(PosixIO):
+    armed = False
+    def pwritev(self, fd, bufs, offset):
+        total = sum(memoryview(b).nbytes for b in bufs)
+        if self.armed and total > 100_000:
+            data = b"".join(bytes(b) for b in bufs)
+            os.pwrite(fd, data[: total // 2], offset)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().pwritev(fd, bufs, offset)
+
+io = Dies()
+s = tierstore.Store(sys.argv[1], _io=io, lock_timeout=30)
+s.put("small", tierstore.Blob(b"before"))
+print("ready", flush=True)
+sys.stdin.readline()
+io.armed = True
+s.put("big", tierstore.Blob(os.urandom(300_000)))
+""".replace("SRC", repr(SRC))
+
+
+def test_a_writer_that_dies_mid_append_leaves_its_torn_bytes_to_the_next_appender(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("big", Blob(b"old"))
+        child = subprocess.Popen([sys.executable, "-c", _DiesMidWrite.CODE, store_path], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == -signal.SIGKILL
+        s.put("after", Blob(b"x" * 5000))  # catches up: finds the torn record and cuts it
+        assert any("torn" in d["reason"] or "cut" in d["reason"] or "checksum" in d["reason"]
+                   for d in s.recovery["damage"]), s.recovery
+        assert s.get("big").data == b"old" and s.get("small").data == b"before"
+        assert s.get("after").data == b"x" * 5000
+        s.put("later", Blob(b"y"))
+    assert os.listdir(os.path.join(store_path, "quarantine"))  # the torn bytes were kept aside
+    assert cli(["fsck", store_path, "--deep"]) == 0
+    with tierstore.open(store_path) as s:
+        assert s.get("big").data == b"old" and s.get("later").data == b"y"
+
+
+def test_a_valid_log_beside_a_live_writer_loses_nothing_at_catch_up(store_path):
+    """The twin of the test above: a writer that exits between appends leaves nothing to cut."""
+    with tierstore.open(store_path) as s:
+        s.put("a", Blob(b"1"))
+        p = spawn(store_path, "w", 0, 20, env={"TS_NO_CLOSE": "1"})
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        s.put("b", Blob(b"2"))
+        assert not s.recovery.get("damage"), s.recovery
+        for i in range(20):
+            if not (i % 11 == 0 and i > 0) and f"w-{i}" in s:
+                assert s.get(f"w-{i}").data == value("w", i)
+        assert not os.path.exists(os.path.join(store_path, "quarantine")) or \
+            not os.listdir(os.path.join(store_path, "quarantine"))
+
+
+def test_compact_and_fsck_run_beside_other_writers(store_path):
+    with tierstore.open(store_path, segment_bytes="256KiB") as s:
+        for i in range(200):
+            s.put(f"k{i % 20}", Blob(os.urandom(3000)))  # overwrites: dead bytes to reclaim
+        p = spawn(store_path, "w", 0, 150)
+        assert p.stdout.readline().strip() == "open"
+        done = s.compact(min_dead_ratio=0.1)
+        assert done["victims"]
+        assert cli(["fsck", store_path, "--json"]) == 0
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        acked = Acked()
+        acked.take("w", out)
+        last = {f"k{i}": s.get(f"k{i}").data for i in range(20)}
+    with tierstore.open(store_path, readonly=True) as r:
+        assert {k: r.get(k).data for k in last} == last
+    check_store(store_path, acked)
+
+
+def test_recover_waits_for_writers_to_leave(store_path, capsys):
+    p = spawn(store_path, "w", 0, 100_000)
+    assert p.stdout.readline().strip() == "open"
+    code = cli(["recover", store_path, "--lock-timeout", "0.3", "--json"])
+    assert code != 0
+    err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "another writer" in err["error"]
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    assert cli(["recover", store_path, "--json"]) == 0
+
+
+def test_a_writer_opening_alone_after_a_killed_one_recovers_the_log(store_path):
+    p = spawn(store_path, "w", 0, 10_000)
+    assert p.stdout.readline().strip() == "open"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGKILL)
+    out, _ = p.communicate(timeout=60)
+    acked = Acked()
+    acked.take("w", out, killed=True)
+    with tierstore.open(store_path) as s:  # alone: the open itself checks the tail
+        assert s.recovery["replayed_records"] >= 0
+    check_store(store_path, acked)
+
+
+@pytest.mark.parametrize("durability", ["none"])
+def test_durability_none_writers_share_the_log(store_path, durability):
+    tierstore.open(store_path).close()
+    procs = {name: spawn(store_path, name, 0, 60, durability=durability) for name in ("a", "b")}
+    acked = Acked()
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        acked.take(name, out)
+    check_store(store_path, acked)
+
+
+def test_exclusive_keeps_other_writers_out_and_waits_for_them(store_path):
+    probe = ("import tierstore\n"
+             "try:\n"
+             "    tierstore.open(sys.argv[1], lock_timeout=0.2, exclusive=sys.argv[2] == '1').close()\n"
+             "    print('opened')\n"
+             "except tierstore.StoreLocked as e:\n"
+             "    print('locked')\n")
+
+    def other(exclusive: bool) -> str:
+        out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n" + probe,
+                              store_path, "1" if exclusive else "0"], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or out.stderr
+
+    with tierstore.open(store_path, exclusive=True) as s:  # alone for its life: nobody joins
+        s.put("x", Blob(b"1"))
+        assert other(False) == "locked" and other(True) == "locked"
+    with tierstore.open(store_path) as s:  # a shared writer: an exclusive one waits for it
+        assert other(True) == "locked" and other(False) == "opened"
+        assert s.get("x").data == b"1"
+    assert other(True) == "opened"
+    with pytest.raises(tierstore.InvalidObject, match="exclusive"):
+        tierstore.open(store_path, exclusive="yes")
