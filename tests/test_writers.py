@@ -229,6 +229,7 @@ def test_a_writer_that_dies_mid_append_leaves_its_torn_bytes_to_the_next_appende
         child.stdin.flush()
         assert child.wait(timeout=60) == -signal.SIGKILL
         s.put("after", Blob(b"x" * 5000))  # catches up: finds the torn record and cuts it
+        s.flush()  # the index now covers the other process's records too
         assert any("torn" in d["reason"] or "cut" in d["reason"] or "checksum" in d["reason"]
                    for d in s.recovery["damage"]), s.recovery
         assert s.get("big").data == b"old" and s.get("small").data == b"before"
@@ -334,3 +335,40 @@ def test_exclusive_keeps_other_writers_out_and_waits_for_them(store_path):
     assert other(True) == "opened"
     with pytest.raises(tierstore.InvalidObject, match="exclusive"):
         tierstore.open(store_path, exclusive="yes")
+
+
+HOLDER = r"""
+import sys
+sys.path.insert(0, SRC)
+import tierstore
+s = tierstore.open(sys.argv[1], index_commit_ms=600_000, index_batch=10**6)  # its index commits wait
+s.put("k", tierstore.Blob(b"theirs"))
+s.put("shared", tierstore.Blob(b"v"), session="chat-1")
+print("ready", flush=True)
+sys.stdin.readline()
+s.close()
+""".replace("SRC", repr(SRC))
+
+
+def test_decisions_see_other_writers_records_before_the_index_does(store_path):
+    """A delete, and a put onto an object another process holds a session reference on, decide on
+    records the other process appended but no index commit has applied yet (SPEC.md §7.8)."""
+    s = tierstore.open(store_path, index_commit_ms=600_000)  # open first: its open applies nothing of theirs
+    s.put("mine", Blob(b"1"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, store_path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with s:
+            assert s.delete("k")  # the other process's put is seen, so the delete is not a no-op
+            assert "k" not in s
+            s.put("shared", Blob(b"v"))  # also put without a session: an anchor reference is added
+            assert s.drop_session("chat-1") == 0  # so dropping the session keeps the object
+            assert s.get("shared").data == b"v"
+    finally:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=60) == 0
+    with tierstore.open(store_path) as s:
+        assert "k" not in s and s.get("shared").data == b"v"
+        assert s.session_keys("chat-1") == []

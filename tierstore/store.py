@@ -330,7 +330,7 @@ class Store:
         sess = encode_session(session) if session is not None else None
         record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
         try:
-            with self._engine.write_lock:
+            with self._engine.append_lock:  # _append_puts reads what it decides on
                 return self._append_puts([(k, kflags, record)], ns, sess), record
         except BaseException:
             self._remote_unsent([record])
@@ -422,12 +422,13 @@ class Store:
 
     def _append_puts(self, puts: list[tuple[bytes, int, rec.EncodedRecord]], ns: bytes, sess: bytes | None) -> Any:
         """Append encoded puts of namespace ``ns`` (with their session references) as one atomic
-        group; the caller holds the write lock and settles the returned position."""
+        group; the caller holds the append lock and settles the returned position."""
         engine = self._engine
-        if sess is None and not engine.may_have_refs:
+        if sess is None and not engine.may_have_refs:  # nothing to decide: append as they are
             records = [r for _, _, r in puts]
             dedup = 0
         else:
+            engine.see_all()  # references decide what is written: see other writers' first
             records = []
             dedup = 0
             for k, kflags, record in puts:
@@ -524,7 +525,7 @@ class Store:
             return
         records = [r for _, _, r in puts]
         try:
-            with engine.write_lock:
+            with engine.append_lock:  # _append_puts reads what it decides on
                 where = self._append_puts(puts, ns, sess)
         except BaseException:
             self._remote_unsent(records)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import heapq
 import logging
 import os
 import threading
@@ -89,6 +90,26 @@ def _index_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise self._index_damage(e) from None
 
     return reading
+
+
+class ViewLock:
+    """``Engine.write_lock`` with other writer processes: the append lock, and then every record
+    they appended that a decision must see (``Engine.see_all``).  Re-entrant, as the append lock."""
+
+    def __init__(self, append: AppendLock, see_all: Callable[[], None]) -> None:
+        self.append, self.see_all = append, see_all
+
+    def __enter__(self) -> "ViewLock":
+        self.append.acquire()
+        try:
+            self.see_all()
+        except BaseException:
+            self.append.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.append.release()
 
 
 class HeldSegment:
@@ -168,6 +189,9 @@ class Engine:
         self.alone = True  # no other process had the store open for writing when this one opened
         self._entered_at: tuple[int, int, int] | None = None  # the log's end when the append lock was taken
         self._marked = False  # APPEND says "writing" (this process wrote under the append lock it holds)
+        self._hold_start: tuple[int, int, int] | None = None  # the log's end when this hold began
+        self._behind: tuple[int, int, int] | None = None  # records from here on were appended by others, unread
+        self._merge_lock = threading.Lock()  # merging others' records into the pending list vs applying it
         self._syncer: ThreadPoolExecutor | None = None  # put_async's syncs, started on first use
         self._syncer_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
@@ -242,7 +266,7 @@ class Engine:
                 downgrade(io, self._lock_fd)
         finally:
             append.release()  # publishes where the log ends
-        self.write_lock = append
+        self.write_lock = ViewLock(append, self.see_all)
 
     def _open_files(self, create: bool) -> None:
         io = self.io
@@ -448,6 +472,12 @@ class Engine:
         if self._append is not None:
             self._append.close()
 
+    @property
+    def append_lock(self) -> Any:
+        """The lock around appends that decide nothing (plain puts): ``write_lock`` without
+        reading other processes' records first (call ``see_all`` under it before deciding)."""
+        return self._append if self._append is not None else self.write_lock
+
     def check_writable(self) -> Log:
         """The log, if this engine may write now; else why not (ReadOnlyError, the committer's
         error, or the log's poisoning)."""
@@ -571,16 +601,16 @@ class Engine:
     # -- several writer processes (SPEC.md §7.8) ------------------------------------------------
 
     def _catch_up(self) -> None:
-        """The append lock was just taken: read the records other processes appended since this
-        one last held it, so its LSNs, memtable and read-modify-write decisions follow them.
+        """The append lock was just taken: continue the log where other processes left it.
 
         APPEND says where the log ended when the last holder that wrote let go, and whether a
-        holder is writing now: a holder marks it "writing" before its first write and "clean",
-        with the new end, when it lets go.  Clean at this log's position: nothing happened.
-        Clean elsewhere: the log is scanned from here, headers only (a live holder writes whole
-        records before it lets go).  Still "writing": that holder died holding the lock, and may
-        have left a torn record -- the scan checks payloads too and cuts what is torn (non-zero
-        bytes to quarantine/), as recovery cuts a torn tail; no live writer can be writing now."""
+        holder is writing now: a holder marks it "writing" (with where it starts) before its
+        first write, and "clean" with the new end when it lets go.  Clean: this log continues at
+        that end -- the records in between are not read now (``see_all`` reads them when a
+        decision needs them, the committer when the index does).  Still "writing": that holder
+        died holding the lock and may have left a torn record -- the log is scanned from where
+        it started, payloads checked, and what is torn is cut (non-zero bytes to quarantine/),
+        as recovery cuts a torn tail; no live writer can be writing now."""
         log = self.log
         append = self._append
         assert log is not None and append is not None
@@ -588,38 +618,105 @@ class Engine:
         here = log.position()
         raw = append.read_state()
         state = fmt.APPEND_STATE.unpack(raw) if len(raw) == fmt.APPEND_STATE.size else None
-        clean = state is not None and state[0] == fmt.APPEND_MAGIC and state[1] == fmt.APPEND_CLEAN
-        if clean and state is not None and state[2:] == here:
-            self._entered_at = here
+        if state is None or state[0] != fmt.APPEND_MAGIC:
+            state = (fmt.APPEND_MAGIC, fmt.APPEND_WRITING, *here)  # unknown: check from here
+        flags, published = state[1], state[2:]
+        if flags & fmt.APPEND_REFS:
+            self._refs_seen = True
+        if published == here and not flags & fmt.APPEND_WRITING:
+            self._entered_at = self._hold_start = here
             return
-        scan = self._scan_from(here, verify=False) if clean else None
-        died = scan is None or (scan.active, scan.tail, scan.next_lsn) != (state[2:] if state is not None else None)
-        if died:
-            scan = self._scan_from(here, verify=True)
-            if scan.damage:
-                _log.warning("tierstore: %s: a writer process died mid-append; its torn bytes were cut (%s)",
-                             self.path, "; ".join(d.reason for d in scan.damage))
-        assert scan is not None
+        if published[:2] < here[:2] or published[2] < here[2]:
+            raise CorruptionError("the log is shorter than this handle last saw it", path=self.path,
+                                  segment=published[0], offset=published[1],
+                                  hint="another process cut the log under the append lock; reopen the store")
+        if self._behind is None:
+            self._behind = here
+        if not flags & fmt.APPEND_WRITING:
+            log.adopt(*published, published[2] - 1)
+            self._entered_at = self._hold_start = published
+            return
+        scan = self._scan_from(published, verify=True)  # a writer died mid-append
         if scan.damage:
             self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
-        if (scan.active, scan.tail) < here[:2] or scan.next_lsn < here[2]:
-            raise CorruptionError("the log is shorter than this handle last saw it", path=self.path,
-                                  segment=scan.active, offset=scan.tail,
-                                  hint="another process cut the log under the append lock; reopen the store")
-        new = [op for op in scan.ops if op.lsn >= here[2]]
-        log.adopt(scan.active, scan.tail, scan.next_lsn, new[-1].lsn if new else None)
-        for op in new:
-            self._took(op)
-        self._entered_at = None if died else log.position()  # after a death: publish the end at release
+            _log.warning("tierstore: %s: a writer process died mid-append; its torn bytes were cut (%s)",
+                         self.path, "; ".join(d.reason for d in scan.damage))
+        log.adopt(scan.active, scan.tail, scan.next_lsn, scan.next_lsn - 1)
+        self._entered_at = None  # say where the log ends now, at release
+        self._hold_start = log.position()
+
+    def see_all(self) -> None:
+        """Read the records other processes appended that this one has not seen and the index
+        has not applied, into the memtable in LSN order (the caller holds the append lock): a
+        read-modify-write decision then sees every earlier record.  ``write_lock`` calls it."""
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            assert self.log is not None
+            self._see_range(behind, self.log.position())
+
+    def _see_for_commit(self, limit: int) -> None:
+        """What the committer needs of ``see_all``: the range is noted under the append lock (no
+        ``see_all`` is then half done), then read without it -- the records before the end this
+        log adopted are whole and never change -- so appends go on meanwhile.  The range stays
+        marked unseen for decisions (``see_all`` reads what the index has not applied since)."""
+        assert self.log is not None and self._append is not None
+        with self._append:
+            behind, end = self._behind, self.log.position()
+        if behind is not None and behind[2] <= limit:
+            self._see_range(behind, end)
+
+    def _see_range(self, start: tuple[int, int, int], end: tuple[int, int, int]) -> None:
+        """Merge other processes' records in [start, end) that the index has not applied."""
+        assert self.index is not None
+        applied = self.index.applied()
+        after = (applied.segment, rec.align_up(applied.end, fmt.RECORD_ALIGN), applied.lsn + 1)
+        if applied.lsn > 0 and after > start:
+            start = after
+        if start[:2] >= end[:2]:
+            return
+        assert self.store_uuid is not None
+        try:
+            scan = recovery.scan_log(self.io, self.path, self.store_uuid,
+                                     Applied(start[0], start[1], start[2] - 1, start[1]), writable=False,
+                                     repair=False, verify_tail=False)
+        except recovery.IndexAhead:  # compaction retired the segment: go on from the index's position
+            scan = recovery.scan_log(self.io, self.path, self.store_uuid, self.index.applied(), writable=False,
+                                     repair=False, verify_tail=False)
+        foreign = [op for op in scan.ops if applied.lsn < op.lsn < end[2]]
+        if foreign:
+            self._took_many(foreign)
+
+    def _took_many(self, ops: list[Op]) -> None:
+        """Other processes' records, in LSN order, merged into the memtable and the pending list
+        (which stays in LSN order; records already there are skipped); the listeners are told."""
+        with self._merge_lock, self._pending_lock:
+            have = {op.lsn for op in self._pending}
+            ops = [op for op in ops if op.lsn not in have]
+            for op in ops:
+                k = (op.namespace, op.key)
+                m = self._mem.get(k)
+                if m is None or m.lsn < op.lsn:
+                    self._mem[k] = op
+            self._pending = list(heapq.merge(self._pending, ops, key=lambda o: o.lsn))
+            if ops and self._oldest_pending is None:
+                self._oldest_pending = time.monotonic()
+        for op in ops:
+            if op.namespace == fmt.REF_NAMESPACE:
+                self._refs_seen = True
+            for listener in self._listeners:
+                listener((op.namespace, op.key), op.location.header if op.location is not None else None)
 
     def _mark_writing(self) -> None:
         """The log is about to write under the append lock: say so in APPEND (once per hold), so
         that if this process dies before it lets go, the next holder checks what it left."""
-        if not self._marked:
-            assert self._append is not None and self.log is not None
-            self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, fmt.APPEND_WRITING,
-                                                           *self.log.position()))
+        if not self._marked:  # where this hold began: records buffered since are not written yet
+            assert self._append is not None and self._hold_start is not None
+            self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, fmt.APPEND_WRITING | self._flags(),
+                                                           *self._hold_start))
             self._marked = True
+
+    def _flags(self) -> int:
+        return fmt.APPEND_REFS if self._refs_seen else 0
 
     def _scan_from(self, here: tuple[int, int, int], *, verify: bool) -> recovery.LogScan:
         """The records after position ``here`` (see ``_catch_up``); ``verify`` checks payloads
@@ -645,7 +742,7 @@ class Engine:
                 log.flush_buffer()
         finally:
             if log.poisoned is None and (self._marked or self._entered_at is None):  # poisoned: stays
-                self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, fmt.APPEND_CLEAN,  # "writing"
+                self._append.write_state(fmt.APPEND_STATE.pack(fmt.APPEND_MAGIC, self._flags(),  # "writing"
                                                                *log.position()))
             self._marked = False
 
@@ -734,31 +831,39 @@ class Engine:
             elif self.durability == "none":
                 log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
             limit = log.written_lsn if self.durability == "none" else log.durable_lsn
-            with self._pending_lock:
-                if not self._pending:
-                    return
-                old = self._oldest_pending or now
-                if not (force or len(self._pending) >= self.options.index_batch
-                        or now - old >= self.options.index_commit_ms / 1000.0):
-                    return
-                n = 0
-                while n < len(self._pending) and self._pending[n].lsn <= limit:
-                    n += 1
-                batch = self._pending[:n]
-            if not batch:
+            if self._append is not None and self.index.applied().lsn < limit:
+                self._see_for_commit(limit)  # other processes' records below the limit: read them first
+            with self._merge_lock:  # no other process's records merge in below the batch meanwhile
+                self._apply_pending(limit, force, sync, now)
+
+    def _apply_pending(self, limit: int, force: bool, sync: bool, now: float) -> None:
+        """Apply the pending records up to LSN ``limit`` (the caller holds the commit and merge locks)."""
+        assert self.index is not None
+        with self._pending_lock:
+            if not self._pending:
                 return
-            last = batch[-1]
-            self.index.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len),
-                             durable=sync)
-            self.counters["index_commits"] += 1
-            with self._pending_lock:
-                del self._pending[:n]
-                self._oldest_pending = time.monotonic() if self._pending else None
-                for op in batch:
-                    k = (op.namespace, op.key)
-                    m = self._mem.get(k)
-                    if m is not None and m.lsn <= last.lsn:
-                        del self._mem[k]
+            old = self._oldest_pending or now
+            if not (force or len(self._pending) >= self.options.index_batch
+                    or now - old >= self.options.index_commit_ms / 1000.0):
+                return
+            n = 0
+            while n < len(self._pending) and self._pending[n].lsn <= limit:
+                n += 1
+            batch = self._pending[:n]
+        if not batch:
+            return
+        last = batch[-1]
+        self.index.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len),
+                         durable=sync)
+        self.counters["index_commits"] += 1
+        with self._pending_lock:
+            del self._pending[:n]
+            self._oldest_pending = time.monotonic() if self._pending else None
+            for op in batch:
+                k = (op.namespace, op.key)
+                m = self._mem.get(k)
+                if m is not None and m.lsn <= last.lsn:
+                    del self._mem[k]
 
     # -- looking up ---------------------------------------------------------------------------
 

@@ -154,7 +154,8 @@ LOCK_FILE = "LOCK"
 APPEND_FILE = "APPEND"  # flock held per append; holds the log end its last holder left
 COMPACT_FILE = "COMPACT"  # flock held by a compaction
 APPEND_MAGIC = b"TSAP"
-APPEND_CLEAN, APPEND_WRITING = 0, 1  # the holder let go / is writing (or died writing)
+APPEND_CLEAN, APPEND_WRITING = 0, 1  # state bit 0: the holder let go / is writing (or died writing)
+APPEND_REFS = 2  # state bit 1: the log holds (or held) session references (§5.4)
 # magic, state, active segment id, tail offset, next LSN (where the log ended when the state was
 # written).  Little-endian, never synced (after a crash the first writer opens alone, runs
 # recovery and writes it again)
