@@ -659,10 +659,10 @@ class Engine:
         ``see_all`` is then half done), then read without it -- the records before the end this
         log adopted are whole and never change -- so appends go on meanwhile.  The range stays
         marked unseen for decisions (``see_all`` reads what the index has not applied since)."""
-        assert self.log is not None and self._append is not None
+        assert self.log is not None and self._append is not None and self.index is not None
         with self._append:
             behind, end = self._behind, self.log.position()
-        if behind is not None and behind[2] <= limit:
+        if behind is not None and behind[2] <= limit and self.index.applied().lsn < limit:
             self._see_range(behind, end)
 
     def _see_range(self, start: tuple[int, int, int], end: tuple[int, int, int]) -> None:
@@ -831,8 +831,8 @@ class Engine:
             elif self.durability == "none":
                 log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
             limit = log.written_lsn if self.durability == "none" else log.durable_lsn
-            if self._append is not None and self.index.applied().lsn < limit:
-                self._see_for_commit(limit)  # other processes' records below the limit: read them first
+            if self._append is not None:  # other processes' records below the limit: read them first
+                self._see_for_commit(limit)
             with self._merge_lock:  # no other process's records merge in below the batch meanwhile
                 self._apply_pending(limit, force, sync, now)
 
