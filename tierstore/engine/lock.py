@@ -132,7 +132,6 @@ class AppendLock:
         self.fd = io.open(self.path, os.O_RDWR | os.O_CREAT)
         self._lock = threading.RLock()
         self._depth = 0
-        self._owner: int | None = None
         self.on_enter: Callable[[], None] | None = None
         self.on_leave: Callable[[], None] | None = None
 
@@ -152,7 +151,7 @@ class AppendLock:
         except BaseException:
             self._lock.release()
             raise
-        self._depth, self._owner = 1, threading.get_ident()
+        self._depth = 1
         if self.on_enter is not None:
             try:
                 self.on_enter()
@@ -172,15 +171,11 @@ class AppendLock:
             self._unlock()
 
     def _unlock(self) -> None:
-        self._depth, self._owner = 0, None
+        self._depth = 0
         try:
             self.io.flock(self.fd, fcntl.LOCK_UN)
         finally:
             self._lock.release()
-
-    def held(self) -> bool:
-        """Whether the calling thread holds the lock."""
-        return self._depth > 0 and self._owner == threading.get_ident()
 
     def __enter__(self) -> "AppendLock":
         self.acquire()
