@@ -44,9 +44,11 @@ from .format import record as rec
 from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session
 from .objects import Blob, KVCache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
+from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens_of
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
 from .tiers.remote import REMOTE_OPTIONS, Remote, RemoteDown, RemoteTier, Version, remote_options, version_of
+from .tiers.trace import TRACE_OPTIONS, TraceWriter, trace_options
 
 TIERS = ("ssd", "dram", "gpu")
 SMALL_READ = 64 << 10  # get_many reads raw blobs of records up to this size together (one pread per run)
@@ -98,10 +100,15 @@ _REMOTE_ENGINES: dict[int, int] = {}
 _REMOTE_LOCK = threading.Lock()
 
 
-def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None) -> None:
-    """Close a handle's tiers and its share of the engine (what ``close`` does); the remote tier
-    first, while its queue can still read the log."""
+def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None,
+            capacity: Capacity | None = None, trace: TraceWriter | None = None) -> None:
+    """Close a handle's tiers and its share of the engine (what ``close`` does); the eviction
+    thread and the remote tier first, while they can still use the log."""
     try:
+        if capacity is not None:
+            capacity.close()
+        if trace is not None:
+            trace.close()
         if remote is not None:
             try:
                 remote.close()
@@ -162,14 +169,16 @@ def _exiting() -> None:
     _EXITING = True
 
 
-def collected(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None) -> None:
+def collected(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None, capacity: Capacity | None,
+              trace: TraceWriter | None) -> None:
     """A handle was garbage-collected without ``close()``: release it on a thread of its own
     (the collector may run on a thread that holds one of the engine's locks), or inline at
     interpreter exit, when no new thread may start."""
     if _EXITING:
-        release(engine, tiers, remote)
+        release(engine, tiers, remote, capacity, trace)
     else:
-        threading.Thread(target=release, args=(engine, tiers, remote), name="tierstore-release").start()
+        threading.Thread(target=release, args=(engine, tiers, remote, capacity, trace),
+                         name="tierstore-release").start()
 
 
 class Store:
@@ -185,7 +194,10 @@ class Store:
         self.codecs = codec_table(options.pop("codecs", None))
         tiers = tier_options(options)
         remote = remote_options(options)
-        self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, "codecs"))
+        capacity = capacity_options(options)
+        trace = trace_options(options)
+        self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, *CAPACITY_OPTIONS,
+                                                          *TRACE_OPTIONS, "codecs"))
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidObject(f"path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -195,13 +207,26 @@ class Store:
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
         self._tiers: Hierarchy | None = None
         self._remote: RemoteTier | None = None
+        self._capacity: Capacity | None = None
+        self._trace: TraceWriter | None = None
+        # told of puts, reads, misses, deletes and sessions: the SSD budget's policy, a trace
+        self._watchers: tuple[Capacity | TraceWriter, ...] = ()
         self._engine = open_engine(self.path, create=create, readonly=readonly, durability=durability,
                                    options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None)
         try:
             self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
+            if capacity is not None and not readonly:  # a read-only handle evicts nothing
+                self._capacity = Capacity(self._engine, pinned=self._tiers.pinned, **capacity)
+            if trace is not None:
+                self._trace = TraceWriter(trace["path"], max_bytes=trace["max_bytes"])
+                if self._capacity is not None:
+                    self._capacity.on_evict = self._trace.evicted
+            self._watchers = tuple(w for w in (self._capacity, self._trace) if w is not None)
             if remote is not None:
                 self._remote = self._open_remote(remote)
         except BaseException:
+            if self._trace is not None:
+                self._trace.close()
             if self._tiers is not None:
                 self._tiers.close()
             self._engine.close()
@@ -209,7 +234,8 @@ class Store:
         self._engine.subscribe(self._tiers.invalidate)  # a cached copy of an older object goes
         # a handle dropped without close() is closed when it is garbage-collected (or at exit):
         # nothing below refers back to the Store, so dropping the last reference is enough
-        self._finalizer = weakref.finalize(self, collected, self._engine, self._tiers, self._remote)
+        self._finalizer = weakref.finalize(self, collected, self._engine, self._tiers, self._remote,
+                                           self._capacity, self._trace)
         global _EXIT_HOOKED
         if not _EXIT_HOOKED:  # registered after weakref's own exit hook, so it runs before it
             atexit.register(_exiting)
@@ -261,7 +287,7 @@ class Store:
             return
         self._closed = True
         if self._finalizer.detach() is not None:  # None: the collector got there first
-            release(self._engine, self._tiers, self._remote)
+            release(self._engine, self._tiers, self._remote, self._capacity, self._trace)
 
     def __enter__(self) -> "Store":
         return self
@@ -330,11 +356,14 @@ class Store:
         sess = encode_session(session) if session is not None else None
         record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
         try:
+            if self._capacity is not None:
+                self._capacity.make_room(record.header.record_len)
             with self._engine.append_lock:  # _append_puts reads what it decides on
-                return self._append_puts([(k, kflags, record)], ns, sess), record
+                where = self._append_puts([(k, kflags, record)], ns, sess)
         except BaseException:
             self._remote_unsent([record])
             raise
+        return where, record
 
     def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
         """Make appended puts durable, then send them to the remote tier (when there is one)."""
@@ -446,6 +475,10 @@ class Store:
             where = engine.append(records[0])
         else:
             where = engine.append_group(records)
+        for w in self._watchers:
+            for k, _, record in puts:
+                w.admitted(ns, k, record.header.record_len, (sess,) if sess is not None else (),
+                           tokens_of(record.header))
         counters = self._counters
         counters["puts"] += len(puts)
         counters["dedup_puts"] += dedup
@@ -475,6 +508,8 @@ class Store:
                 if attempt or not engine.release_reserve():
                     raise
         self._counters["deletes"] += 1
+        for w in self._watchers:
+            w.removed(ns, [k])
         self._remote_deleted(ns, [k])
         return True
 
@@ -525,6 +560,8 @@ class Store:
             return
         records = [r for _, _, r in puts]
         try:
+            if self._capacity is not None:
+                self._capacity.make_room(sum(r.header.record_len for r in records))
             with engine.append_lock:  # _append_puts reads what it decides on
                 where = self._append_puts(puts, ns, sess)
         except BaseException:
@@ -578,6 +615,8 @@ class Store:
                 if attempt or not engine.release_reserve():
                     raise
         self._counters["deletes"] += sum(loc is not None for loc in found)
+        for w in self._watchers:
+            w.removed(ns, [k for (k, _), loc in zip(encoded, found) if loc is not None])
         self._remote_deleted(ns, [k for (k, _), loc in zip(encoded, found) if loc is not None])
         elsewhere = iter(self._remote_only_deleted(ns, [k for (k, _), loc in zip(encoded, found) if loc is None]))
         return [loc is not None or next(elsewhere) for loc in found]
@@ -630,8 +669,11 @@ class Store:
 
     def flush(self) -> None:
         """Make every earlier write durable (whatever the durability mode) and visible to
-        other processes (the index is committed)."""
+        other processes (the index is committed).  With ``ssd_bytes``, an eviction under way
+        in the background finishes first."""
         self._check_open()
+        if self._capacity is not None:
+            self._capacity.wait_idle()
         self._engine.flush()
 
     # -- sessions -------------------------------------------------------------------------------
@@ -713,6 +755,9 @@ class Store:
             if batch:
                 where = engine.append_group(batch)
         self._counters["deletes"] += deleted
+        for w in self._watchers:
+            w.removed(ns, gone)
+            w.session_ended(ns, sess)
         if self._tiers is not None:
             for t in self._tiers.tiers().values():
                 with t.lock:
@@ -759,6 +804,8 @@ class Store:
         k, _ = encode_key(key)
         loc = self._engine.lookup(ns, k)
         if loc is None:
+            for w in self._watchers:
+                w.missed(ns, [k])
             raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace,
                            hint_from=functools.partial(self._elsewhere, k, ns))
         return ns, k, loc
@@ -953,12 +1000,17 @@ class Store:
             return
         engine = self._engine
         try:
+            record = reader.record()
+            if self._capacity is not None:
+                self._capacity.make_room(record.header.record_len)
             with engine.write_lock:
                 cur = engine.lookup(ns, k)
                 if (version_of(cur.header) if cur is not None else None) != mine:
                     return
-                where = engine.append(reader.record())
+                where = engine.append(record)
             engine.settle_later(where)
+            for w in self._watchers:
+                w.admitted(ns, k, record.header.record_len, (), tokens_of(record.header))
         except StoreFull:  # no room for a copy: served from the fetched bytes, not kept
             assert self._remote is not None
             self._remote.counters["not_cached"] = self._remote.counters.get("not_cached", 0) + 1
@@ -999,6 +1051,8 @@ class Store:
             obj.meta = copy.deepcopy(user_meta)  # the caller's to change: not the cached header's
         counters = self._counters
         counters["gets"] += 1
+        for w in self._watchers:
+            w.touched(loc.header.namespace, loc.header.key, loc.header.record_len, tokens_of(loc.header))
         lengths = loc.header.extent_lengths
         counters["bytes_read"] += sum(lengths) if layers is None and rows is None else \
             sum(lengths[i] for i in wanted_extents(loc.header, layers, rows))
@@ -1021,6 +1075,8 @@ class Store:
         ks = [encode_key(key)[0] for key in keys]
         locs = self._engine.lookup_many(ns, ks)
         result: list[Any] = [None] * len(keys)
+        for w in self._watchers:
+            w.missed(ns, [k for k, loc in zip(ks, locs) if loc is None])
         if self._remote is not None:  # one pipeline of versions, then the rule of _reconcile per key
             try:
                 states = self._remote.states(ns, ks)
@@ -1206,7 +1262,8 @@ class Store:
             **engine,
             "counters": {**self._counters, **engine.pop("counters")},
             "recovery": dict(self.recovery),
-            "tiers": {"ssd": {"bytes_used": engine["segment_bytes"], "capacity_bytes": None, "io_path": "posix"},
+            "tiers": {"ssd": {"bytes_used": engine["segment_bytes"], "capacity_bytes": None, "io_path": "posix",
+                              **(self._capacity.stats() if self._capacity is not None else {})},
                       **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())},
                       **({"remote": self._remote.stats()} if self._remote is not None else {})},
         }
@@ -1258,6 +1315,8 @@ class Store:
         sess = encode_session(session)
         with t.lock:
             t.policy.session_active(sess)
+        for w in self._watchers:
+            w.session_active(encode_namespace(namespace), sess)
         return self.prefetch(self.session_keys(session, namespace=namespace), namespace=namespace, tier=tier)
 
     def stream_layers(self, key: str | bytes, *, namespace: str = "default", device: str | None = None,

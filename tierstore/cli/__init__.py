@@ -408,6 +408,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import simulate
+
+    result = simulate.run(args)
+    plotted = simulate.plot(result, args.plot) if args.plot else None
+
+    def text() -> None:
+        simulate.text(result)
+        if plotted is False:
+            print("plot skipped: matplotlib is not installed (pip install 'tierstore[bench]')")
+        elif plotted:
+            print(f"plot: {args.plot}")
+
+    _emit(args, result, text)
+    follow = [m for r in result["runs"] for m in r.get("mismatches", [])]
+    return EXIT_FINDINGS if follow else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore", description="tierstore: typed KV-cache / vector / blob storage for LLM systems.",
@@ -433,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, help="write results.json and plots here")
     sp.add_argument("--section", action="append",
                     choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote",
-                             "writers"],
+                             "writers", "placement"],
                     help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
@@ -470,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path")
     sp.add_argument("--remote", required=True, metavar="URL", help="redis://host:6379/0, redis+cluster://h1:p1,...")
     sp.add_argument("--namespace", default=None, help="only this namespace")
+    sp = add("simulate", cmd_simulate, "replay a trace against placement policies (lru, session, cost, Belady's "
+                                       "optimum): hit rates, bytes per tier, recompute tokens; no data touched")
+    from .simulate import add_arguments
+
+    add_arguments(sp)
     sp = add("quarantine", cmd_quarantine, "list what recoveries set aside in quarantine/, or --clear it")
     sp.add_argument("path")
     sp.add_argument("--clear", action="store_true", help="delete everything in quarantine/")

@@ -77,6 +77,56 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
         dead = stats.get(seg, (0, 0))[0]
         if size <= 0 or file_size < small or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
+    return {"victims": victims, **_compact_victims(engine, victims, progress), "seconds": time.perf_counter() - t0}
+
+
+def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float) -> dict[str, Any]:
+    """Compact sealed segments whose dead fraction is at least ``min_dead_ratio``, the largest
+    fraction first (the fewest live bytes copied per byte freed), until ``excess()`` (bytes
+    still to free) is 0 or none is left: the SSD budget's eviction (capacity.py), after it deleted
+    its victims.  Victims are taken together while their dead bytes cover the excess (one sync
+    and one index commit per batch).  The active segment is sealed and joins them when the
+    sealed ones do not suffice and it holds dead bytes itself."""
+    engine.check_writable()
+    lock = engine.compaction_lock()
+    try:
+        t0 = time.perf_counter()
+        engine.commit(force=True, sync=True)
+        done: list[int] = []
+        counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0}
+        sealed = False
+        while (need := excess()) > 0:
+            stats, segs = engine.segment_stats(), engine.segments()
+            ranked = []
+            for seg in segs[:-1]:
+                dead = stats.get(seg, (0, 0))[0]
+                size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
+                if dead > 0 and dead / size >= min_dead_ratio:
+                    ranked.append((-dead / size, seg, dead))
+            victims, covered = [], 0
+            for _, seg, dead in sorted(ranked):
+                if covered >= need:
+                    break
+                victims.append(seg)
+                covered += dead
+            if covered < need and not sealed and stats.get(segs[-1], (0, 0))[0] > 0:
+                engine.seal_active(1)  # its dead bytes join in (next pass)
+                sealed = True
+                continue
+            if not victims:
+                break
+            victims.sort()
+            for k, v in _compact_victims(engine, victims, None).items():
+                counts[k] += v
+            done += victims
+        return {"victims": done, **counts, "seconds": time.perf_counter() - t0}
+    finally:
+        engine.io.close(lock)
+
+
+def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int], None] | None) -> dict[str, Any]:
+    """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
+    keeps what it finished."""
     victim_set = set(victims)
     # the oldest segment that survives: a DELETE must be carried forward from any victim newer than it
     oldest_survivor = min((s for s in engine.segments() if s not in victim_set), default=None)
@@ -84,13 +134,13 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
     counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
     batch_bytes = 0
-    for seg in victims:  # oldest first, in batches: an interrupted compaction keeps what it finished
+    for seg in victims:
         batch.append(seg)
         batch_bytes += os.path.getsize(engine.segment_path(seg))
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
             compact_batch(engine, batch, oldest_survivor, counts, progress)
             batch, batch_bytes = [], 0
-    return {"victims": victims, **counts, "bytes_before": bytes_before, "seconds": time.perf_counter() - t0}
+    return {**counts, "bytes_before": bytes_before}
 
 
 def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int],

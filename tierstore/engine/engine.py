@@ -203,6 +203,7 @@ class Engine:
         self._listeners: list[WriteListener] = []
         self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
         self._refs_seen = False  # the store holds (or held) session references
+        self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
         self._oldest_pending: float | None = None
@@ -1139,6 +1140,47 @@ class Engine:
         self.io.fsync_dir(self.seg_dir)
         self.index.forget_segments(segs)
 
+    def disk_bytes(self) -> int:
+        """Bytes the store occupies on disk: its segment files, the index's files and the
+        reserve (what ``ssd_bytes`` bounds)."""
+        return sum(self.disk_usage())
+
+    def disk_usage(self) -> tuple[int, int]:
+        """(bytes of segment files, bytes of the index's files and the reserve).  Sealed
+        segments never grow, so their sizes are remembered; the active one, the index and the
+        reserve are asked each time."""
+        segs = self.segments()
+        known = self._sealed_sizes
+        for gone in set(known) - set(segs):
+            del known[gone]
+        total = 0
+        for seg in segs[:-1]:
+            size = known.get(seg)
+            if size is None:
+                try:
+                    size = known[seg] = os.path.getsize(self.files.path(seg))
+                except FileNotFoundError:  # retired meanwhile (another process's compaction)
+                    size = 0
+            total += size
+        for seg in segs[-1:]:
+            try:
+                total += os.path.getsize(self.files.path(seg))
+            except FileNotFoundError:
+                pass
+        other = [os.path.join(self.path, fmt.RESERVE_FILE)]
+        index_dir = os.path.join(self.path, fmt.INDEX_DIR)
+        try:
+            other += [os.path.join(index_dir, name) for name in os.listdir(index_dir)]
+        except FileNotFoundError:
+            pass
+        rest = 0
+        for path in other:
+            try:
+                rest += os.path.getsize(path)
+            except FileNotFoundError:
+                pass
+        return total, rest
+
     # -- figures ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -1148,7 +1190,13 @@ class Engine:
             self.commit(force=True, sync=False)
         segs = self.index.segment_stats()
         seg_ids = self.segments()
-        sizes = {s: os.path.getsize(self.files.path(s)) for s in seg_ids}
+        sizes = {}
+        for s in seg_ids:
+            try:
+                sizes[s] = os.path.getsize(self.files.path(s))
+            except FileNotFoundError:  # retired meanwhile (a compaction, here or in another process)
+                pass
+        seg_ids = list(sizes)
         dead = sum(segs.get(s, (0, 0))[0] for s in seg_ids)
         total = sum(sizes.values())
         with self._pending_lock:

@@ -377,3 +377,7 @@ class Hierarchy:
 
     def where(self, key: Hashable, hdr: rec.RecordHeader) -> tuple[str, ...]:
         return tuple(t.name for t in (self.gpu, self.dram) if t is not None and t.holds(key, hdr))
+
+    def pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` holds a pin in any tier (the SSD budget never evicts it)."""
+        return any(t.pins.get(key) for t in (self.gpu, self.dram) if t is not None)

@@ -50,6 +50,10 @@ class Policy:
     def session_ended(self, session: bytes) -> None:
         """A session was dropped: its objects are the first to go."""
 
+    def cost_hint(self, key: Hashable, tokens: int) -> None:
+        """Before ``admitted``: how many tokens the object holds (a KV cache: its token count;
+        0 otherwise).  Policies that weigh what a miss costs use it; others ignore it."""
+
     def fresh(self) -> "Policy":
         """A new, empty policy of the same kind and settings (one per tier)."""
         return type(self)()
@@ -184,7 +188,146 @@ class SessionAware(Policy):
                 yield from reversed(list(g.keys))
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware}
+# CostAware's defaults: an 8B-parameter model's prefill (2 FLOPs per parameter per token) on a
+# 989 TFLOP/s (dense bf16) accelerator at half its peak; objects without tokens come back from the
+# next tier at 1 GB/s
+DEFAULT_PARAMS = 8e9
+DEFAULT_DEVICE_FLOPS = 989e12
+DEFAULT_UTILISATION = 0.5
+DEFAULT_REFETCH_BYTES_PER_S = 1e9
+
+
+def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEVICE_FLOPS,
+                      utilisation: float = DEFAULT_UTILISATION) -> float:
+    """Seconds to recompute one token's KV in a prefill: 2 * params FLOPs at ``utilisation``
+    of ``device_flops`` (attention's quadratic part left out: a lower bound for long contexts)."""
+    for name, v in (("params", params), ("device_flops", device_flops), ("utilisation", utilisation)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            raise InvalidObject(f"{name} must be a positive number, got {v!r}")
+    return 2.0 * params / (device_flops * utilisation)
+
+
+class CostAware(Policy):
+    """What a miss costs, per byte kept: GreedyDual-Size (Cao and Irani, 1997) with costs in
+    seconds, and the session look-ahead of ``SessionAware``.
+
+    Each entry has a priority ``H = L + C / S``, set when it is admitted and again at each
+    read: ``S`` its size in bytes, ``C`` the seconds a miss costs -- recomputing its tokens
+    (``tokens * seconds_per_token``; per namespace from ``models``, a dict namespace ->
+    parameter count, else the default model) or, for an object that holds no tokens, reading
+    its bytes again from the next tier (``S / refetch_bytes_per_s``) -- and ``L`` the priority
+    of the last entry evicted, which rises as evictions go on, so that an entry not read for a
+    while falls behind those read since.  Lowest ``H`` goes first: among objects of one cost
+    per byte it is LRU; a costlier object per byte stays longer.  Objects of a session
+    announced by ``prefetch_session`` go after every other until read; objects of a dropped
+    session go first.  (Counting reads too -- GreedyDual-Size-Frequency -- kept whole finished
+    conversations and lost to LRU on every generated trace: docs/placement.md.)
+    """
+
+    name = "cost"
+
+    def __init__(self, *, seconds_per_token: float | None = None, models: dict[str, float] | None = None,
+                 refetch_bytes_per_s: float = DEFAULT_REFETCH_BYTES_PER_S,
+                 device_flops: float = DEFAULT_DEVICE_FLOPS, utilisation: float = DEFAULT_UTILISATION) -> None:
+        self._args = {"seconds_per_token": seconds_per_token, "models": models,
+                      "refetch_bytes_per_s": refetch_bytes_per_s, "device_flops": device_flops,
+                      "utilisation": utilisation}
+        self.spt = seconds_per_token if seconds_per_token is not None else \
+            recompute_seconds_per_token(DEFAULT_PARAMS, device_flops, utilisation)
+        if not (isinstance(self.spt, (int, float)) and self.spt > 0):
+            raise InvalidObject(f"seconds_per_token must be a positive number, got {seconds_per_token!r}")
+        if not (isinstance(refetch_bytes_per_s, (int, float)) and refetch_bytes_per_s > 0):
+            raise InvalidObject(f"refetch_bytes_per_s must be a positive number, got {refetch_bytes_per_s!r}")
+        self.refetch = float(refetch_bytes_per_s)
+        self.per_ns: dict[bytes, float] = {}
+        for ns, params in (models or {}).items():
+            key = ns.encode("utf-8") if isinstance(ns, str) else bytes(ns)
+            self.per_ns[key] = recompute_seconds_per_token(params, device_flops, utilisation)
+        self.inflation = 0.0  # L
+        self._tokens: dict[Hashable, int] = {}
+        self._entries: dict[Hashable, list[float]] = {}  # key -> [H, C / S, seq of its last admit or read]
+        self._sessions: dict[Hashable, tuple[bytes, ...]] = {}
+        self._active: OrderedDict[bytes, None] = OrderedDict()
+        self._ended: set[bytes] = set()
+        self._heap: list[tuple[float, int, Hashable]] = []  # (H, seq, key); stale items skipped
+        self._seq = 0
+
+    def fresh(self) -> "CostAware":
+        return CostAware(**self._args)  # type: ignore[arg-type]
+
+    def cost(self, key: Hashable, nbytes: int, tokens: int) -> float:
+        """Seconds a miss of this object costs (``C`` above)."""
+        if tokens > 0:
+            ns = key[0] if isinstance(key, tuple) and key and isinstance(key[0], bytes) else None
+            return tokens * self.per_ns.get(ns, self.spt) if ns is not None else tokens * self.spt
+        return nbytes / self.refetch
+
+    def cost_hint(self, key: Hashable, tokens: int) -> None:
+        self._tokens[key] = int(tokens)
+
+    def _set(self, key: Hashable, e: list[float]) -> None:
+        e[0] = self.inflation + e[1]
+        self._seq += 1
+        e[2] = self._seq  # ties (same H) go least recently used first
+        heapq.heappush(self._heap, (e[0], self._seq, key))
+        if len(self._heap) > 4 * len(self._entries) + 64:  # drop stale heap items
+            self._heap = [(h[0], i, k) for i, (k, h) in enumerate(self._entries.items())]
+            heapq.heapify(self._heap)
+
+    def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
+        per_byte = self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes)
+        e = self._entries[key] = [0.0, per_byte, 0]
+        self._sessions[key] = sessions
+        self._set(key, e)
+
+    def touched(self, key: Hashable) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        for s in self._sessions.get(key, ()):
+            self._active.pop(s, None)  # the announced turn is being served
+        self._set(key, e)
+
+    def removed(self, key: Hashable) -> None:
+        e = self._entries.pop(key, None)
+        self._sessions.pop(key, None)
+        self._tokens.pop(key, None)
+        if e is None:
+            return
+        heap = self._heap
+        while heap:  # the current lowest priority (stale heap items dropped)
+            cur = self._entries.get(heap[0][2])
+            if cur is not None and cur[0] == heap[0][0]:
+                break
+            heapq.heappop(heap)
+        if not heap or e[0] <= heap[0][0]:  # the lowest priority went: an eviction, not a delete
+            self.inflation = max(self.inflation, e[0])
+
+    def session_active(self, session: bytes) -> None:
+        self._ended.discard(session)
+        self._active[session] = None
+        self._active.move_to_end(session)
+        while len(self._active) > ACTIVE_MAX:
+            self._active.popitem(last=False)
+
+    def session_ended(self, session: bytes) -> None:
+        self._active.pop(session, None)
+        self._ended.add(session)
+
+    def victims(self) -> Iterator[Hashable]:
+        def rank(key: Hashable) -> int:
+            ss = self._sessions.get(key, ())
+            if ss and all(s in self._ended for s in ss):
+                return 0
+            return 2 if any(s in self._active for s in ss) else 1
+
+        heap = [(rank(k), e[0], e[2], k) for k, e in self._entries.items()]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[3]
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware, "cost": CostAware}
 
 ADMISSIONS = ("first", "second")
 SECOND_READ_MEMORY = 16384  # objects whose first read SecondRead remembers
@@ -220,7 +363,7 @@ class SecondRead:
 
 
 def make(policy: str | Policy | None) -> Policy:
-    """A policy from a name ("lru", "session") or an instance; None means LRU."""
+    """A policy from a name ("lru", "session", "cost") or an instance; None means LRU."""
     if policy is None:
         return LRU()
     if isinstance(policy, Policy):

@@ -1,0 +1,260 @@
+"""The SSD budget (``ssd_bytes``, SPEC.md §7.9): the store's files stay under it, evicted objects
+are misses, pinned objects and retained namespaces stay, session references go with their
+objects, the budget holds across restarts and SIGKILLs, and a put that cannot fit says why."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tierstore
+from tierstore import Blob
+from tierstore.engine import repair
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
+MiB = 1 << 20
+
+
+def files_bytes(path: str) -> int:
+    """What the store occupies, counted here from the directory (not by the engine)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        if os.path.basename(root) == "quarantine":
+            continue
+        for n in names:
+            if n.endswith(".tseg") or root.endswith("index") or n == "RESERVE":
+                try:
+                    total += os.path.getsize(os.path.join(root, n))
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+def payload(i: int, size: int) -> bytes:
+    return (f"{i}:".encode() * (size // 2 + 1))[:size]
+
+
+def test_puts_past_the_budget_evict_the_least_recently_used_and_stay_under_it(tmp_path):
+    path = str(tmp_path / "s")
+    budget = 8 * MiB
+    with tierstore.open(path, ssd_bytes=budget, durability="none") as s:
+        for i in range(120):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+            assert files_bytes(path) <= budget, f"after put {i}"
+            if i % 5 == 0:
+                s.get("k0")  # read often: never the least recently used
+        s.flush()  # the eviction thread done
+        keys = set(s.keys())
+        st = s.stats()["tiers"]["ssd"]
+        assert st["capacity_bytes"] == budget and st["evictions"] > 0 and st["bytes_used"] <= budget
+        assert "k0" in keys and "k119" in keys and "k1" not in keys
+        # what is left is the most recent run of puts (plus k0): eviction follows the LRU order
+        held = sorted(int(k[1:]) for k in keys if k != "k0")
+        assert held == list(range(held[0], 120)), held
+        # evicted objects are misses, never errors
+        with pytest.raises(tierstore.NotFound):
+            s.get("k1")
+        assert s.get_many(["k1", "k119"])[0] is None
+        assert s.contains_many(["k1", "k0"]) == [False, True]
+        for k in keys:
+            i = int(k[1:])
+            assert s.get(k).data == payload(i, 200_000)
+    assert repair.fsck(path, deep=True).ok
+
+
+def test_budget_without_eviction_is_the_plain_store(tmp_path):
+    """Twin: under the budget nothing is evicted and nothing is compacted."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes="64MiB") as s:
+        for i in range(20):
+            s.put(f"k{i}", Blob(payload(i, 100_000)))
+        st = s.stats()["tiers"]["ssd"]
+        assert st["evictions"] == 0 and st["compacted_bytes"] == 0
+        assert len(s.keys()) == 20
+
+
+def test_retained_namespaces_and_pinned_objects_are_never_evicted(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=8 * MiB, retain={"rag": "always"}, dram_bytes="4MiB") as s:
+        for i in range(8):
+            s.put(f"doc{i}", Blob(payload(i, 200_000)), namespace="rag")
+        s.put("pinned", Blob(payload(-1, 100_000)))
+        s.pin("pinned")
+        for i in range(100):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+        s.flush()
+        assert s.keys(namespace="rag") == [f"doc{i}" for i in range(8)] or \
+            sorted(s.keys(namespace="rag")) == sorted(f"doc{i}" for i in range(8))
+        assert "pinned" in s.keys()
+        assert s.stats()["tiers"]["ssd"]["retained"] == ["rag"]
+        assert files_bytes(path) <= 8 * MiB
+
+
+def test_everything_retained_raises_store_full_with_a_true_hint_and_nothing_written(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=4 * MiB, retain={"rag": "always"}) as s:
+        i = 0
+        with pytest.raises(tierstore.StoreFull) as err:
+            while True:
+                s.put(f"doc{i}", Blob(payload(i, 300_000)), namespace="rag")
+                i += 1
+        assert "retain" in err.value.hint and "ssd_bytes" in err.value.hint
+        assert f"doc{i}" not in s.keys(namespace="rag")  # the put that raised left nothing
+        assert len(s.keys(namespace="rag")) == i
+        assert files_bytes(path) <= 4 * MiB
+        # deletes still work, and then puts fit again
+        s.delete("doc0", namespace="rag")
+        s.compact()
+        s.put("again", Blob(payload(0, 300_000)), namespace="rag")
+
+
+def test_a_put_larger_than_the_budget_is_refused_before_anything_is_evicted(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=2 * MiB) as s:
+        s.put("small", Blob(b"x" * 1000))
+        with pytest.raises(tierstore.StoreFull) as err:
+            s.put("huge", Blob(b"y" * (3 * MiB)))
+        assert "ssd_bytes" in err.value.hint
+        assert s.get("small").data == b"x" * 1000 and s.stats()["tiers"]["ssd"]["evictions"] == 0
+
+
+def test_objects_a_session_references_go_after_the_others_and_take_their_references(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=8 * MiB, durability="none") as s:
+        for i in range(10):
+            s.put(f"turn{i}", Blob(payload(i, 200_000)), session="chat")
+        for i in range(40):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))  # newer, but unreferenced: evicted first
+        s.flush()
+        kept = s.session_keys("chat")
+        assert len(kept) == 10, kept
+        for i in range(60):  # only referenced objects now: the oldest of them have to go
+            s.put(f"later{i}", Blob(payload(i, 200_000)), session="chat2")
+        s.flush()
+        assert not [k for k in s.keys() if k.startswith("k")]  # every unreferenced one went first
+        kept = s.session_keys("chat")
+        assert len(kept) < 10  # then chat's, the least recently used: their references went with them
+        assert sorted(kept) == sorted(k for k in s.keys() if k.startswith("turn"))
+        assert sorted(s.session_keys("chat2")) == sorted(k for k in s.keys() if k.startswith("later"))
+    report = repair.fsck(path, deep=True)
+    assert report.ok, report
+
+
+def test_the_budget_and_the_order_hold_across_a_restart(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=8 * MiB) as s:
+        for i in range(30):
+            s.put(f"a{i}", Blob(payload(i, 200_000)))
+    with tierstore.open(path, ssd_bytes=8 * MiB) as s:
+        before = set(s.keys())
+        for i in range(10):
+            s.put(f"b{i}", Blob(payload(i, 200_000)))
+        s.flush()
+        after = set(s.keys())
+        assert files_bytes(path) <= 8 * MiB
+        gone = sorted(int(k[1:]) for k in before - after)
+        # after a restart the log's order is the order: the oldest records went first
+        assert gone and gone == sorted(int(k[1:]) for k in before)[:len(gone)]
+        assert all(f"b{i}" in after for i in range(10))
+
+
+def test_a_budget_on_an_existing_larger_store_shrinks_it_at_the_next_put(tmp_path):
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        for i in range(60):
+            s.put(f"a{i}", Blob(payload(i, 200_000)))
+    assert files_bytes(path) > 8 * MiB
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes="512KiB") as s:
+        s.put("new", Blob(b"n"))
+        s.flush()
+        assert files_bytes(path) <= 8 * MiB
+        assert "new" in s.keys() and "a59" in s.keys() and "a0" not in s.keys()
+
+
+def test_options_are_checked(tmp_path):
+    path = str(tmp_path / "s")
+    with pytest.raises(tierstore.InvalidObject, match="ssd_bytes"):
+        tierstore.open(path, retain={"a": "always"})
+    with pytest.raises(tierstore.InvalidObject, match="retain"):
+        tierstore.open(path, ssd_bytes="1GiB", retain={"a": "sometimes"})
+    with pytest.raises(tierstore.InvalidObject, match="at least"):
+        tierstore.open(path, ssd_bytes=1000)
+    with pytest.raises(tierstore.InvalidObject, match="policy"):
+        tierstore.open(path, ssd_bytes="1GiB", ssd_policy="fifo-ish")
+    with tierstore.open(path, ssd_bytes="1GiB", ssd_policy="session") as s:
+        assert s.stats()["tiers"]["ssd"]["policy"] == "session"
+        assert s.options.segment_bytes == 64 * MiB  # a sixteenth of the budget
+    with tierstore.open(path, ssd_bytes="1GiB", readonly=True) as r:  # a reader evicts nothing
+        assert r.stats()["tiers"]["ssd"]["capacity_bytes"] is None
+
+
+# a writer with a budget, killed at random: every acknowledged put is either there with its
+# bytes or evicted (missing), never torn or wrong; prints each acknowledged key
+KILLED = r"""
+import sys
+sys.path.insert(0, SRC)
+import tierstore
+from tierstore import Blob
+path, first = sys.argv[1], int(sys.argv[2])
+s = tierstore.open(path, ssd_bytes=6 << 20, segment_bytes="512KiB")
+for i in range(first, first + 10_000):
+    size = 20_000 + (i * 7919) % 180_000
+    s.put(f"k{i}", Blob((f"{i}:".encode() * (size // 2 + 1))[:size]))
+    if i % 9 == 0:
+        s.delete(f"k{i - 3}")
+        print("del", i - 3, flush=True)
+    print("put", i, flush=True)
+""".replace("SRC", repr(SRC))
+
+
+def test_sigkill_during_eviction_loses_nothing_it_kept_and_keeps_the_budget(tmp_path):
+    path = str(tmp_path / "s")
+    rng = random.Random(7)
+    acked: dict[int, bool] = {}  # key -> still expected (False: deleted)
+    first = 0
+    kills = 0
+    for _ in range(5):
+        p = subprocess.Popen([sys.executable, "-c", KILLED, path, str(first)], stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + rng.uniform(1.5, 3.0)
+        assert p.stdout is not None
+        for line in p.stdout:
+            op, i = line.split()
+            acked[int(i)] = op == "put"
+            first = max(first, int(i) + 1)
+            if time.monotonic() > deadline:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+                break
+        p.wait()
+        with tierstore.open(path, ssd_bytes=6 << 20, segment_bytes="512KiB") as s:
+            held = set(s.keys())
+            for k in held:
+                i = int(k[1:])
+                size = 20_000 + (i * 7919) % 180_000
+                assert s.get(k).data == (f"{i}:".encode() * (size // 2 + 1))[:size]
+                assert acked.get(i, True), f"{k} was deleted and came back"
+            newest = max(i for i, kept in acked.items() if kept)
+            assert f"k{newest}" in held, "the last acknowledged put was evicted or lost"
+            # a kill during a compaction may leave its copies beside the victims: the next put
+            # brings the store under the budget again
+            s.put("probe", Blob(b"p"))
+            s.flush()
+            assert files_bytes(path) <= 6 << 20
+            s.delete("probe")
+        report = repair.fsck(path, deep=True)
+        assert report.ok, report
+        first += 1
+    assert kills >= 3
+    # the index rebuilt from the segments gives the same answers
+    with tierstore.open(path) as s:
+        expected = {k: (s.info(k).lsn, s.info(k).extent_checksums) for k in s.keys()}
+    import shutil
+    shutil.rmtree(os.path.join(path, "index"))
+    with tierstore.open(path) as s:
+        assert {k: (s.info(k).lsn, s.info(k).extent_checksums) for k in s.keys()} == expected

@@ -1,0 +1,169 @@
+"""Traces and simulation (docs/placement.md): what ``trace_to=`` records, the trace format's
+checks, the simulator's arithmetic on a trace worked by hand, Belady as the bound, the
+generated shapes, and the live store and the simulator making the same eviction decisions."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import tierstore
+from tierstore import Blob, KVCache
+from tierstore.cli import main as cli
+from tierstore.tiers import simulate as sim
+from tierstore.tiers import trace as tr
+from tierstore.tiers import workloads
+
+MiB = 1 << 20
+
+
+def lines(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(x) for x in f]
+
+
+def test_trace_to_records_what_the_store_was_asked(tmp_path):
+    path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
+    kv = KVCache(__import__("numpy").zeros((2, 2, 1, 16, 8), "float16"))
+    with tierstore.open(path, trace_to=log) as s:
+        s.put("a", kv, namespace="chat", session="u1")
+        s.get("a", namespace="chat")
+        with pytest.raises(tierstore.NotFound):
+            s.get("nope", namespace="chat")
+        s.get_many(["a", "gone"], namespace="chat")
+        s.put(b"\xff\x00", Blob(b"x"))
+        s.delete(b"\xff\x00")
+        s.prefetch_session("u1", namespace="chat").result()
+        s.drop_session("u1", namespace="chat")
+    ops = lines(log)
+    assert [o["op"] for o in ops] == ["put", "get", "get", "get", "get", "put", "delete", "session", "delete", "drop"]
+    put = ops[0]
+    assert put["ns"] == "chat" and put["key"] == "a" and put["tokens"] == 16 and put["session"] == "u1"
+    assert put["bytes"] > kv.data.nbytes  # the stored record: header and padding included
+    assert ops[1]["hit"] is True and ops[1]["bytes"] == put["bytes"]
+    assert ops[2] == {**ops[2], "key": "nope", "hit": False}
+    assert [o["hit"] for o in ops[3:5]] == [True, False] or [o["hit"] for o in ops[3:5]] == [False, True]
+    assert ops[5]["key_hex"] == "ff00" and ops[6]["key_hex"] == "ff00"
+    assert all(isinstance(o["t"], float) for o in ops)
+    assert len(list(tr.read_trace(log))) == len(ops)
+
+
+def test_a_trace_stops_at_its_bound_with_a_truncated_line(tmp_path):
+    path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
+    with tierstore.open(path, trace_to=log, trace_bytes=2000) as s:
+        for i in range(100):
+            s.put(f"k{i}", Blob(b"v"))
+    ops = lines(log)
+    assert ops[-1]["op"] == "truncated" and os.path.getsize(log) <= 2000 + 100
+    assert 5 < len(ops) < 100
+    with pytest.raises(tierstore.InvalidObject, match="trace_to"):
+        tierstore.open(path, trace_bytes=100)
+
+
+def test_read_trace_names_the_bad_line_and_reads_a_good_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"op": "put", "ns": "a", "key": "k", "bytes": 10}\n{"op": "teleport"}\n')
+    with pytest.raises(tierstore.InvalidObject, match=":2:"):
+        list(tr.read_trace(str(bad)))
+    bad.write_text('{"op": "get", "ns": "a", "key": "k", "bytes": -1}\n')
+    with pytest.raises(tierstore.InvalidObject, match="bytes"):
+        list(tr.read_trace(str(bad)))
+    bad.write_text("not json\n")
+    with pytest.raises(tierstore.InvalidObject, match="not JSON"):
+        list(tr.read_trace(str(bad)))
+    good = tmp_path / "good.jsonl"  # twin: a valid file reads
+    good.write_text('{"op": "put", "ns": "a", "key": "k", "bytes": 10}\n\n{"op": "session", "session": "s"}\n')
+    assert [o["op"] for o in tr.read_trace(str(good))] == ["put", "session"]
+
+
+def op(kind: str, key: str, nbytes: int = 10, **kw) -> dict:
+    return {"op": kind, "ns": "n", "key": key, "bytes": nbytes, "tokens": 1, **kw}
+
+
+def test_the_simulator_on_a_trace_worked_by_hand():
+    # SSD holds two objects of 10 bytes, no DRAM.  LRU: a b (put) a (hit) c (put: evicts b)
+    # b (miss: recomputed, stored, evicts a) a (miss) c (hit? no: evicted by a) ...
+    ops = [op("put", "a"), op("put", "b"), op("get", "a"), op("put", "c"), op("get", "b"), op("get", "a"),
+           op("get", "c")]
+    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=20, policy="lru")
+    # get a: hit.  put c evicts b (LRU).  get b: miss, stored, evicts a.  get a: miss, stored,
+    # evicts c.  get c: miss.
+    assert (r["ssd_hits"], r["misses"], r["bytes_slow"], r["recompute_tokens"]) == (1, 3, 30, 3)
+    b = sim.simulate(ops, dram_bytes=0, ssd_bytes=20, policy="belady")
+    # Belady: put c evicts whichever is read farthest ahead -- c itself is not held yet, so of
+    # a (read at 5) and b (read at 4), a goes; get b hit; get a miss (evicts b: never read
+    # again); get c hit
+    assert (b["ssd_hits"], b["misses"]) == (3, 1)
+    # a DRAM tier of one object in front: the first hit of a is an SSD hit, admitted to DRAM
+    d = sim.simulate([op("put", "a"), op("get", "a"), op("get", "a")], dram_bytes=10, ssd_bytes=20, policy="lru")
+    assert (d["ssd_hits"], d["dram_hits"], d["bytes_from_ssd"]) == (1, 1, 10)
+
+
+@pytest.mark.parametrize("shape", sorted(workloads.SHAPES))
+def test_belady_is_the_bound_on_every_generated_shape(shape):
+    small = {"chat": {"sessions": 30}, "tenants": {"tenants": 10, "requests": 300},
+             "rag": {"documents": 100, "queries": 200}, "agent": {"agents": 8, "steps": (5, 15)}}[shape]
+    ops = workloads.generate(shape, seed=3, **small)
+    for o in ops:
+        tr.check_op(o, "generated")
+    assert ops == workloads.generate(shape, seed=3, **small)  # seeded: reproducible
+    data = sim.data_bytes(ops)
+    runs = {p: sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p) for p in sim.POLICY_NAMES}
+    for p, r in runs.items():
+        assert runs["belady"]["misses"] <= r["misses"], (shape, p)  # one object size: Belady is optimal
+        assert r["gets"] == r["dram_hits"] + r["ssd_hits"] + r["misses"]
+
+
+def test_sharegpt_file_becomes_a_chat_trace(tmp_path):
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps([{"conversations": [{"from": "human", "value": "x" * 4000},
+                                                {"from": "gpt", "value": "y" * 8000},
+                                                {"from": "human", "value": "z" * 2000}]},
+                             {"conversations": [{"from": "human", "value": "w" * 1200}]}]))
+    ops = workloads.sharegpt(str(f), chunk_tokens=256)
+    puts = [o for o in ops if o["op"] == "put"]
+    # conversation 0: 1000 + 2000 + 500 tokens = 13 full chunks; conversation 1: 300 tokens = 1
+    assert len([o for o in puts if o["key"].startswith("c0-")]) == 13
+    assert len([o for o in puts if o["key"].startswith("c1-")]) == 1
+    assert any(o["op"] == "get" for o in ops)
+    f.write_text("{}")
+    with pytest.raises(tierstore.InvalidObject, match="ShareGPT"):
+        workloads.sharegpt(str(f))
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_the_live_store_and_the_simulator_make_the_same_evictions(tmp_path, policy):
+    path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
+    with tierstore.open(path, ssd_bytes=8 * MiB, ssd_policy=policy, trace_to=log, durability="none") as s:
+        for i in range(90):
+            s.put(f"k{i}", Blob(os.urandom(150_000 + (i % 7) * 10_000)))
+            s.flush()  # the eviction thread done: the trace's order is the store's order
+            for j in (i // 2, i // 3, 0):
+                if s.contains(f"k{j}"):
+                    s.get(f"k{j}")
+            s.flush()
+        evictions = s.stats()["tiers"]["ssd"]["evictions"]
+    ops = list(tr.read_trace(log))
+    assert evictions > 20 and sum(o["op"] == "evict" for o in ops) == evictions
+    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy=policy, follow=True)
+    assert r["mismatches"] == []
+    # twin: a trace whose evictions the policy would not have made is caught
+    first = next(i for i, o in enumerate(ops) if o["op"] == "evict")
+    ops[first] = {**ops[first], "key": "k89"}
+    assert sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy=policy, follow=True)["mismatches"]
+
+
+def test_simulate_cli(tmp_path, capsys):
+    assert cli(["simulate", "--generate", "tenants", "--seed", "1", "--policy", "lru,belady", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in out["runs"]] == ["lru", "belady"] and out["ssd_bytes"] == out["data_bytes"] // 2
+    saved = str(tmp_path / "t.jsonl")
+    assert cli(["simulate", "--generate", "rag", "--save", saved, "--ssd", "1GiB", "--dram", "0", "--policy",
+                "lru"]) == 0
+    assert "slow tier" in capsys.readouterr().out
+    assert cli(["simulate", "--trace", saved, "--policy", "lru", "--ssd", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ssd_bytes"] == 1 << 30
+    assert cli(["simulate", "--generate", "rag", "--policy", "fifo"]) == 2
+    assert cli(["simulate"]) == 2

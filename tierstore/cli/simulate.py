@@ -1,0 +1,119 @@
+"""``tierstore simulate``: replay a trace (recorded with ``open(..., trace_to=)``, generated, or
+read from a ShareGPT file) against placement policies, and report hit rates, bytes per tier and
+recompute tokens per policy, Belady's optimum included (docs/placement.md).
+
+It owns the command's arguments and output; the replay is ``tiers.simulate``, the shapes
+``tiers.workloads``.  It touches no store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..engine.options import parse_size
+from ..errors import InvalidObject
+from ..tiers import simulate as sim
+from ..tiers import trace as tr
+from ..tiers import workloads
+
+
+def tier_size(text: str, data: int, name: str) -> int:
+    """``--dram`` / ``--ssd``: a size ("4GiB") or a share of the trace's data ("10%")."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100.0
+        except ValueError:
+            raise InvalidObject(f"--{name}: a size like 4GiB or a share like 10%, got {text!r}") from None
+        if share < 0:
+            raise InvalidObject(f"--{name}: a share must not be negative, got {text!r}")
+        return int(data * share)
+    return 0 if text == "0" else parse_size(text, f"--{name}")
+
+
+def load_ops(args: Any) -> tuple[list[dict[str, Any]], str]:
+    given = [x for x in (args.trace, args.generate, args.sharegpt) if x]
+    if len(given) != 1:
+        raise InvalidObject("give one of --trace FILE, --generate SHAPE, --sharegpt FILE")
+    if args.trace:
+        return list(tr.read_trace(args.trace)), args.trace
+    if args.sharegpt:
+        return workloads.sharegpt(args.sharegpt, seed=args.seed), f"sharegpt:{args.sharegpt}"
+    return workloads.generate(args.generate, seed=args.seed), f"generated:{args.generate}"
+
+
+def run(args: Any) -> dict[str, Any]:
+    ops, source = load_ops(args)
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as f:
+            for op in ops:
+                f.write(json.dumps(op, separators=(",", ":")) + "\n")
+    data = sim.data_bytes(ops)
+    dram, ssd = tier_size(args.dram, data, "dram"), tier_size(args.ssd, data, "ssd")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for p in policies:
+        if p not in sim.POLICY_NAMES:
+            raise InvalidObject(f"--policy: each of {', '.join(sim.POLICY_NAMES)}, got {p!r}")
+    retain = args.retain or []
+    runs = [sim.simulate(ops, dram_bytes=dram, ssd_bytes=ssd, policy=p, follow=args.follow, retain=retain)
+            for p in policies]
+    best = next((r for r in runs if r["policy"] == "belady"), None)
+    for r in runs:
+        if best is not None and best["bytes_slow"]:
+            r["slow_bytes_vs_belady"] = round(r["bytes_slow"] / best["bytes_slow"], 3)
+    return {"source": source, "ops": len(ops), "data_bytes": data, "dram_bytes": dram, "ssd_bytes": ssd,
+            "runs": runs}
+
+
+def text(result: dict[str, Any]) -> None:
+    gib = 2**30
+    print(f"{result['source']}: {result['ops']:,} ops over {result['data_bytes'] / gib:,.1f} GiB of objects; "
+          f"DRAM {result['dram_bytes'] / gib:,.1f} GiB, SSD {result['ssd_bytes'] / gib:,.1f} GiB")
+    print(f"{'policy':8} {'DRAM hits':>9} {'SSD hits':>9} {'misses':>8} {'GiB from SSD':>13} "
+          f"{'GiB slow tier':>14} {'recompute tokens':>17}")
+    for r in result["runs"]:
+        print(f"{r['policy']:8} {r['dram_hit_rate'] * 100:8.1f}% {r['ssd_hit_rate'] * 100:8.1f}% "
+              f"{r['misses']:8,} {r['bytes_from_ssd'] / gib:13,.1f} {r['bytes_slow'] / gib:14,.1f} "
+              f"{r['recompute_tokens']:17,}")
+        for m in r.get("mismatches", [])[:3]:
+            print(f"  evicted by the store {m['store']}, first in the policy's order {m['policy']}")
+    print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier)")
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """A bar chart of slow-tier bytes per policy; False when matplotlib is missing."""
+    from ..bench.common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([r["policy"] for r in runs], [r["bytes_slow"] / 2**30 for r in runs], color="#4c72b0")
+    ax.set_ylabel("GiB from the slow tier")
+    ax.set_title(f"{os.path.basename(result['source'])}: DRAM {result['dram_bytes'] / 2**30:.0f} GiB, "
+                 f"SSD {result['ssd_bytes'] / 2**30:.0f} GiB", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def add_arguments(sp: Any) -> None:
+    sp.add_argument("--trace", default=None, help="a trace file (JSON lines; open(..., trace_to=FILE) records one)")
+    sp.add_argument("--generate", default=None, choices=sorted(workloads.SHAPES),
+                    help="a generated trace of this shape (docs/placement.md)")
+    sp.add_argument("--sharegpt", default=None, metavar="FILE", help="a chat trace from a ShareGPT-style JSON file")
+    sp.add_argument("--seed", type=int, default=0, help="seed of --generate / --sharegpt")
+    sp.add_argument("--dram", default="10%", help="DRAM tier: a size (4GiB) or a share of the data (default 10%%)")
+    sp.add_argument("--ssd", default="50%", help="SSD budget: a size or a share of the data (default 50%%)")
+    sp.add_argument("--policy", default="lru,session,cost,belady",
+                    help="comma-separated: lru, session, cost, belady (default: all four)")
+    sp.add_argument("--follow", action="store_true",
+                    help="check a recorded trace's evictions against the policy instead of evicting")
+    sp.add_argument("--retain", action="append", default=None, metavar="NAMESPACE",
+                    help="with --follow: a namespace the store never evicted (its retain=)")
+    sp.add_argument("--save", default=None, metavar="FILE", help="also write the replayed ops as a trace file")
+    sp.add_argument("--plot", default=None, metavar="PNG", help="a bar chart of slow-tier bytes per policy")

@@ -1,0 +1,375 @@
+"""The SSD budget (``open(..., ssd_bytes=)``): the bytes a store occupies on disk, held under a
+bound by evicting objects in a policy's order and reclaiming their space (SPEC.md §7.9).
+
+Eviction path:  Store.put -> Capacity.make_room(n) -> [over the budget] Capacity._evict (DELETE
+                groups through Engine.append_group, each object with its session references)
+                -> compaction.reclaim (the deadest sealed segments copied forward, then unlinked)
+
+An eviction is a delete: crash-safe because it goes through the log like any delete, and seen
+as a miss by every handle and process.  Nothing about the budget is kept apart from the log:
+the bytes used are the files' sizes, and the eviction order after a restart starts from the
+log's order (oldest record first), refined by this handle's reads.
+
+It owns the budget's accounting, the SSD eviction policy (an instance of the classes of
+policy.py, which the cache tiers use too) and its counters.  It never reads or writes a
+segment itself and never decides what the cache tiers hold; it is given the Engine (public
+methods only) and, by the handle, a predicate saying which objects are pinned.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from ..engine import compaction
+from ..engine.engine import Engine
+from ..engine.options import parse_size
+from ..errors import InvalidObject, StoreFull, TierstoreError
+from ..format import constants as fmt
+from ..format import record as rec
+from ..names import encode_namespace
+from . import policy as pol
+
+CAPACITY_OPTIONS = ("ssd_bytes", "retain", "ssd_policy")
+RETAIN = ("always",)  # what retain={namespace: ...} may say
+SSD_MIN = 1 << 20  # the smallest budget
+SLACK_SHARE = 64  # an eviction frees a segment or 1/64 of the budget beyond what the put needs
+ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
+USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
+SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
+SEGMENT_AUTO_MIN = 64 << 10
+# evict-and-reclaim rounds: compact segments at least this dead (the live rest is copied
+# forward); a lower share only when evicting more did not free enough
+RECLAIM_RATIOS = (0.5, 0.5, 0.25, 0.1)
+
+
+def tokens_of(hdr: rec.RecordHeader) -> int:
+    """The tokens a stored object holds: a KV cache's token count (shape [layers, 2, heads,
+    tokens, dim]), 0 for other kinds (what a cost-weighing policy is told)."""
+    if hdr.kind != fmt.KIND_KV:
+        return 0
+    shape = hdr.meta.get("shape")
+    return int(shape[3]) if isinstance(shape, list) and len(shape) == 5 else 0
+
+
+def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
+    """Pop and check ``ssd_bytes``, ``retain`` and ``ssd_policy`` from ``options``; None when the
+    store has no budget.  Without ``segment_bytes``, segments of 1/16 of the budget (64 KiB to
+    1 GiB) are chosen: space comes back a segment at a time."""
+    budget, retain = options.pop("ssd_bytes", None), options.pop("retain", None)
+    policy = options.pop("ssd_policy", None)
+    if budget is None:
+        if retain is not None or policy is not None:
+            raise InvalidObject("retain= and ssd_policy= apply to the SSD budget: give ssd_bytes= too")
+        return None
+    budget = parse_size(budget, "ssd_bytes")
+    if budget < SSD_MIN:
+        raise InvalidObject(f"ssd_bytes must be at least {SSD_MIN} (1 MiB), got {budget}")
+    kept: set[bytes] = set()
+    if retain is not None:
+        if not isinstance(retain, dict):
+            raise InvalidObject(f"retain must be a dict {{namespace: 'always'}}, got {type(retain).__name__}")
+        for name, how in retain.items():
+            if how not in RETAIN:
+                raise InvalidObject(f"retain[{name!r}] must be one of {', '.join(map(repr, RETAIN))}, got {how!r}")
+            kept.add(encode_namespace(name))
+    if "segment_bytes" not in options:
+        auto = min(1 << 30, max(SEGMENT_AUTO_MIN, budget // SEGMENTS_PER_BUDGET))
+        options["segment_bytes"] = auto - auto % fmt.PAGE
+    return {"budget": budget, "retain": frozenset(kept), "policy": pol.make(policy)}
+
+
+class Capacity:
+    """The budget of one writable handle.  Thread-safe: ``make_room`` runs one eviction at a
+    time; the policy is told of puts, reads and deletes under a short lock of its own."""
+
+    def __init__(self, engine: Engine, *, budget: int, retain: frozenset[bytes], policy: pol.Policy,
+                 pinned: Callable[[Hashable], bool]) -> None:
+        self.engine, self.budget, self.retain, self.policy, self.pinned = engine, budget, retain, policy, pinned
+        self._room_lock = threading.Lock()  # one eviction at a time (a put's or the thread's)
+        self._policy_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._used, self._used_at = 0, 0.0  # bytes in use as last read from the files (plus puts since), and when
+        self._due = self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.background_error: str | None = None
+        # told the keys and record sizes of each eviction (a trace's "evict" lines)
+        self.on_evict: Callable[[list[Hashable], list[int]], None] | None = None
+        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
+                         "eviction_runs": 0, "background_runs": 0, "records_copied": 0}
+        self._latency: deque[float] = deque(maxlen=4096)  # evictions a put waited for
+        self._background_latency: deque[float] = deque(maxlen=4096)
+        self._seed()
+
+    # -- what the policy is told ----------------------------------------------------------------
+
+    def _seed(self) -> None:
+        """Every object the store holds, oldest record first: the order the log gives after a
+        restart (a policy learns recency from here on)."""
+        engine = self.engine
+        sessions: dict[tuple[bytes, bytes], list[bytes]] = defaultdict(list)
+        if engine.may_have_refs:
+            pairs = {p[:2] for rk in engine.keys(fmt.REF_NAMESPACE) if (p := rec.parse_ref_key(rk)) is not None}
+            for ns, sess in sorted(pairs):
+                for target in engine.session_refs(ns, sess).values():
+                    sessions[(ns, target)].append(sess)
+        held = []
+        for ns in engine.namespaces():
+            ks = list(engine.keys(ns))
+            for k, loc in zip(ks, engine.lookup_many(ns, ks)):
+                if loc is not None:
+                    held.append((loc.header.lsn, ns, k, loc.header.record_len, tokens_of(loc.header)))
+        held.sort()
+        with self._policy_lock:
+            for _, ns, k, nbytes, tokens in held:
+                if tokens:
+                    self.policy.cost_hint((ns, k), tokens)
+                self.policy.admitted((ns, k), nbytes, tuple(sessions.get((ns, k), ())))
+
+    def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
+        with self._policy_lock:
+            if tokens:
+                self.policy.cost_hint((ns, k), tokens)
+            self.policy.admitted((ns, k), nbytes, sessions)
+
+    def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
+        with self._policy_lock:
+            self.counters["hits"] += 1
+            self.policy.touched((ns, k))
+
+    def missed(self, ns: bytes, keys: list[bytes]) -> None:
+        self.counters["misses"] += len(keys)
+
+    def removed(self, ns: bytes, keys: list[bytes]) -> None:
+        with self._policy_lock:
+            for k in keys:
+                self.policy.removed((ns, k))
+
+    def session_active(self, ns: bytes, sess: bytes) -> None:
+        with self._policy_lock:
+            self.policy.session_active(sess)
+
+    def session_ended(self, ns: bytes, sess: bytes) -> None:
+        with self._policy_lock:
+            self.policy.session_ended(sess)
+
+    # -- making room ----------------------------------------------------------------------------
+
+    @property
+    def slack(self) -> int:
+        """A segment, or 1/64 of the budget if that is more: the unit space comes back in."""
+        return max(self.budget // SLACK_SHARE, self.engine.options.segment_bytes)
+
+    def make_room(self, nbytes: int) -> None:
+        """Before a put of ``nbytes`` (its records' length).  Past ``budget - 2 * slack`` the
+        eviction thread is woken (it evicts down to ``budget - 3 * slack`` while puts go on); a
+        put that would pass the budget waits for it, or evicts itself (down to ``budget - 2 *
+        slack``) when the thread is idle.  StoreFull when the put is larger than the budget, or
+        when what is left is pinned or retained (the objects evicted before that was found stay
+        evicted)."""
+        now = time.monotonic()
+        used = self._used
+        if used + nbytes > self.budget - 2 * self.slack or now - self._used_at > USAGE_REFRESH_S:
+            used = self._refresh()  # near the bound, or other processes may have written: ask the disk
+        self._used = used + nbytes
+        if used + nbytes > self.budget - 2 * self.slack:
+            self._wake()
+        while used + nbytes > self.budget:  # over the bound: the thread may be freeing room already
+            if self._room_lock.acquire(timeout=ROOM_POLL_S):
+                try:
+                    self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True)
+                finally:
+                    self._room_lock.release()
+                self._refresh()
+                break
+            used = self._refresh()
+
+    def _refresh(self) -> int:
+        """The bytes in use, from the files (``disk_bytes``), remembered with when they were read."""
+        self._used, self._used_at = self.engine.disk_bytes(), time.monotonic()
+        return self._used
+
+    def _evict_until(self, nbytes: int, target: int, *, strict: bool) -> None:
+        """Evict and reclaim until ``nbytes`` more fit under ``target``; with ``strict``, StoreFull
+        if they do not fit under the budget afterwards.  The caller holds the room lock."""
+        engine = self.engine
+        budget = self.budget
+        used = engine.disk_bytes()
+        if used + nbytes <= (budget if strict else target):
+            return
+        t0 = time.perf_counter()
+        floor = engine.disk_usage()[1]  # the index and the reserve: not evictable
+        if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > budget:
+            raise StoreFull(f"a put of {nbytes} bytes cannot fit in ssd_bytes={budget} (the index and reserve "
+                            f"take {floor})", hint="raise ssd_bytes=, or store the object in smaller pieces")
+        self.counters["eviction_runs" if strict else "background_runs"] += 1
+        for ratio in RECLAIM_RATIOS:
+            # evict until segments at least ``ratio`` dead hold the deficit, then compact those
+            evicted = self._evict(used + nbytes - target, ratio)
+            done = compaction.reclaim(engine, lambda: engine.disk_bytes() + nbytes - target, min_dead_ratio=ratio)
+            self.counters["compacted_bytes"] += done["bytes_before"]
+            self.counters["records_copied"] += done["copied"]
+            used = engine.disk_bytes()
+            if used + nbytes <= target or (not evicted and not done["victims"] and ratio == RECLAIM_RATIOS[-1]):
+                break
+        (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
+        if strict and used + nbytes > budget:
+            raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
+                            f"for a put of {nbytes}",
+                            hint="what is left is pinned, in a retained namespace (retain=) or internal: raise "
+                                 "ssd_bytes=, unpin objects, or delete some")
+
+    # -- the eviction thread ---------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._due = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._background, name="tierstore-evict", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _background(self) -> None:
+        """Evict down to ``budget - 3 * slack`` whenever woken, so that puts seldom wait.  An error
+        here is kept for ``stats`` and left to the puts: one that needs room evicts itself and
+        raises what it meets."""
+        while True:
+            with self._cond:
+                while not self._due and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            with self._room_lock:
+                with self._cond:
+                    if self._stopped:
+                        return
+                    self._due = False  # cleared under the room lock: wait_idle sees due or busy
+                try:
+                    self._evict_until(0, self.budget - 3 * self.slack, strict=False)
+                    self._refresh()
+                except TierstoreError as e:
+                    self.background_error = f"{type(e).__name__}: {e}"
+
+    def wait_idle(self) -> None:
+        """Return once no eviction is due or under way (``Store.flush``)."""
+        while True:
+            with self._room_lock, self._cond:
+                if not self._due or self._stopped:
+                    return
+            time.sleep(ROOM_POLL_S)
+
+    def close(self) -> None:
+        """Stop the eviction thread (an eviction under way finishes first)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _evict(self, deficit: int, ratio: float) -> int:
+        """Delete objects in the policy's order -- objects no session references before the
+        others, skipping pinned ones and retained and reserved namespaces -- until the segments
+        at least ``ratio`` dead hold ``deficit`` dead bytes (those compaction then reclaims) and
+        the next object lies in a segment no victim is in, or 2 x (``deficit`` + a segment) bytes
+        were evicted.  What is evicted is the start of the policy's order, which a log written
+        in that order keeps together: whole segments die, and reclaiming them copies only the
+        objects the policy keeps (a reused object in an old segment is copied forward:
+        reinserted).  Each object goes with its session references, in groups of up to
+        GROUP_MAX records.  Returns the bytes evicted."""
+        engine = self.engine
+        stats = engine.segment_stats()
+        sizes: dict[int, int] = {}
+
+        def share(seg: int, dead: int) -> float:
+            if seg not in sizes:
+                try:
+                    sizes[seg] = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
+                except FileNotFoundError:
+                    sizes[seg] = 1
+            return dead / sizes[seg]
+
+        dead = {seg: d for seg, (d, state) in stats.items() if state == 0 and d > 0}
+        counted = sum(d for seg, d in dead.items() if share(seg, d) >= ratio)
+        if counted >= deficit:
+            return 0
+        with self._policy_lock:
+            order = list(self.policy.victims())
+        gone: list[Hashable] = []
+        chosen: list[tuple[Hashable, Any]] = []
+        freed = 0
+        cap = 2 * (deficit + engine.options.segment_bytes)
+        with engine.write_lock:  # sees every writer's records: decided and deleted under one lock
+            refs = engine.may_have_refs
+            later: list[tuple[Hashable, Any]] = []  # referenced by a live session: after the others
+            touched: set[int] = set()
+
+            def take(key: Hashable, loc: Any) -> None:
+                nonlocal counted, freed
+                seg, n = loc.segment, loc.header.record_len
+                before = dead.get(seg, 0)
+                dead[seg] = before + n
+                if share(seg, before) >= ratio:
+                    counted += n
+                elif share(seg, before + n) >= ratio:
+                    counted += before + n  # the segment now counts whole
+                chosen.append((key, loc))
+                touched.add(seg)
+                freed += n
+
+            for key in order:
+                if freed >= cap:
+                    break
+                ns, k = key  # type: ignore[misc]
+                if ns in self.retain or ns.startswith(b"\x00") or self.pinned(key):
+                    continue
+                loc = engine.lookup(ns, k)
+                if loc is None:
+                    gone.append(key)  # deleted meanwhile (here or by another process)
+                elif counted >= deficit and loc.segment not in touched:
+                    break  # enough, and the segments begun are finished (the next object is elsewhere)
+                elif refs and engine.sessions_of(ns, k):
+                    later.append((key, loc))
+                else:
+                    take(key, loc)
+            for key, loc in later:
+                if counted >= deficit or freed >= cap:
+                    break
+                take(key, loc)
+            where, batch = None, []
+            for key, loc in chosen:
+                unit = engine.deletion(*key, loc.header.flags)  # type: ignore[misc]
+                if len(batch) + len(unit) > fmt.GROUP_MAX:
+                    where, batch = engine.append_group(batch), []
+                batch += unit
+            if batch:
+                where = engine.append_group(batch)
+        if where is not None:  # durable with the sync that compaction does before it unlinks anything
+            engine.settle_later(where)
+        with self._policy_lock:
+            for key in [*gone, *(key for key, _ in chosen)]:
+                self.policy.removed(key)
+        self.counters["evictions"] += len(chosen)
+        self.counters["evicted_bytes"] += freed
+        if self.on_evict is not None and chosen:
+            self.on_evict([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
+        return freed
+
+    # -- figures --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        def pct(samples: deque[float], q: float) -> float | None:
+            lat = sorted(samples)
+            return 1000.0 * lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
+
+        return {"capacity_bytes": self.budget, "bytes_used": self.engine.disk_bytes(), **self.counters,
+                "policy": self.policy.name, "retained": sorted(n.decode("utf-8") for n in self.retain),
+                "eviction_p99_ms": pct(self._latency, 0.99),
+                "background_p99_ms": pct(self._background_latency, 0.99),
+                "background_error": self.background_error}

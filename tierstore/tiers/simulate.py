@@ -1,0 +1,252 @@
+"""Trace replay against placement policies (``tierstore simulate``, docs/placement.md): a DRAM
+tier over the SSD budget, byte-accurate, run by the policy classes the live store runs
+(policy.py: "lru", "session", "cost") or by Belady's optimum, which knows the future.  No
+data is read or written.
+
+The model, per trace op, in order (objects are keyed by namespace and key):
+- ``put``: the object is stored on the SSD (a copy in DRAM is dropped: it is stale).
+- ``get``: a DRAM hit; else an SSD hit, whose bytes are read and admitted into DRAM; else a
+  **miss**: the object comes from the slowest tier -- recomputed (its ``tokens``) or fetched
+  again (its ``bytes``) -- and is stored on the SSD, as a serving engine does.
+- ``delete``: gone from both; ``session`` / ``drop``: the policies are told.
+A tier that must make room evicts in its policy's order, objects no session references
+before the others on the SSD (the rule of ``capacity.Capacity``); DRAM holds only what the
+SSD holds.  An object larger than a tier is not kept there.
+
+``follow=True`` checks a trace recorded by a store with ``ssd_bytes`` instead: the
+simulator never evicts on its own, and at each run of ``evict`` lines it asks the policy
+for its order and checks that the store evicted exactly that many objects from its front --
+the live store and the simulator share the policy code, and this shows they decide alike.
+
+It owns the replay and the ``Belady`` policy (offline: it is given each access's next use).
+It never touches a store.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any
+
+from ..errors import InvalidObject
+from . import policy as pol
+
+POLICY_NAMES = ("lru", "session", "cost", "belady")
+
+
+class Belady(pol.Policy):
+    """Belady's MIN: evict what is read again farthest in the future (never first).  Optimal
+    in misses for objects of one size; with sizes it is the classic bound, not the optimum of
+    bytes.  Offline: ``future`` (key -> index of its next ``get``, math.inf for none) is kept
+    current by the simulator before each access."""
+
+    name = "belady"
+
+    def __init__(self, future: dict[Hashable, float] | None = None) -> None:
+        self.future = future if future is not None else {}
+        self._keys: dict[Hashable, None] = {}
+
+    def fresh(self) -> "Belady":
+        return Belady(self.future)
+
+    def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
+        self._keys[key] = None
+
+    def touched(self, key: Hashable) -> None:
+        pass
+
+    def removed(self, key: Hashable) -> None:
+        self._keys.pop(key, None)
+
+    def victims(self) -> Iterator[Hashable]:
+        future = self.future
+        heap = [(-future.get(k, math.inf), i, k) for i, k in enumerate(self._keys)]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[2]
+
+
+def make_policy(name: str | pol.Policy, future: dict[Hashable, float]) -> pol.Policy:
+    if name == "belady":
+        return Belady(future)
+    if isinstance(name, str) and name not in POLICY_NAMES:
+        raise InvalidObject(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+    return pol.make(name)
+
+
+def key_of(op: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The (namespace, key) of a trace op, as the store keys its policies."""
+    k = op["key"].encode("utf-8") if "key" in op else bytes.fromhex(op["key_hex"])
+    return op["ns"].encode("utf-8"), k
+
+
+class _Tier:
+    def __init__(self, name: str, capacity: int, policy: pol.Policy) -> None:
+        self.name, self.capacity, self.policy = name, capacity, policy
+        self.held: dict[Hashable, int] = {}
+        self.used = 0
+        self.evictions = 0
+
+    def remove(self, key: Hashable) -> None:
+        n = self.held.pop(key, None)
+        if n is not None:
+            self.used -= n
+            self.policy.removed(key)
+
+    def admit(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...], tokens: int,
+              referenced: dict[Hashable, tuple[bytes, ...]] | None, evicted: list[Hashable]) -> bool:
+        """Hold ``key``, evicting in the policy's order (referenced objects last when
+        ``referenced`` is given); False if it cannot fit."""
+        self.remove(key)
+        if nbytes > self.capacity:
+            return False
+        if self.used + nbytes > self.capacity:
+            order = list(self.policy.victims())
+            if referenced is not None:
+                order = [k for k in order if not referenced.get(k)] + [k for k in order if referenced.get(k)]
+            for victim in order:
+                if self.used + nbytes <= self.capacity:
+                    break
+                self.remove(victim)
+                self.evictions += 1
+                evicted.append(victim)
+        if tokens:
+            self.policy.cost_hint(key, tokens)
+        self.policy.admitted(key, nbytes, sessions)
+        self.held[key] = nbytes
+        self.used += nbytes
+        return True
+
+
+def next_uses(ops: list[dict[str, Any]]) -> list[float]:
+    """For each op, the index of the next ``get`` of its object (math.inf when none)."""
+    out = [math.inf] * len(ops)
+    nxt: dict[tuple[bytes, bytes], float] = {}
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op["op"] in ("put", "get", "delete", "evict"):
+            key = key_of(op)
+            out[i] = nxt.get(key, math.inf)
+            if op["op"] == "get":
+                nxt[key] = i
+    return out
+
+
+def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, policy: str | pol.Policy,
+             follow: bool = False, retain: Iterable[str] = ()) -> dict[str, Any]:
+    """Replay ``ops`` (trace ops, e.g. from ``trace.read_trace`` or ``workloads.generate``);
+    returns the figures of docs/placement.md.  ``follow``: see the module's docstring (the
+    ``mismatches`` figure lists any eviction the policy would not have made)."""
+    ops = list(ops)
+    future: dict[Hashable, float] = {}
+    nexts = next_uses(ops) if policy == "belady" else []
+    ssd = _Tier("ssd", ssd_bytes, make_policy(policy, future))
+    dram = _Tier("dram", dram_bytes, ssd.policy.fresh()) if dram_bytes > 0 else None
+    retained = {r.encode("utf-8") for r in retain}
+    sizes: dict[Hashable, tuple[int, int]] = {}  # key -> (bytes, tokens)
+    sessions: dict[Hashable, tuple[bytes, ...]] = {}
+    f = {"gets": 0, "dram_hits": 0, "ssd_hits": 0, "misses": 0, "bytes_requested": 0, "bytes_from_dram": 0,
+         "bytes_from_ssd": 0, "bytes_slow": 0, "recompute_tokens": 0, "bytes_written_ssd": 0, "not_stored": 0,
+         "unknown_size_misses": 0}
+    mismatches: list[dict[str, Any]] = []
+    evicted: list[Hashable] = []
+    pending_evicts: list[Hashable] = []
+
+    def store(key: Hashable, nbytes: int, tokens: int, sess: tuple[bytes, ...]) -> None:
+        if dram is not None:
+            dram.remove(key)
+        ssd_cap = ssd.capacity
+        if follow:
+            ssd.capacity = math.inf  # type: ignore[assignment]  # the trace's evict lines decide
+        if not ssd.admit(key, nbytes, sess, tokens, sessions, evicted):
+            f["not_stored"] += 1
+        ssd.capacity = ssd_cap
+        if dram is not None:
+            for k in evicted:
+                dram.remove(k)
+        evicted.clear()
+        f["bytes_written_ssd"] += nbytes
+
+    def check_follow() -> None:
+        if not pending_evicts:
+            return
+        n = len(pending_evicts)
+        order = [k for k in ssd.policy.victims() if k[0] not in retained]  # type: ignore[index]
+        order = [k for k in order if not sessions.get(k)] + [k for k in order if sessions.get(k)]
+        if set(order[:n]) != set(pending_evicts):
+            mismatches.append({"store": [repr(k) for k in pending_evicts], "policy": [repr(k) for k in order[:n]]})
+        for k in pending_evicts:
+            ssd.remove(k)
+            if dram is not None:
+                dram.remove(k)
+        pending_evicts.clear()
+
+    for i, op in enumerate(ops):
+        kind = op["op"]
+        if follow and kind != "evict":
+            check_follow()
+        if kind in ("put", "get", "delete", "evict"):
+            key = key_of(op)
+            if nexts:
+                future[key] = nexts[i]
+        if kind == "put":
+            nbytes, tokens = int(op.get("bytes", 0)), int(op.get("tokens", 0))
+            sizes[key] = (nbytes, tokens)
+            sess = (op["session"].encode("utf-8"),) if op.get("session") else ()
+            sessions[key] = sess
+            store(key, nbytes, tokens, sess)
+        elif kind == "get":
+            f["gets"] += 1
+            nbytes, tokens = sizes.get(key) or (int(op.get("bytes", 0)), int(op.get("tokens", 0)))
+            f["bytes_requested"] += nbytes
+            if dram is not None and key in dram.held:
+                f["dram_hits"] += 1
+                f["bytes_from_dram"] += nbytes
+                dram.policy.touched(key)
+                ssd.policy.touched(key)
+            elif key in ssd.held:
+                f["ssd_hits"] += 1
+                f["bytes_from_ssd"] += nbytes
+                ssd.policy.touched(key)
+                if dram is not None:
+                    dram.admit(key, nbytes, sessions.get(key, ()), tokens, None, [])
+            else:
+                f["misses"] += 1
+                if not nbytes:
+                    f["unknown_size_misses"] += 1
+                f["bytes_slow"] += nbytes
+                f["recompute_tokens"] += tokens
+                if nbytes and not follow:  # recomputed and stored (a recorded trace has the put)
+                    sizes[key] = (nbytes, tokens)
+                    store(key, nbytes, tokens, sessions.get(key, ()))
+        elif kind == "delete":
+            ssd.remove(key)
+            if dram is not None:
+                dram.remove(key)
+            sessions.pop(key, None)
+        elif kind in ("session", "drop"):
+            sess_id = op["session"].encode("utf-8")
+            for t in (ssd, dram):
+                if t is not None:
+                    (t.policy.session_active if kind == "session" else t.policy.session_ended)(sess_id)
+        elif kind == "evict" and follow:
+            pending_evicts.append(key)
+    if follow:
+        check_follow()
+    gets = max(1, f["gets"])
+    name = policy if isinstance(policy, str) else policy.name
+    return {"policy": name, **f, "dram_hit_rate": round(f["dram_hits"] / gets, 4),
+            "ssd_hit_rate": round(f["ssd_hits"] / gets, 4), "miss_rate": round(f["misses"] / gets, 4),
+            "ssd_evictions": ssd.evictions, "dram_evictions": dram.evictions if dram is not None else 0,
+            "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
+            **({"mismatches": mismatches} if follow else {})}
+
+
+def data_bytes(ops: Iterable[dict[str, Any]]) -> int:
+    """The bytes of the distinct objects a trace puts or reads (what the tiers are sized against)."""
+    seen: dict[tuple[bytes, bytes], int] = {}
+    for op in ops:
+        if op["op"] in ("put", "get") and op.get("bytes"):
+            seen[key_of(op)] = int(op["bytes"])
+    return sum(seen.values())
