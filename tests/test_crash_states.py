@@ -317,6 +317,76 @@ def test_power_loss_states(fast_tmp, capsys, monkeypatch):
     assert max(per_compaction) >= 2, per_compaction  # crashes between batches were explored
 
 
+# -- eviction under a budget (SPEC.md §7.9): every put passes ssd_bytes, evicts and compacts ------
+
+class EvictExplorer(Explorer):
+    """Workloads on a store with an SSD budget that every put passes: each put evicts the
+    least recently used objects (DELETE groups) and compacts their segments, in the put's own
+    thread (the eviction thread is kept off, so the harness sees every write in order).  A
+    crash state may miss evicted objects -- an eviction is a delete -- but every object it holds
+    has the model's bytes, no deleted object comes back, and the newest acknowledged put is
+    there (the most recently used: never the first victim)."""
+
+    def __init__(self, tmp: Path, segment_bytes: str) -> None:
+        self.tmp = tmp
+        self.segment_bytes = segment_bytes
+        self.stats = {"workloads": 0, "points": 0, "states": 0}
+        self.images = []
+        self.template, self.base = _base(tmp, segment_bytes)
+        with tierstore.open(self.template, segment_bytes=segment_bytes) as s:
+            s.put("old", Blob(b"o" * 1_000_000))  # a first put past the budget evicts the base, oldest first
+            self.base["old"] = b"o" * 1_000_000
+            self.budget = max(1 << 20, s._engine.disk_bytes() + 16_000)
+
+    def run(self, ops: tuple[str, ...]) -> None:
+        real_open = tierstore.open
+        tierstore.open = lambda root, **kw: real_open(root, ssd_bytes=self.budget, **kw)  # type: ignore[assignment]
+        try:
+            super().run(ops)
+        finally:
+            tierstore.open = real_open  # type: ignore[assignment]
+
+    def do(self, store: tierstore.Store, op: str, step: int) -> None:
+        if op == "put_new":
+            store.put(f"n{step}", Blob(_value(step) * 40))
+        else:
+            super().do(store, op, step)
+
+    def models(self, ops: tuple[str, ...]) -> list:
+        out = super().models(ops)
+        for m, op in enumerate(ops, start=1):  # this explorer's new objects are 40 times larger
+            if op == "put_new":
+                for later in out[m:]:
+                    later[f"n{m}"] = _value(m) * 40
+        return out
+
+    def check(self, image: str, ops: tuple[str, ...], acked: int, issued: int) -> None:
+        state = self.state(image)
+        models = self.models(ops)
+        newest = max((i for i in range(1, acked + 1) if ops[i - 1] == "put_new"), default=None)
+        ok = [m for m in range(acked, issued + 1)
+              if all(models[m].get(k) == v for k, v in state.items()) and (newest is None or f"n{newest}" in state)]
+        assert ok, f"{image}: state {sorted(state)} is not the model after {acked}..{issued} of {ops} less evictions"
+        assert self.state(image) == state
+        shutil.rmtree(os.path.join(image, "index"))
+        assert self.state(image) == state
+
+
+def test_power_loss_states_with_eviction(fast_tmp, capsys, monkeypatch):
+    from tierstore.tiers import capacity
+
+    monkeypatch.setattr(capacity.Capacity, "_wake", lambda self: None)  # evictions in the put's thread
+    ex = EvictExplorer(fast_tmp, "64KiB")
+    evictions = []
+    real_evict = capacity.Capacity._evict
+    monkeypatch.setattr(capacity.Capacity, "_evict",
+                        lambda self, *a: evictions.append(real_evict(self, *a)) or evictions[-1])
+    ex.explore(["put_new", "overwrite", "delete", "compact"])
+    with capsys.disabled():
+        print(f"\ncrash states (eviction): {ex.stats}, evicting runs: {sum(1 for e in evictions if e)}")
+    assert ex.stats["states"] >= 500 and sum(1 for e in evictions if e) >= 10
+
+
 def test_fsck_runs_on_crash_states_without_index(tmp_path):
     """Sanity of the harness: a state with a torn append really is torn, and recovery cuts it."""
     root = str(tmp_path / "s")

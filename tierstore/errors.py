@@ -133,7 +133,8 @@ class AccessDenied(TierstoreError, PermissionError):
 class StoreFull(TierstoreError):
     """No space left: the disk returned ENOSPC, or a cache tier's capacity was reached."""
 
-    hint = "free disk space, or delete objects and run compact() (it reclaims their bytes)"
+    hint = ("free disk space, or delete objects and run compact() (it reclaims their bytes); a store opened "
+            "with ssd_bytes= below the disk's free space evicts instead")
 
 
 class StoreLocked(TierstoreError):

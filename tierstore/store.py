@@ -1037,11 +1037,13 @@ class Store:
         remote = self._remote
         if remote is None or not ks:
             return [False] * len(ks)
+        # deletes made here and not yet sent, read before the server is asked: one sent between
+        # the two is then on the server when it answers (read after, it could be in neither)
+        tombs = [remote.queue.tombstone_of(ns, k) for k in ks]
         try:
             states = remote.states(ns, ks)
         except RemoteDown:
             return [False] * len(ks)
-        tombs = [remote.queue.tombstone_of(ns, k) for k in ks]  # deletes made here, not yet sent
         return [st is not None and not st.tombstone and (t is None or st.version > t) for st, t in zip(states, tombs)]
 
     def _delivered(self, obj: Any, loc: Location, layers: Any, rows: Any) -> Any:

@@ -60,6 +60,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             from .remote import bench_remote
             say("remote: a 32 MiB chunk and a 1 MiB layer through the remote tier vs redis-py SET/GET; two nodes")
             result["remote"] = bench_remote(os.path.join(root, "remote"), quick=quick, say=say)
+        if "placement" in sections:
+            from .placement import bench_placement
+            say("placement: generated traces through lru / session / cost / Belady; put latency under ssd_bytes")
+            result["placement"] = bench_placement(os.path.join(root, "placement"), quick=quick, say=say)
         if "codecs" in sections:
             say("codecs: the real K/V and embedding sample")
             result["codecs"] = bench_codecs(say)
@@ -90,6 +94,9 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             if "writers" in result:
                 from .writers import plot_writers
                 plot_writers(result["writers"], os.path.join(out, "writers.png"))
+            if "placement" in result:
+                from .placement import plot_placement
+                plot_placement(result["placement"], os.path.join(out, "placement.png"))
         say(f"results: {os.path.join(out, 'results.json')}, {os.path.join(out, 'results.md')}")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(markdown(result))

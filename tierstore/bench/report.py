@@ -86,6 +86,9 @@ def markdown(result: dict[str, Any]) -> str:
     if "writers" in result:
         from .writers import markdown_writers
         lines += markdown_writers(result["writers"])
+    if "placement" in result:
+        from .placement import markdown_placement
+        lines += markdown_placement(result["placement"])
     return "\n".join(lines) + "\n"
 
 

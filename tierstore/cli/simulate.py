@@ -50,12 +50,22 @@ def run(args: Any) -> dict[str, Any]:
         with open(args.save, "w", encoding="utf-8") as f:
             for op in ops:
                 f.write(json.dumps(op, separators=(",", ":")) + "\n")
+    if not ops:
+        raise InvalidObject(f"{source}: the trace holds no operation")
     data = sim.data_bytes(ops)
     dram, ssd = tier_size(args.dram, data, "dram"), tier_size(args.ssd, data, "ssd")
+    if dram > ssd:
+        raise InvalidObject(f"--dram ({dram:,} bytes) is larger than --ssd ({ssd:,}): the DRAM tier holds copies "
+                            "of what the SSD holds")
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for p in policies:
         if p not in sim.POLICY_NAMES:
             raise InvalidObject(f"--policy: each of {', '.join(sim.POLICY_NAMES)}, got {p!r}")
+    if args.follow and (not args.trace or len(policies) != 1 or policies == ["belady"]):
+        raise InvalidObject("--follow checks a recorded trace (--trace) against the one policy the store ran "
+                            "(--policy lru, session or cost)")
+    if args.retain and not args.follow:
+        raise InvalidObject("--retain applies to --follow (the store's retain= namespaces)")
     retain = args.retain or []
     runs = [sim.simulate(ops, dram_bytes=dram, ssd_bytes=ssd, policy=p, follow=args.follow, retain=retain)
             for p in policies]
@@ -68,17 +78,22 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def text(result: dict[str, Any]) -> None:
-    gib = 2**30
-    print(f"{result['source']}: {result['ops']:,} ops over {result['data_bytes'] / gib:,.1f} GiB of objects; "
-          f"DRAM {result['dram_bytes'] / gib:,.1f} GiB, SSD {result['ssd_bytes'] / gib:,.1f} GiB")
-    print(f"{'policy':8} {'DRAM hits':>9} {'SSD hits':>9} {'misses':>8} {'GiB from SSD':>13} "
-          f"{'GiB slow tier':>14} {'recompute tokens':>17}")
+    unit, scale = ("GiB", 2**30) if result["data_bytes"] >= 2**32 else ("MiB", 2**20)
+    print(f"{result['source']}: {result['ops']:,} ops over {result['data_bytes'] / scale:,.1f} {unit} of objects; "
+          f"DRAM {result['dram_bytes'] / scale:,.1f} {unit}, SSD {result['ssd_bytes'] / scale:,.1f} {unit}")
+    print(f"{'policy':8} {'DRAM hits':>9} {'SSD hits':>9} {'misses':>8} {unit + ' from SSD':>13} "
+          f"{unit + ' slow tier':>14} {'recompute tokens':>17}")
     for r in result["runs"]:
         print(f"{r['policy']:8} {r['dram_hit_rate'] * 100:8.1f}% {r['ssd_hit_rate'] * 100:8.1f}% "
-              f"{r['misses']:8,} {r['bytes_from_ssd'] / gib:13,.1f} {r['bytes_slow'] / gib:14,.1f} "
+              f"{r['misses']:8,} {r['bytes_from_ssd'] / scale:13,.1f} {r['bytes_slow'] / scale:14,.1f} "
               f"{r['recompute_tokens']:17,}")
-        for m in r.get("mismatches", [])[:3]:
-            print(f"  evicted by the store {m['store']}, first in the policy's order {m['policy']}")
+        if "mismatches" in r:
+            bad = r["mismatches"]
+            print(f"  --follow: {r['evictions_checked']:,} evictions checked, {len(bad):,} not the front of the "
+                  f"policy's order" + (" (the first 3 below)" if bad else ""))
+            for m in bad[:3]:
+                print(f"    evicted by the store {', '.join(m['store'])}; first in the policy's order "
+                      f"{', '.join(m['policy'])}")
     print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier)")
 
 

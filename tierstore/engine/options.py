@@ -20,7 +20,7 @@ from .segment import DIRECT_READS
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
-def parse_size(value: int | str, name: str) -> int:
+def parse_size(value: int | str, name: str = "size") -> int:
     """Bytes from an int or a string like "16GiB", "512MB", "4096"."""
     if isinstance(value, bool):
         raise InvalidObject(f"{name} must be a size, got {value!r}")

@@ -1,9 +1,11 @@
 """The SSD budget (``open(..., ssd_bytes=)``): the bytes a store occupies on disk, held under a
 bound by evicting objects in a policy's order and reclaiming their space (SPEC.md §7.9).
 
-Eviction path:  Store.put -> Capacity.make_room(n) -> [over the budget] Capacity._evict (DELETE
-                groups through Engine.append_group, each object with its session references)
-                -> compaction.reclaim (the deadest sealed segments copied forward, then unlinked)
+Eviction path:  Store.put -> Capacity.make_room(n) -> [past budget - 2 slack] the eviction thread
+                (or, past the budget with the thread idle, the put itself) -> _evict_until ->
+                _evict (DELETE groups through Engine.append_group, each object with its session
+                references) -> compaction.reclaim (the deadest sealed segments copied forward,
+                then unlinked)
 
 An eviction is a delete: crash-safe because it goes through the log like any delete, and seen
 as a miss by every handle and process.  Nothing about the budget is kept apart from the log:
@@ -37,10 +39,14 @@ from . import policy as pol
 CAPACITY_OPTIONS = ("ssd_bytes", "retain", "ssd_policy")
 RETAIN = ("always",)  # what retain={namespace: ...} may say
 SSD_MIN = 1 << 20  # the smallest budget
-SLACK_SHARE = 64  # an eviction frees a segment or 1/64 of the budget beyond what the put needs
+# slack = a segment, or 1/64 of the budget if more: the thread wakes 2 slack below the budget and
+# evicts down to 3 slack below it; a put stops 1 slack below it (and, if it must evict itself,
+# evicts down to 2 below), leaving that slack to padding, the thread's deletes and copies, the index
+SLACK_SHARE = 64
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
 USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
+SEGMENTS_PER_BUDGET_MIN = 8  # segment_bytes= given with a budget: at most 1/8 of it
 SEGMENT_AUTO_MIN = 64 << 10
 # evict-and-reclaim rounds: compact segments at least this dead (the live rest is copied
 # forward); a lower share only when evicting more did not free enough
@@ -80,7 +86,18 @@ def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
     if "segment_bytes" not in options:
         auto = min(1 << 30, max(SEGMENT_AUTO_MIN, budget // SEGMENTS_PER_BUDGET))
         options["segment_bytes"] = auto - auto % fmt.PAGE
-    return {"budget": budget, "retain": frozenset(kept), "policy": pol.make(policy)}
+    else:  # space comes back a segment at a time, and the eviction keeps 3 segments free
+        seg = parse_size(options["segment_bytes"], "segment_bytes")
+        if seg > budget // SEGMENTS_PER_BUDGET_MIN:
+            raise InvalidObject(f"segment_bytes={seg} is too large for ssd_bytes={budget}: a budget needs "
+                                f"segments of at most 1/{SEGMENTS_PER_BUDGET_MIN} of it",
+                                hint=f"leave segment_bytes out (a budget picks 1/{SEGMENTS_PER_BUDGET} of itself) "
+                                     f"or give at most {budget // SEGMENTS_PER_BUDGET_MIN}")
+    try:
+        chosen = pol.make(policy)
+    except InvalidObject as e:
+        raise InvalidObject(f"ssd_policy: {e.message}") from None
+    return {"budget": budget, "retain": frozenset(kept), "policy": chosen}
 
 
 class Capacity:
@@ -97,6 +114,7 @@ class Capacity:
         self._due = self._stopped = False
         self._thread: threading.Thread | None = None
         self.background_error: str | None = None
+        self._since: set[Hashable] | None = None  # during an eviction: objects put or read since its order was taken
         # told the keys and record sizes of each eviction (a trace's "evict" lines)
         self.on_evict: Callable[[list[Hashable], list[int]], None] | None = None
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
@@ -132,6 +150,8 @@ class Capacity:
 
     def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
         with self._policy_lock:
+            if self._since is not None:
+                self._since.add((ns, k))
             if tokens:
                 self.policy.cost_hint((ns, k), tokens)
             self.policy.admitted((ns, k), nbytes, sessions)
@@ -139,6 +159,8 @@ class Capacity:
     def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
         with self._policy_lock:
             self.counters["hits"] += 1
+            if self._since is not None:
+                self._since.add((ns, k))
             self.policy.touched((ns, k))
 
     def missed(self, ns: bytes, keys: list[bytes]) -> None:
@@ -167,26 +189,27 @@ class Capacity:
     def make_room(self, nbytes: int) -> None:
         """Before a put of ``nbytes`` (its records' length).  Past ``budget - 2 * slack`` the
         eviction thread is woken (it evicts down to ``budget - 3 * slack`` while puts go on); a
-        put that would pass the budget waits for it, or evicts itself (down to ``budget - 2 *
-        slack``) when the thread is idle.  StoreFull when the put is larger than the budget, or
+        put that would pass ``budget - slack`` waits for it, or evicts itself (down to ``budget -
+        2 * slack``) when the thread is idle.  StoreFull when the put is larger than the budget, or
         when what is left is pinned or retained (the objects evicted before that was found stay
         evicted)."""
-        now = time.monotonic()
-        used = self._used
-        if used + nbytes > self.budget - 2 * self.slack or now - self._used_at > USAGE_REFRESH_S:
+        used = self._used  # the files' bytes when last read, plus the puts since
+        if used + nbytes > self.budget - 3 * self.slack or time.monotonic() - self._used_at > USAGE_REFRESH_S:
             used = self._refresh()  # near the bound, or other processes may have written: ask the disk
-        self._used = used + nbytes
         if used + nbytes > self.budget - 2 * self.slack:
             self._wake()
-        while used + nbytes > self.budget:  # over the bound: the thread may be freeing room already
+        # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
+        # the eviction thread's deletes and copies, the index) has that slack to grow into
+        while used + nbytes > self.budget - self.slack:  # the thread may be freeing room already
             if self._room_lock.acquire(timeout=ROOM_POLL_S):
                 try:
                     self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True)
                 finally:
                     self._room_lock.release()
-                self._refresh()
+                used = self._refresh()
                 break
             used = self._refresh()
+        self._used = used + nbytes  # this put's record, about to be appended
 
     def _refresh(self) -> int:
         """The bytes in use, from the files (``disk_bytes``), remembered with when they were read."""
@@ -301,55 +324,66 @@ class Capacity:
             return 0
         with self._policy_lock:
             order = list(self.policy.victims())
+            self._since = set()  # objects put or read from here on are not victims of this run
         gone: list[Hashable] = []
         chosen: list[tuple[Hashable, Any]] = []
         freed = 0
         cap = 2 * (deficit + engine.options.segment_bytes)
-        with engine.write_lock:  # sees every writer's records: decided and deleted under one lock
-            refs = engine.may_have_refs
-            later: list[tuple[Hashable, Any]] = []  # referenced by a live session: after the others
-            touched: set[int] = set()
+        try:
+            with engine.write_lock:  # sees every writer's records: decided and deleted under one lock
+                refs = engine.may_have_refs
+                later: list[tuple[Hashable, Any]] = []  # referenced by a live session: after the others
+                touched: set[int] = set()
 
-            def take(key: Hashable, loc: Any) -> None:
-                nonlocal counted, freed
-                seg, n = loc.segment, loc.header.record_len
-                before = dead.get(seg, 0)
-                dead[seg] = before + n
-                if share(seg, before) >= ratio:
-                    counted += n
-                elif share(seg, before + n) >= ratio:
-                    counted += before + n  # the segment now counts whole
-                chosen.append((key, loc))
-                touched.add(seg)
-                freed += n
+                def take(key: Hashable, loc: Any) -> None:
+                    nonlocal counted, freed
+                    seg, n = loc.segment, loc.header.record_len
+                    before = dead.get(seg, 0)
+                    dead[seg] = before + n
+                    if share(seg, before) >= ratio:
+                        counted += n
+                    elif share(seg, before + n) >= ratio:
+                        counted += before + n  # the segment now counts whole
+                    chosen.append((key, loc))
+                    touched.add(seg)
+                    freed += n
 
-            for key in order:
-                if freed >= cap:
-                    break
-                ns, k = key  # type: ignore[misc]
-                if ns in self.retain or ns.startswith(b"\x00") or self.pinned(key):
-                    continue
-                loc = engine.lookup(ns, k)
-                if loc is None:
-                    gone.append(key)  # deleted meanwhile (here or by another process)
-                elif counted >= deficit and loc.segment not in touched:
-                    break  # enough, and the segments begun are finished (the next object is elsewhere)
-                elif refs and engine.sessions_of(ns, k):
-                    later.append((key, loc))
-                else:
+                for key in order:
+                    if freed >= cap:
+                        break
+                    ns, k = key  # type: ignore[misc]
+                    if ns in self.retain or ns.startswith(b"\x00") or self.pinned(key) or key in self._since:
+                        continue
+                    loc = engine.lookup(ns, k)
+                    if loc is None:
+                        gone.append(key)  # deleted meanwhile (here or by another process)
+                    elif counted >= deficit and loc.segment not in touched:
+                        break  # enough, and the segments begun are finished (the next object is elsewhere)
+                    elif refs and engine.sessions_of(ns, k):
+                        later.append((key, loc))
+                    else:
+                        take(key, loc)
+                for key, loc in later:
+                    if counted >= deficit or freed >= cap:
+                        break
                     take(key, loc)
-            for key, loc in later:
-                if counted >= deficit or freed >= cap:
-                    break
-                take(key, loc)
-            where, batch = None, []
-            for key, loc in chosen:
-                unit = engine.deletion(*key, loc.header.flags)  # type: ignore[misc]
-                if len(batch) + len(unit) > fmt.GROUP_MAX:
-                    where, batch = engine.append_group(batch), []
-                batch += unit
-            if batch:
-                where = engine.append_group(batch)
+                with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
+                    chosen = [(key, loc) for key, loc in chosen if key not in self._since]
+                    self._since = None
+                    if self.on_evict is not None and chosen:
+                        self.on_evict([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
+                freed = sum(loc.header.record_len for _, loc in chosen)
+                where, batch = None, []
+                for key, loc in chosen:
+                    unit = engine.deletion(*key, loc.header.flags)  # type: ignore[misc]
+                    if len(batch) + len(unit) > fmt.GROUP_MAX:
+                        where, batch = engine.append_group(batch), []
+                    batch += unit
+                if batch:
+                    where = engine.append_group(batch)
+        finally:
+            with self._policy_lock:
+                self._since = None
         if where is not None:  # durable with the sync that compaction does before it unlinks anything
             engine.settle_later(where)
         with self._policy_lock:
@@ -357,8 +391,6 @@ class Capacity:
                 self.policy.removed(key)
         self.counters["evictions"] += len(chosen)
         self.counters["evicted_bytes"] += freed
-        if self.on_evict is not None and chosen:
-            self.on_evict([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
         return freed
 
     # -- figures --------------------------------------------------------------------------------

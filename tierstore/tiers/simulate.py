@@ -75,6 +75,15 @@ def make_policy(name: str | pol.Policy, future: dict[Hashable, float]) -> pol.Po
     return pol.make(name)
 
 
+def show(key: Hashable) -> str:
+    """A (namespace, key) as ``namespace/key`` (bytes keys in hex)."""
+    ns, k = key  # type: ignore[misc]
+    try:
+        return f"{ns.decode('utf-8')}/{k.decode('utf-8')}"
+    except UnicodeDecodeError:
+        return f"{ns.decode('utf-8', 'replace')}/0x{k.hex()}"
+
+
 def key_of(op: dict[str, Any]) -> tuple[bytes, bytes]:
     """The (namespace, key) of a trace op, as the store keys its policies."""
     k = op["key"].encode("utf-8") if "key" in op else bytes.fromhex(op["key_hex"])
@@ -150,6 +159,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
          "bytes_from_ssd": 0, "bytes_slow": 0, "recompute_tokens": 0, "bytes_written_ssd": 0, "not_stored": 0,
          "unknown_size_misses": 0}
     mismatches: list[dict[str, Any]] = []
+    checked = [0]
     evicted: list[Hashable] = []
     pending_evicts: list[Hashable] = []
 
@@ -174,8 +184,9 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         n = len(pending_evicts)
         order = [k for k in ssd.policy.victims() if k[0] not in retained]  # type: ignore[index]
         order = [k for k in order if not sessions.get(k)] + [k for k in order if sessions.get(k)]
+        checked[0] += n
         if set(order[:n]) != set(pending_evicts):
-            mismatches.append({"store": [repr(k) for k in pending_evicts], "policy": [repr(k) for k in order[:n]]})
+            mismatches.append({"store": [show(k) for k in pending_evicts], "policy": [show(k) for k in order[:n]]})
         for k in pending_evicts:
             ssd.remove(k)
             if dram is not None:
@@ -240,7 +251,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
             "ssd_hit_rate": round(f["ssd_hits"] / gets, 4), "miss_rate": round(f["misses"] / gets, 4),
             "ssd_evictions": ssd.evictions, "dram_evictions": dram.evictions if dram is not None else 0,
             "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
-            **({"mismatches": mismatches} if follow else {})}
+            **({"mismatches": mismatches, "evictions_checked": checked[0]} if follow else {})}
 
 
 def data_bytes(ops: Iterable[dict[str, Any]]) -> int:

@@ -120,15 +120,20 @@ class TraceWriter:
 def read_trace(path: str) -> Iterator[dict[str, Any]]:
     """The operations of a trace file, checked: InvalidObject naming the line on anything that
     is not a trace line (JSON object, known ``op``, ``ns`` and a key where the op needs them)."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                op = json.loads(line)
-            except ValueError as e:
-                raise InvalidObject(f"{path}:{n}: not JSON ({e})", path=path) from None
-            yield check_op(op, f"{path}:{n}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    op = json.loads(line)
+                except ValueError as e:
+                    raise InvalidObject(f"{path}:{n}: not JSON ({e})", path=path) from None
+                yield check_op(op, f"{path}:{n}")
+    except UnicodeDecodeError:
+        raise InvalidObject(f"{path}: not a trace (not UTF-8 text)", path=path) from None
+    except OSError as e:
+        raise InvalidObject(f"{path}: cannot read the trace ({e.strerror})", path=path) from None
 
 
 def check_op(op: Any, where: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ content.  Shapes and their parameters (all seeded, reproducible):
 - ``rag``: retrieval-augmented generation over a corpus: each query picks ``k`` documents
   (Zipf popularity), reads their chunks (shared across queries) and stores its own.
 - ``agent``: agent loops with long, growing contexts: agents take steps in random order,
-  each step reading every earlier chunk of its agent's context and storing a new one.
+  each step reading every earlier chunk of its agent's context and storing a new one; the
+  engine announces the agent ``lookahead`` steps ahead (its request queue).
 It owns no store and does no I/O but reading a ShareGPT file.
 """
 
@@ -115,14 +116,21 @@ def rag(*, documents: int = 1000, doc_chunks: tuple[int, int] = (1, 4), queries:
     return b.ops
 
 
-def agent(*, agents: int = 40, steps: tuple[int, int] = (10, 50), seed: int = 0, chunk_tokens: int = CHUNK_TOKENS,
-          bytes_per_token: int = BYTES_PER_TOKEN) -> list[dict[str, Any]]:
+def agent(*, agents: int = 40, steps: tuple[int, int] = (10, 50), lookahead: int = 8, seed: int = 0,
+          chunk_tokens: int = CHUNK_TOKENS, bytes_per_token: int = BYTES_PER_TOKEN) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     left = rng.integers(steps[0], steps[1] + 1, agents)
-    b = Ops(chunk_tokens, bytes_per_token)
+    order = []
     done = np.zeros(agents, np.int64)
     while (done < left).any():
         a = int(rng.choice(np.flatnonzero(done < left)))
+        order.append(a)
+        done[a] += 1
+    b = Ops(chunk_tokens, bytes_per_token)
+    done[:] = 0
+    for n, a in enumerate(order):
+        if lookahead and n + lookahead < len(order):
+            b.add("session", "agent", session=f"a{order[n + lookahead]}")
         for c in range(int(done[a])):
             b.add("get", "agent", f"a{a}-{c}")
         b.add("put", "agent", f"a{a}-{int(done[a])}", session=f"a{a}")

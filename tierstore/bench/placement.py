@@ -1,0 +1,141 @@
+"""The placement section of ``tierstore bench`` (docs/placement.md): the generated traces replayed
+by ``tierstore simulate`` at DRAM = 10 % and SSD = 50 % of their data (slow-tier bytes and
+recompute tokens per policy, against LRU and Belady), and the SSD budget on a real store: put
+latency with the budget full (evicting) against the same puts while it is empty, in one run.
+It measures and reports; it never asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..tiers import simulate as sim
+from ..tiers import workloads
+from .common import pyplot
+
+
+def bench_simulation(*, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"dram_share": 0.1, "ssd_share": 0.5, "traces": {}}
+    small = {"chat": {"sessions": 60}, "tenants": {"requests": 800}, "rag": {"queries": 500},
+             "agent": {"agents": 12}} if quick else {}
+    for shape in sorted(workloads.SHAPES):
+        ops = workloads.generate(shape, seed=0, **small.get(shape, {}))
+        data = sim.data_bytes(ops)
+        runs = {}
+        for p in sim.POLICY_NAMES:
+            t0 = time.perf_counter()
+            r = sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p)
+            runs[p] = {k: r[k] for k in ("misses", "bytes_slow", "recompute_tokens", "bytes_from_ssd",
+                                         "dram_hit_rate", "ssd_hit_rate", "miss_rate")}
+            runs[p]["seconds"] = round(time.perf_counter() - t0, 2)
+        lru, best = runs["lru"]["bytes_slow"], runs["belady"]["bytes_slow"]
+        for r in runs.values():
+            r["slow_vs_lru"] = round(lru / r["bytes_slow"], 3) if r["bytes_slow"] else None  # > 1: fewer bytes
+            r["slow_vs_belady"] = round(r["bytes_slow"] / best, 3) if best else None
+        out["traces"][shape] = {"ops": len(ops), "data_bytes": data, "runs": runs}
+        say(f"  {shape:8} " + "  ".join(f"{p} {r['bytes_slow'] / 2**30:,.1f} GiB" for p, r in runs.items()))
+    return out
+
+
+def _puts(s: Any, keys: range, data: Any, lat: list[float]) -> None:
+    from .. import KVCache
+
+    for i in keys:
+        t0 = time.perf_counter()
+        s.put(f"k{i}", KVCache(data))
+        lat.append(time.perf_counter() - t0)
+
+
+def bench_budget(root: str, *, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
+    """Durable puts of KV chunks into a store with ``ssd_bytes``: while it is empty (no eviction),
+    then once it is full (every put past the bound, evicting in the background)."""
+    from .. import open as open_store
+
+    out: dict[str, Any] = {}
+    budget = (256 if quick else 1024) << 20
+    for chunk_mib in (4, 32):
+        path = os.path.join(root, f"budget-{chunk_mib}")
+        shutil.rmtree(path, ignore_errors=True)
+        data = np.random.default_rng(1).standard_normal(((chunk_mib << 20) // (2 * 8 * 256 * 128 * 2), 2, 8, 256,
+                                                         128)).astype(np.float16)
+        per = budget // data.nbytes
+        empty: list[float] = []
+        full: list[float] = []
+        peak = 0
+        with open_store(path, ssd_bytes=budget, durability="sync") as s:
+            _puts(s, range(0, per // 2), data, empty)  # half the budget: no eviction
+            _puts(s, range(per // 2, per), data, [])  # fill
+            n = max(50, 3 * per)
+            for i in range(per, per + n):
+                _puts(s, range(i, i + 1), data, full)
+                peak = max(peak, s.stats()["tiers"]["ssd"]["bytes_used"]) if i % 8 == 0 else peak
+            st = s.stats()["tiers"]["ssd"]
+        shutil.rmtree(path, ignore_errors=True)
+
+        def pct(xs: list[float], q: float) -> float:
+            xs = sorted(xs)
+            return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2)
+
+        r = {"chunk_bytes": data.nbytes, "budget": budget, "puts_empty": len(empty), "puts_full": len(full),
+             "empty_p50_ms": pct(empty, 0.5), "empty_p99_ms": pct(empty, 0.99),
+             "full_p50_ms": pct(full, 0.5), "full_p99_ms": pct(full, 0.99),
+             "evictions": st["evictions"], "evicted_bytes": st["evicted_bytes"],
+             "compacted_bytes": st["compacted_bytes"], "records_copied": st["records_copied"],
+             "puts_that_evicted_themselves": st["eviction_runs"], "background_runs": st["background_runs"],
+             "peak_bytes_used_sampled": peak}
+        r["p99_full_vs_empty"] = round(r["full_p99_ms"] / r["empty_p99_ms"], 2)
+        out[f"{chunk_mib}MiB"] = r
+        say(f"  budget {budget >> 20} MiB, {chunk_mib} MiB puts: p99 {r['empty_p99_ms']} ms empty, "
+            f"{r['full_p99_ms']} ms full ({r['p99_full_vs_empty']}x); {r['evictions']} evictions, "
+            f"{r['records_copied']} records copied")
+    return out
+
+
+def bench_placement(root: str, *, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
+    return {"simulation": bench_simulation(quick=quick, say=say), "budget": bench_budget(root, quick=quick, say=say)}
+
+
+def markdown_placement(r: dict[str, Any]) -> list[str]:
+    sim_r = r["simulation"]
+    lines = ["", "## Placement: generated traces at DRAM 10 %, SSD 50 % of their data", "",
+             "| trace | policy | misses | GiB from the slow tier | recompute tokens | fewer slow bytes than LRU | "
+             "slow bytes vs Belady |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for shape, t in sim_r["traces"].items():
+        for p, x in t["runs"].items():
+            vs_lru = f"{x['slow_vs_lru']}x" if x["slow_vs_lru"] else "-"
+            vs_best = f"{x['slow_vs_belady']}x" if x["slow_vs_belady"] else "- (Belady: 0)"
+            lines.append(f"| {shape} | {p} | {x['misses']:,} | {x['bytes_slow'] / 2**30:,.1f} | "
+                         f"{x['recompute_tokens']:,} | {vs_lru} | {vs_best} |")
+    lines += ["", "## The SSD budget: durable put latency, budget full (evicting) vs empty", "",
+              "| chunk | budget | p50 empty / full ms | p99 empty / full ms | p99 full / empty | evictions | "
+              "records copied | puts that evicted themselves |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, b in r["budget"].items():
+        lines.append(f"| {name} | {b['budget'] >> 20} MiB | {b['empty_p50_ms']} / {b['full_p50_ms']} | "
+                     f"{b['empty_p99_ms']} / {b['full_p99_ms']} | {b['p99_full_vs_empty']}x | {b['evictions']} | "
+                     f"{b['records_copied']} | {b['puts_that_evicted_themselves']} |")
+    return lines
+
+
+def plot_placement(r: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    traces = r["simulation"]["traces"]
+    fig, axes = plt.subplots(1, len(traces), figsize=(3 * len(traces), 3.2))
+    for ax, (shape, t) in zip(axes, traces.items()):
+        names = list(t["runs"])
+        ax.bar(names, [t["runs"][p]["bytes_slow"] / 2**30 for p in names],
+               color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
+        ax.set_title(shape, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0].set_ylabel("GiB from the slow tier")
+    fig.suptitle("Slow-tier bytes per policy (DRAM 10 %, SSD 50 % of the data)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
