@@ -91,6 +91,10 @@ def test_the_simulator_on_a_trace_worked_by_hand():
     # get a: hit.  put c evicts b (LRU).  get b: miss, stored, evicts a.  get a: miss, stored,
     # evicts c.  get c: miss.
     assert (r["ssd_hits"], r["misses"], r["bytes_slow"], r["recompute_tokens"]) == (1, 3, 30, 3)
+    spt = tierstore.policy.recompute_seconds_per_token(8e9)  # the default model prices the misses
+    assert r["miss_seconds"] == round(3 * spt, 3)
+    priced = sim.simulate(ops, dram_bytes=0, ssd_bytes=20, policy="lru", models={"n": 70e9})
+    assert priced["miss_seconds"] == round(3 * tierstore.policy.recompute_seconds_per_token(70e9), 3)
     b = sim.simulate(ops, dram_bytes=0, ssd_bytes=20, policy="belady")
     # Belady: put c evicts whichever is read farthest ahead -- c itself is not held yet, so of
     # a (read at 5) and b (read at 4), a goes; get b hit; get a miss (evicts b: never read
@@ -103,7 +107,7 @@ def test_the_simulator_on_a_trace_worked_by_hand():
 
 @pytest.mark.parametrize("shape", sorted(workloads.SHAPES))
 def test_belady_is_the_bound_on_every_generated_shape(shape):
-    small = {"chat": {"sessions": 30}, "tenants": {"tenants": 10, "requests": 300},
+    small = {"chat": {"sessions": 30}, "tenants": {"tenants": 10, "requests": 300}, "mixed": {"sessions": 30},
              "rag": {"documents": 100, "queries": 200}, "agent": {"agents": 8, "steps": (5, 15)}}[shape]
     ops = workloads.generate(shape, seed=3, **small)
     for o in ops:
@@ -112,8 +116,12 @@ def test_belady_is_the_bound_on_every_generated_shape(shape):
     data = sim.data_bytes(ops)
     runs = {p: sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p) for p in sim.POLICY_NAMES}
     for p, r in runs.items():
-        assert runs["belady"]["misses"] <= r["misses"], (shape, p)  # one object size: Belady is optimal
+        if shape != "mixed":  # one object size: Belady is optimal in misses (with two sizes it is not)
+            assert runs["belady"]["misses"] <= r["misses"], (shape, p)
         assert r["gets"] == r["dram_hits"] + r["ssd_hits"] + r["misses"]
+    if shape == "mixed":
+        assert {o["ns"] for o in ops if "key" in o} == {"m8b", "m70b"}
+        assert {o["bytes"] for o in ops if o.get("ns") == "m70b" and "bytes" in o} == {256 * 80 * 2 * 8 * 128 * 2}
 
 
 def test_sharegpt_file_becomes_a_chat_trace(tmp_path):
@@ -188,4 +196,5 @@ def test_simulate_cli(tmp_path, capsys):
     assert cli(["simulate", "--generate", "rag", "--follow", "--policy", "lru"]) == 2  # follow needs a recording
     assert cli(["simulate", "--trace", saved, "--follow"]) == 2  # ... and the one policy the store ran
     assert cli(["simulate", "--trace", saved, "--dram", "60%", "--ssd", "50%"]) == 2
+    assert cli(["simulate", "--generate", "tenants", "--models", "tenants=oops"]) == 2
     capsys.readouterr()

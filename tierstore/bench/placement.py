@@ -22,16 +22,17 @@ from .common import pyplot
 
 def bench_simulation(*, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
     out: dict[str, Any] = {"dram_share": 0.1, "ssd_share": 0.5, "traces": {}}
-    small = {"chat": {"sessions": 60}, "tenants": {"requests": 800}, "rag": {"queries": 500},
-             "agent": {"agents": 12}} if quick else {}
+    small = {"chat": {"sessions": 60}, "mixed": {"sessions": 60}, "tenants": {"requests": 800},
+             "rag": {"queries": 500}, "agent": {"agents": 12}} if quick else {}
     for shape in sorted(workloads.SHAPES):
         ops = workloads.generate(shape, seed=0, **small.get(shape, {}))
         data = sim.data_bytes(ops)
+        models = dict(workloads.MIXED_MODELS) if shape == "mixed" else None  # else: an 8B model
         runs = {}
         for p in sim.POLICY_NAMES:
             t0 = time.perf_counter()
-            r = sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p)
-            runs[p] = {k: r[k] for k in ("misses", "bytes_slow", "recompute_tokens", "bytes_from_ssd",
+            r = sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p, models=models)
+            runs[p] = {k: r[k] for k in ("misses", "bytes_slow", "recompute_tokens", "miss_seconds", "bytes_from_ssd",
                                          "dram_hit_rate", "ssd_hit_rate", "miss_rate")}
             runs[p]["seconds"] = round(time.perf_counter() - t0, 2)
         lru, best = runs["lru"]["bytes_slow"], runs["belady"]["bytes_slow"]
@@ -104,14 +105,14 @@ def bench_placement(root: str, *, quick: bool, say: Callable[..., None]) -> dict
 def markdown_placement(r: dict[str, Any]) -> list[str]:
     sim_r = r["simulation"]
     lines = ["", "## Placement: generated traces at DRAM 10 %, SSD 50 % of their data", "",
-             "| trace | policy | misses | GiB from the slow tier | recompute tokens | fewer slow bytes than LRU | "
-             "slow bytes vs Belady |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| trace | policy | misses | GiB from the slow tier | recompute tokens | miss seconds | "
+             "fewer slow bytes than LRU | slow bytes vs Belady |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for shape, t in sim_r["traces"].items():
         for p, x in t["runs"].items():
             vs_lru = f"{x['slow_vs_lru']}x" if x["slow_vs_lru"] else "-"
             vs_best = f"{x['slow_vs_belady']}x" if x["slow_vs_belady"] else "- (Belady: 0)"
             lines.append(f"| {shape} | {p} | {x['misses']:,} | {x['bytes_slow'] / 2**30:,.1f} | "
-                         f"{x['recompute_tokens']:,} | {vs_lru} | {vs_best} |")
+                         f"{x['recompute_tokens']:,} | {x['miss_seconds']:,.2f} | {vs_lru} | {vs_best} |")
     lines += ["", "## The SSD budget: durable put latency, budget full (evicting) vs empty", "",
               "| chunk | budget | p50 empty / full ms | p99 empty / full ms | p99 full / empty | evictions | "
               "records copied | puts that evicted themselves |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -67,14 +67,31 @@ def run(args: Any) -> dict[str, Any]:
     if args.retain and not args.follow:
         raise InvalidObject("--retain applies to --follow (the store's retain= namespaces)")
     retain = args.retain or []
-    runs = [sim.simulate(ops, dram_bytes=dram, ssd_bytes=ssd, policy=p, follow=args.follow, retain=retain)
-            for p in policies]
+    models = parse_models(args.models) if args.models else \
+        (dict(workloads.MIXED_MODELS) if args.generate == "mixed" else None)
+    runs = [sim.simulate(ops, dram_bytes=dram, ssd_bytes=ssd, policy=p, follow=args.follow, retain=retain,
+                         models=models) for p in policies]
     best = next((r for r in runs if r["policy"] == "belady"), None)
     for r in runs:
         if best is not None and best["bytes_slow"]:
             r["slow_bytes_vs_belady"] = round(r["bytes_slow"] / best["bytes_slow"], 3)
     return {"source": source, "ops": len(ops), "data_bytes": data, "dram_bytes": dram, "ssd_bytes": ssd,
-            "runs": runs}
+            "models": models, "runs": runs}
+
+
+def parse_models(text: str) -> dict[str, float]:
+    """``--models m8b=8e9,m70b=70e9``: namespace -> parameter count."""
+    out = {}
+    for part in text.split(","):
+        ns, sep, params = part.partition("=")
+        try:
+            value = float(params)
+        except ValueError:
+            value = -1.0
+        if not sep or not ns.strip() or not value > 0:
+            raise InvalidObject(f"--models: namespace=parameters pairs like m8b=8e9,m70b=70e9, got {part!r}")
+        out[ns.strip()] = value
+    return out
 
 
 def text(result: dict[str, Any]) -> None:
@@ -82,11 +99,11 @@ def text(result: dict[str, Any]) -> None:
     print(f"{result['source']}: {result['ops']:,} ops over {result['data_bytes'] / scale:,.1f} {unit} of objects; "
           f"DRAM {result['dram_bytes'] / scale:,.1f} {unit}, SSD {result['ssd_bytes'] / scale:,.1f} {unit}")
     print(f"{'policy':8} {'DRAM hits':>9} {'SSD hits':>9} {'misses':>8} {unit + ' from SSD':>13} "
-          f"{unit + ' slow tier':>14} {'recompute tokens':>17}")
+          f"{unit + ' slow tier':>14} {'recompute tokens':>17} {'miss seconds':>13}")
     for r in result["runs"]:
         print(f"{r['policy']:8} {r['dram_hit_rate'] * 100:8.1f}% {r['ssd_hit_rate'] * 100:8.1f}% "
               f"{r['misses']:8,} {r['bytes_from_ssd'] / scale:13,.1f} {r['bytes_slow'] / scale:14,.1f} "
-              f"{r['recompute_tokens']:17,}")
+              f"{r['recompute_tokens']:17,} {r['miss_seconds']:13,.2f}")
         if "mismatches" in r:
             bad = r["mismatches"]
             print(f"  --follow: {r['evictions_checked']:,} evictions checked, {len(bad):,} not the front of the "
@@ -94,7 +111,8 @@ def text(result: dict[str, Any]) -> None:
             for m in bad[:3]:
                 print(f"    evicted by the store {', '.join(m['store'])}; first in the policy's order "
                       f"{', '.join(m['policy'])}")
-    print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier)")
+    print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier); "
+          "miss seconds: what those misses cost (docs/placement.md, the cost model's C)")
 
 
 def plot(result: dict[str, Any], path: str) -> bool:
@@ -130,5 +148,8 @@ def add_arguments(sp: Any) -> None:
                     help="check a recorded trace's evictions against the policy instead of evicting")
     sp.add_argument("--retain", action="append", default=None, metavar="NAMESPACE",
                     help="with --follow: a namespace the store never evicted (its retain=)")
+    sp.add_argument("--models", default=None, metavar="NS=PARAMS,...",
+                    help="parameter count per namespace (m8b=8e9,m70b=70e9): prices misses and configures the cost "
+                         "policy (default: an 8B model everywhere; --generate mixed: its two models)")
     sp.add_argument("--save", default=None, metavar="FILE", help="also write the replayed ops as a trace file")
     sp.add_argument("--plot", default=None, metavar="PNG", help="a bar chart of slow-tier bytes per policy")

@@ -208,48 +208,51 @@ def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEV
 
 
 class CostAware(Policy):
-    """What a miss costs, per byte kept: GreedyDual-Size (Cao and Irani, 1997) with costs in
-    seconds, and the session look-ahead of ``SessionAware``.
+    """What a miss costs, per byte kept -- within recency -- and the session look-ahead of
+    ``SessionAware``.
 
-    Each entry has a priority ``H = L + C / S``, set when it is admitted and again at each
-    read: ``S`` its size in bytes, ``C`` the seconds a miss costs -- recomputing its tokens
-    (``tokens * seconds_per_token``; per namespace from ``models``, a dict namespace ->
-    parameter count, else the default model) or, for an object that holds no tokens, reading
-    its bytes again from the next tier (``S / refetch_bytes_per_s``) -- and ``L`` the priority
-    of the last entry evicted, which rises as evictions go on, so that an entry not read for a
-    while falls behind those read since.  Lowest ``H`` goes first: among objects of one cost
-    per byte it is LRU; a costlier object per byte stays longer.  Objects of a session
-    announced by ``prefetch_session`` go after every other until read; objects of a dropped
-    session go first.  (Counting reads too -- GreedyDual-Size-Frequency -- kept whole finished
-    conversations and lost to LRU on every generated trace: docs/placement.md.)
+    Each entry has a cost per byte ``C / S``: ``S`` its size in bytes, ``C`` the seconds a miss
+    costs -- recomputing its tokens (``tokens * seconds_per_token``; per namespace from
+    ``models``, a dict namespace -> parameter count, else the default model) or, for an object
+    that holds no tokens, reading its bytes again from the next tier (``S /
+    refetch_bytes_per_s``).  The eviction order is the LRU order cut into windows of
+    ``1 / window_share`` of the entries (at least 4): inside a window, the cheapest per byte goes
+    first (least recently used first among equals).  Recency decides which objects are
+    candidates, cost decides among them, so a costly object outlives cheap ones of about its
+    age but not recently used ones.  Objects of a session announced by ``prefetch_session`` go
+    after every other until read; objects of a dropped session go first.  (Pure GreedyDual-Size,
+    where cost and recency add up, kept whole finished conversations of the costly model and lost
+    to LRU 13x in miss seconds on a mixed trace; docs/placement.md.)
     """
 
     name = "cost"
 
     def __init__(self, *, seconds_per_token: float | None = None, models: dict[str, float] | None = None,
                  refetch_bytes_per_s: float = DEFAULT_REFETCH_BYTES_PER_S,
-                 device_flops: float = DEFAULT_DEVICE_FLOPS, utilisation: float = DEFAULT_UTILISATION) -> None:
+                 device_flops: float = DEFAULT_DEVICE_FLOPS, utilisation: float = DEFAULT_UTILISATION,
+                 window_share: int = 64) -> None:
         self._args = {"seconds_per_token": seconds_per_token, "models": models,
                       "refetch_bytes_per_s": refetch_bytes_per_s, "device_flops": device_flops,
-                      "utilisation": utilisation}
+                      "utilisation": utilisation, "window_share": window_share}
         self.spt = seconds_per_token if seconds_per_token is not None else \
             recompute_seconds_per_token(DEFAULT_PARAMS, device_flops, utilisation)
         if not (isinstance(self.spt, (int, float)) and self.spt > 0):
             raise InvalidObject(f"seconds_per_token must be a positive number, got {seconds_per_token!r}")
         if not (isinstance(refetch_bytes_per_s, (int, float)) and refetch_bytes_per_s > 0):
             raise InvalidObject(f"refetch_bytes_per_s must be a positive number, got {refetch_bytes_per_s!r}")
+        if isinstance(window_share, bool) or not isinstance(window_share, int) or window_share < 1:
+            raise InvalidObject(f"window_share must be a positive int, got {window_share!r}")
         self.refetch = float(refetch_bytes_per_s)
+        self.window_share = window_share
         self.per_ns: dict[bytes, float] = {}
         for ns, params in (models or {}).items():
             key = ns.encode("utf-8") if isinstance(ns, str) else bytes(ns)
             self.per_ns[key] = recompute_seconds_per_token(params, device_flops, utilisation)
-        self.inflation = 0.0  # L
         self._tokens: dict[Hashable, int] = {}
-        self._entries: dict[Hashable, list[float]] = {}  # key -> [H, C / S, seq of its last admit or read]
+        self._entries: dict[Hashable, list[float]] = {}  # key -> [C / S, seq of its last admit or read]
         self._sessions: dict[Hashable, tuple[bytes, ...]] = {}
         self._active: OrderedDict[bytes, None] = OrderedDict()
         self._ended: set[bytes] = set()
-        self._heap: list[tuple[float, int, Hashable]] = []  # (H, seq, key); stale items skipped
         self._seq = 0
 
     def fresh(self) -> "CostAware":
@@ -265,43 +268,24 @@ class CostAware(Policy):
     def cost_hint(self, key: Hashable, tokens: int) -> None:
         self._tokens[key] = int(tokens)
 
-    def _set(self, key: Hashable, e: list[float]) -> None:
-        e[0] = self.inflation + e[1]
-        self._seq += 1
-        e[2] = self._seq  # ties (same H) go least recently used first
-        heapq.heappush(self._heap, (e[0], self._seq, key))
-        if len(self._heap) > 4 * len(self._entries) + 64:  # drop stale heap items
-            self._heap = [(h[0], i, k) for i, (k, h) in enumerate(self._entries.items())]
-            heapq.heapify(self._heap)
-
     def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
-        per_byte = self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes)
-        e = self._entries[key] = [0.0, per_byte, 0]
+        self._seq += 1
+        self._entries[key] = [self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes), self._seq]
         self._sessions[key] = sessions
-        self._set(key, e)
 
     def touched(self, key: Hashable) -> None:
         e = self._entries.get(key)
         if e is None:
             return
+        self._seq += 1
+        e[1] = self._seq
         for s in self._sessions.get(key, ()):
             self._active.pop(s, None)  # the announced turn is being served
-        self._set(key, e)
 
     def removed(self, key: Hashable) -> None:
-        e = self._entries.pop(key, None)
+        self._entries.pop(key, None)
         self._sessions.pop(key, None)
         self._tokens.pop(key, None)
-        if e is None:
-            return
-        heap = self._heap
-        while heap:  # the current lowest priority (stale heap items dropped)
-            cur = self._entries.get(heap[0][2])
-            if cur is not None and cur[0] == heap[0][0]:
-                break
-            heapq.heappop(heap)
-        if not heap or e[0] <= heap[0][0]:  # the lowest priority went: an eviction, not a delete
-            self.inflation = max(self.inflation, e[0])
 
     def session_active(self, session: bytes) -> None:
         self._ended.discard(session)
@@ -321,10 +305,11 @@ class CostAware(Policy):
                 return 0
             return 2 if any(s in self._active for s in ss) else 1
 
-        heap = [(rank(k), e[0], e[2], k) for k, e in self._entries.items()]
-        heapq.heapify(heap)
-        while heap:
-            yield heapq.heappop(heap)[3]
+        ordered = sorted((rank(k), e[1], e[0], k) for k, e in self._entries.items())  # rank, then LRU
+        width = max(4, len(ordered) // self.window_share)
+        for i in range(0, len(ordered), width):
+            for item in sorted(ordered[i:i + width], key=lambda t: (t[0], t[2], t[1])):
+                yield item[3]
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware, "cost": CostAware}

@@ -67,9 +67,12 @@ class Belady(pol.Policy):
             yield heapq.heappop(heap)[2]
 
 
-def make_policy(name: str | pol.Policy, future: dict[Hashable, float]) -> pol.Policy:
+def make_policy(name: str | pol.Policy, future: dict[Hashable, float],
+                models: dict[str, float] | None = None) -> pol.Policy:
     if name == "belady":
         return Belady(future)
+    if name == "cost":
+        return pol.CostAware(models=models)
     if isinstance(name, str) and name not in POLICY_NAMES:
         raise InvalidObject(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
     return pol.make(name)
@@ -143,20 +146,25 @@ def next_uses(ops: list[dict[str, Any]]) -> list[float]:
 
 
 def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, policy: str | pol.Policy,
-             follow: bool = False, retain: Iterable[str] = ()) -> dict[str, Any]:
+             follow: bool = False, retain: Iterable[str] = (), models: dict[str, float] | None = None
+             ) -> dict[str, Any]:
     """Replay ``ops`` (trace ops, e.g. from ``trace.read_trace`` or ``workloads.generate``);
     returns the figures of docs/placement.md.  ``follow``: see the module's docstring (the
-    ``mismatches`` figure lists any eviction the policy would not have made)."""
+    ``mismatches`` figure lists any eviction the policy would not have made).  ``models``
+    (namespace -> parameter count) prices the misses (``miss_seconds``: the cost model's ``C``)
+    and configures the "cost" policy."""
     ops = list(ops)
     future: dict[Hashable, float] = {}
     nexts = next_uses(ops) if policy == "belady" else []
-    ssd = _Tier("ssd", ssd_bytes, make_policy(policy, future))
+    pricing = pol.CostAware(models=models)
+    ssd = _Tier("ssd", ssd_bytes, make_policy(policy, future, models))
     dram = _Tier("dram", dram_bytes, ssd.policy.fresh()) if dram_bytes > 0 else None
     retained = {r.encode("utf-8") for r in retain}
     sizes: dict[Hashable, tuple[int, int]] = {}  # key -> (bytes, tokens)
     sessions: dict[Hashable, tuple[bytes, ...]] = {}
     f = {"gets": 0, "dram_hits": 0, "ssd_hits": 0, "misses": 0, "bytes_requested": 0, "bytes_from_dram": 0,
-         "bytes_from_ssd": 0, "bytes_slow": 0, "recompute_tokens": 0, "bytes_written_ssd": 0, "not_stored": 0,
+         "bytes_from_ssd": 0, "bytes_slow": 0, "recompute_tokens": 0, "miss_seconds": 0.0, "bytes_written_ssd": 0,
+         "not_stored": 0,
          "unknown_size_misses": 0}
     mismatches: list[dict[str, Any]] = []
     checked = [0]
@@ -228,6 +236,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
                     f["unknown_size_misses"] += 1
                 f["bytes_slow"] += nbytes
                 f["recompute_tokens"] += tokens
+                f["miss_seconds"] += pricing.cost(key, nbytes, tokens)
                 if nbytes and not follow:  # recomputed and stored (a recorded trace has the put)
                     sizes[key] = (nbytes, tokens)
                     store(key, nbytes, tokens, sessions.get(key, ()))
@@ -247,6 +256,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         check_follow()
     gets = max(1, f["gets"])
     name = policy if isinstance(policy, str) else policy.name
+    f["miss_seconds"] = round(f["miss_seconds"], 3)
     return {"policy": name, **f, "dram_hit_rate": round(f["dram_hits"] / gets, 4),
             "ssd_hit_rate": round(f["ssd_hits"] / gets, 4), "miss_rate": round(f["misses"] / gets, 4),
             "ssd_evictions": ssd.evictions, "dram_evictions": dram.evictions if dram is not None else 0,

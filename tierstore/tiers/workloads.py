@@ -18,6 +18,8 @@ content.  Shapes and their parameters (all seeded, reproducible):
   stores one chunk of its own.
 - ``rag``: retrieval-augmented generation over a corpus: each query picks ``k`` documents
   (Zipf popularity), reads their chunks (shared across queries) and stores its own.
+- ``mixed``: ``chat`` with half the sessions on a 70B model and half on an 8B one (two
+  namespaces; their chunks differ in bytes and in recompute cost).
 - ``agent``: agent loops with long, growing contexts: agents take steps in random order,
   each step reading every earlier chunk of its agent's context and storing a new one; the
   engine announces the agent ``lookahead`` steps ahead (its request queue).
@@ -138,8 +140,30 @@ def agent(*, agents: int = 40, steps: tuple[int, int] = (10, 50), lookahead: int
     return b.ops
 
 
+# ``mixed``: two models served from one store, each in its namespace (parameters; KV bytes per token,
+# fp16: an 8B model with 32 layers x 8 KV heads x 128 dims, a 70B one with 80 layers x 8 x 128)
+MIXED_MODELS = {"m8b": 8e9, "m70b": 70e9}
+MIXED_BYTES_PER_TOKEN = {"m8b": 32 * 2 * 8 * 128 * 2, "m70b": 80 * 2 * 8 * 128 * 2}
+
+
+def mixed(*, sessions: int = 200, turns: tuple[int, int] = (4, 20), zipf_a: float = 1.0, lookahead: int = 8,
+          seed: int = 0, chunk_tokens: int = CHUNK_TOKENS) -> list[dict[str, Any]]:
+    """``chat`` with every other session on the 70B model (namespace ``m70b``: 2.5x the bytes per
+    token, 8.75x the recompute FLOPs) and the rest on the 8B one (``m8b``): a trace whose misses
+    do not all cost the same per byte."""
+    ops = chat(sessions=sessions, turns=turns, zipf_a=zipf_a, lookahead=lookahead, seed=seed,
+               chunk_tokens=chunk_tokens)
+    for o in ops:
+        sid = int((o.get("key") or o.get("session") or "s0")[1:].split("-")[0])
+        ns = "m70b" if sid % 2 else "m8b"
+        o["ns"] = ns
+        if "key" in o:
+            o["bytes"] = chunk_tokens * MIXED_BYTES_PER_TOKEN[ns]
+    return ops
+
+
 SHAPES: dict[str, Callable[..., list[dict[str, Any]]]] = {"chat": chat, "tenants": tenants, "rag": rag,
-                                                          "agent": agent}
+                                                          "agent": agent, "mixed": mixed}
 
 
 def generate(shape: str, **params: Any) -> list[dict[str, Any]]:
