@@ -26,8 +26,8 @@ from ..errors import InvalidObject
 
 class Policy:
     """The interface.  Subclass it to write your own; pass an instance (or a name: "lru",
-    "session") as ``open(..., policy=)``.  One instance per tier (``Store`` copies it with
-    ``fresh()``)."""
+    "session", "cost") as ``open(..., policy=)`` or ``open(..., ssd_policy=)``.  One instance per
+    tier (``Store`` copies it with ``fresh()``)."""
 
     name = "policy"
 
