@@ -20,6 +20,7 @@ Never use a Store across ``fork()``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
 import os
@@ -225,6 +226,8 @@ class Store:
             if remote is not None:
                 self._remote = self._open_remote(remote)
         except BaseException:
+            if self._capacity is not None:
+                self._capacity.close()
             if self._trace is not None:
                 self._trace.close()
             if self._tiers is not None:
@@ -356,14 +359,26 @@ class Store:
         sess = encode_session(session) if session is not None else None
         record = self._encode_put(ns, k, kflags, obj, meta, namespace, codec)
         try:
-            if self._capacity is not None:
-                self._capacity.make_room(record.header.record_len)
-            with self._engine.append_lock:  # _append_puts reads what it decides on
-                where = self._append_puts([(k, kflags, record)], ns, sess)
+            with self._room_for(record.header.record_len), self._engine.append_lock:  # _append_puts reads
+                where = self._append_puts([(k, kflags, record)], ns, sess)             # what it decides on
         except BaseException:
             self._remote_unsent([record])
             raise
         return where, record
+
+    @contextlib.contextmanager
+    def _room_for(self, nbytes: int) -> Iterator[None]:
+        """With ``ssd_bytes``: make room for a put of ``nbytes`` first, and count it in flight
+        until it is appended (or failed)."""
+        capacity = self._capacity
+        if capacity is None:
+            yield
+            return
+        capacity.make_room(nbytes)
+        try:
+            yield
+        finally:
+            capacity.landed(nbytes)
 
     def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
         """Make appended puts durable, then send them to the remote tier (when there is one)."""
@@ -560,10 +575,8 @@ class Store:
             return
         records = [r for _, _, r in puts]
         try:
-            if self._capacity is not None:
-                self._capacity.make_room(sum(r.header.record_len for r in records))
-            with engine.append_lock:  # _append_puts reads what it decides on
-                where = self._append_puts(puts, ns, sess)
+            with self._room_for(sum(r.header.record_len for r in records)), engine.append_lock:
+                where = self._append_puts(puts, ns, sess)  # under the lock: it reads what it decides on
         except BaseException:
             self._remote_unsent(records)
             raise
@@ -1001,9 +1014,7 @@ class Store:
         engine = self._engine
         try:
             record = reader.record()
-            if self._capacity is not None:
-                self._capacity.make_room(record.header.record_len)
-            with engine.write_lock:
+            with self._room_for(record.header.record_len), engine.write_lock:
                 cur = engine.lookup(ns, k)
                 if (version_of(cur.header) if cur is not None else None) != mine:
                     return
@@ -1353,8 +1364,10 @@ class Store:
         cannot make room.  If the key is later overwritten, the pin stays on the key and the
         new object is kept once something promotes it.  Prefer ``with store.pinned(...)``."""
         t = self._cache_tier(tier)
-        ns, k, loc = self._locate(key, namespace)
-        t.pin((ns, k))
+        # with a budget, an eviction decides under the write lock: it sees the pin, or the key is gone
+        with self._engine.write_lock if self._capacity is not None else contextlib.nullcontext():
+            ns, k, loc = self._locate(key, namespace)
+            t.pin((ns, k))
         try:
             self._promote(tier, key, namespace, ns, k, loc, layers)
         except BaseException:

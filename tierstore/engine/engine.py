@@ -1152,7 +1152,7 @@ class Engine:
         segs = self.segments()
         known = self._sealed_sizes
         for gone in set(known) - set(segs):
-            del known[gone]
+            known.pop(gone, None)  # threads may forget the same retired segment at once
         total = 0
         for seg in segs[:-1]:
             size = known.get(seg)

@@ -30,7 +30,7 @@ from typing import Any
 from ..engine import compaction
 from ..engine.engine import Engine
 from ..engine.options import parse_size
-from ..errors import InvalidObject, StoreFull, TierstoreError
+from ..errors import InvalidObject, StoreFull
 from ..format import constants as fmt
 from ..format import record as rec
 from ..names import encode_namespace
@@ -111,6 +111,8 @@ class Capacity:
         self._policy_lock = threading.Lock()
         self._cond = threading.Condition()
         self._used, self._used_at = 0, 0.0  # bytes in use as last read from the files (plus puts since), and when
+        self._inflight = 0  # bytes of puts make_room let through and not yet appended
+        self._est_lock = threading.Lock()
         self._due = self._stopped = False
         self._thread: threading.Thread | None = None
         self.background_error: str | None = None
@@ -121,6 +123,8 @@ class Capacity:
                          "eviction_runs": 0, "background_runs": 0, "records_copied": 0}
         self._latency: deque[float] = deque(maxlen=4096)  # evictions a put waited for
         self._background_latency: deque[float] = deque(maxlen=4096)
+        self._known: set[Hashable] = set()  # the objects the policy holds
+        engine.subscribe(self._on_write)  # other handles' and other processes' records too
         self._seed()
 
     # -- what the policy is told ----------------------------------------------------------------
@@ -147,6 +151,47 @@ class Capacity:
                 if tokens:
                     self.policy.cost_hint((ns, k), tokens)
                 self.policy.admitted((ns, k), nbytes, tuple(sessions.get((ns, k), ())))
+                self._known.add((ns, k))
+
+    def _adopt(self) -> None:
+        """Objects the index holds that the policy does not know -- another writer process's puts
+        that it applied itself, which this engine never read -- join the policy, oldest first,
+        as if just put (their reads in that process are not known here)."""
+        engine = self.engine
+        found = []
+        for ns in engine.namespaces():
+            ks = [k for k in engine.keys(ns) if (ns, k) not in self._known]
+            for k, loc in zip(ks, engine.lookup_many(ns, ks)):
+                if loc is not None:
+                    found.append((loc.header.lsn, ns, k, loc.header))
+        found.sort(key=lambda t: t[0])
+        with self._policy_lock:
+            for _, ns, k, hdr in found:
+                if (ns, k) not in self._known:
+                    self._known.add((ns, k))
+                    tokens = tokens_of(hdr)
+                    if tokens:
+                        self.policy.cost_hint((ns, k), tokens)
+                    self.policy.admitted((ns, k), hdr.record_len, ())
+
+    def _on_write(self, key: Hashable, hdr: rec.RecordHeader | None) -> None:
+        """Every record appended, this handle's or not (Engine.subscribe: under the append lock, in
+        LSN order): an object the policy does not know yet joins it (another handle's or another
+        writer process's put), a deleted one leaves it."""
+        ns = key[0]  # type: ignore[index]
+        if ns.startswith(b"\x00"):
+            return
+        with self._policy_lock:
+            if hdr is None:
+                if key in self._known:
+                    self._known.discard(key)
+                    self.policy.removed(key)
+            elif key not in self._known and hdr.type == fmt.REC_PUT:
+                self._known.add(key)
+                tokens = tokens_of(hdr)
+                if tokens:
+                    self.policy.cost_hint(key, tokens)
+                self.policy.admitted(key, hdr.record_len, ())
 
     def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
         with self._policy_lock:
@@ -155,6 +200,7 @@ class Capacity:
             if tokens:
                 self.policy.cost_hint((ns, k), tokens)
             self.policy.admitted((ns, k), nbytes, sessions)
+            self._known.add((ns, k))
 
     def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
         with self._policy_lock:
@@ -169,6 +215,7 @@ class Capacity:
     def removed(self, ns: bytes, keys: list[bytes]) -> None:
         with self._policy_lock:
             for k in keys:
+                self._known.discard((ns, k))
                 self.policy.removed((ns, k))
 
     def session_active(self, ns: bytes, sess: bytes) -> None:
@@ -192,59 +239,79 @@ class Capacity:
         put that would pass ``budget - slack`` waits for it, or evicts itself (down to ``budget -
         2 * slack``) when the thread is idle.  StoreFull when the put is larger than the budget, or
         when what is left is pinned or retained (the objects evicted before that was found stay
-        evicted)."""
-        used = self._used  # the files' bytes when last read, plus the puts since
-        if used + nbytes > self.budget - 3 * self.slack or time.monotonic() - self._used_at > USAGE_REFRESH_S:
-            used = self._refresh()  # near the bound, or other processes may have written: ask the disk
-        if used + nbytes > self.budget - 2 * self.slack:
-            self._wake()
+        evicted).  The caller calls ``landed(nbytes)`` once the put is appended (or failed): until
+        then its bytes count as in flight, so that puts in other threads count them too."""
         # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
         # the eviction thread's deletes and copies, the index) has that slack to grow into
-        while used + nbytes > self.budget - self.slack:  # the thread may be freeing room already
+        stop = self.budget - self.slack
+        while True:
+            with self._est_lock:
+                used = self._used  # the files' bytes when last read, plus the puts landed since
+                if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
+                        time.monotonic() - self._used_at > USAGE_REFRESH_S:
+                    used = self._refresh()  # near the bound, or other processes may have written
+                used += self._inflight  # puts of other threads not appended yet
+                if used + nbytes > self.budget - 2 * self.slack:
+                    self._wake()
+                if used + nbytes <= stop:
+                    self._inflight += nbytes
+                    return
+            # over: the thread may be freeing room already; else evict here
             if self._room_lock.acquire(timeout=ROOM_POLL_S):
                 try:
-                    self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True)
+                    self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True, inflight=self._inflight)
                 finally:
                     self._room_lock.release()
-                used = self._refresh()
-                break
-            used = self._refresh()
-        self._used = used + nbytes  # this put's record, about to be appended
+
+    def landed(self, nbytes: int) -> None:
+        """A put that ``make_room`` let through was appended (or failed): no longer in flight."""
+        with self._est_lock:
+            self._inflight -= nbytes
+            self._used += nbytes
 
     def _refresh(self) -> int:
         """The bytes in use, from the files (``disk_bytes``), remembered with when they were read."""
         self._used, self._used_at = self.engine.disk_bytes(), time.monotonic()
         return self._used
 
-    def _evict_until(self, nbytes: int, target: int, *, strict: bool) -> None:
-        """Evict and reclaim until ``nbytes`` more fit under ``target``; with ``strict``, StoreFull
-        if they do not fit under the budget afterwards.  The caller holds the room lock."""
+    def _evict_until(self, nbytes: int, target: int, *, strict: bool, inflight: int = 0) -> None:
+        """Evict and reclaim until ``nbytes`` more, and the ``inflight`` bytes of puts other threads
+        are making, fit under ``target``; with ``strict``, StoreFull if ``nbytes`` alone do not fit
+        under ``budget - slack`` afterwards (the others land, then this put fits).  The caller holds
+        the room lock."""
         engine = self.engine
         budget = self.budget
+        stop = budget - self.slack  # where a put stops (make_room)
         used = engine.disk_bytes()
-        if used + nbytes <= (budget if strict else target):
+        if used + inflight + nbytes <= (stop if strict else target):
             return
         t0 = time.perf_counter()
+        if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
+            self._adopt()
         floor = engine.disk_usage()[1]  # the index and the reserve: not evictable
         if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > budget:
             raise StoreFull(f"a put of {nbytes} bytes cannot fit in ssd_bytes={budget} (the index and reserve "
                             f"take {floor})", hint="raise ssd_bytes=, or store the object in smaller pieces")
         self.counters["eviction_runs" if strict else "background_runs"] += 1
+        stuck = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
-            evicted = self._evict(used + nbytes - target, ratio)
-            done = compaction.reclaim(engine, lambda: engine.disk_bytes() + nbytes - target, min_dead_ratio=ratio)
+            evicted = self._evict(used + inflight + nbytes - target, ratio)
+            done = compaction.reclaim(engine, lambda: engine.disk_bytes() + inflight + nbytes - target,
+                                      min_dead_ratio=ratio)
             self.counters["compacted_bytes"] += done["bytes_before"]
             self.counters["records_copied"] += done["copied"]
             used = engine.disk_bytes()
-            if used + nbytes <= target or (not evicted and not done["victims"] and ratio == RECLAIM_RATIOS[-1]):
+            stuck = not evicted and not done["victims"] and ratio == RECLAIM_RATIOS[-1]
+            if used + inflight + nbytes <= target or stuck:
                 break
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
-        if strict and used + nbytes > budget:
+        if strict and stuck and used + nbytes > stop:  # (not stuck: other threads' puts took the room; retry)
             raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
                             f"for a put of {nbytes}",
-                            hint="what is left is pinned, in a retained namespace (retain=) or internal: raise "
-                                 "ssd_bytes=, unpin objects, or delete some")
+                            hint="what is left is pinned, in a retained namespace (retain=), internal, or referenced "
+                                 "by more sessions than one atomic group holds (4095): raise ssd_bytes=, unpin "
+                                 "objects, drop sessions, or delete some")
 
     # -- the eviction thread ---------------------------------------------------------------------
 
@@ -275,20 +342,22 @@ class Capacity:
                     self._due = False  # cleared under the room lock: wait_idle sees due or busy
                 try:
                     self._evict_until(0, self.budget - 3 * self.slack, strict=False)
-                    self._refresh()
-                except TierstoreError as e:
+                    with self._est_lock:
+                        self._refresh()
+                except Exception as e:  # kept for stats(); a put that needs room evicts itself and raises it
                     self.background_error = f"{type(e).__name__}: {e}"
 
     def wait_idle(self) -> None:
         """Return once no eviction is due or under way (``Store.flush``)."""
         while True:
             with self._room_lock, self._cond:
-                if not self._due or self._stopped:
+                if not self._due or self._stopped or self._thread is None or not self._thread.is_alive():
                     return
             time.sleep(ROOM_POLL_S)
 
     def close(self) -> None:
         """Stop the eviction thread (an eviction under way finishes first)."""
+        self.engine.unsubscribe(self._on_write)
         with self._cond:
             self._stopped = True
             self._cond.notify()
@@ -328,6 +397,7 @@ class Capacity:
         gone: list[Hashable] = []
         chosen: list[tuple[Hashable, Any]] = []
         freed = 0
+        where = None
         cap = 2 * (deficit + engine.options.segment_bytes)
         try:
             with engine.write_lock:  # sees every writer's records: decided and deleted under one lock
@@ -367,28 +437,31 @@ class Capacity:
                     if counted >= deficit or freed >= cap:
                         break
                     take(key, loc)
+                # each object with its references, in one group: one with more than a group holds is kept
+                units = [(key, loc, engine.deletion(*key, loc.header.flags)) for key, loc in chosen]  # type: ignore[misc]
                 with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
-                    chosen = [(key, loc) for key, loc in chosen if key not in self._since]
+                    units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]
                     self._since = None
+                    chosen = [(key, loc) for key, loc, _ in units]
                     if self.on_evict is not None and chosen:
                         self.on_evict([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
                 freed = sum(loc.header.record_len for _, loc in chosen)
-                where, batch = None, []
-                for key, loc in chosen:
-                    unit = engine.deletion(*key, loc.header.flags)  # type: ignore[misc]
+                batch: list[rec.EncodedRecord] = []
+                for _, _, unit in units:
                     if len(batch) + len(unit) > fmt.GROUP_MAX:
                         where, batch = engine.append_group(batch), []
                     batch += unit
                 if batch:
                     where = engine.append_group(batch)
+                with self._policy_lock:  # before a put of the same key can admit it again (it waits for this lock)
+                    for key in [*gone, *(key for key, _ in chosen)]:
+                        self._known.discard(key)
+                        self.policy.removed(key)
         finally:
             with self._policy_lock:
                 self._since = None
         if where is not None:  # durable with the sync that compaction does before it unlinks anything
             engine.settle_later(where)
-        with self._policy_lock:
-            for key in [*gone, *(key for key, _ in chosen)]:
-                self.policy.removed(key)
         self.counters["evictions"] += len(chosen)
         self.counters["evicted_bytes"] += freed
         return freed
