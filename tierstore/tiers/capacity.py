@@ -213,10 +213,9 @@ class Capacity:
         self.counters["misses"] += len(keys)
 
     def removed(self, ns: bytes, keys: list[bytes]) -> None:
-        with self._policy_lock:
-            for k in keys:
-                self._known.discard((ns, k))
-                self.policy.removed((ns, k))
+        """A handle's deletes, after the fact: nothing to do here -- ``_on_write`` already took the
+        objects out of the order when their DELETE records were appended, under the append lock,
+        before a put of the same key could come in again."""
 
     def session_active(self, ns: bytes, sess: bytes) -> None:
         with self._policy_lock:
