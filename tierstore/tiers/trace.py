@@ -13,7 +13,7 @@ objects), ``session`` (the session of a put, or of a ``session`` / ``drop`` op),
 (the SSD budget evicted the object: a decision, which ``simulate --follow`` checks), and
 ``truncated`` (the trace reached its size bound; nothing after it was recorded).
 
-It owns the format (TRACE_VERSION, ``read_trace``) and the recorder of ``open(...,
+It owns the format (``OPS``, ``read_trace``) and the recorder of ``open(...,
 trace_to=path)`` (``TraceWriter``: append-only, bounded by ``trace_bytes``, buffered -- a process
 that dies loses its last lines).  It never touches a store's data, and recording changes
 nothing the store does.
@@ -31,7 +31,6 @@ from typing import Any
 from ..engine.options import parse_size
 from ..errors import InvalidObject
 
-TRACE_VERSION = 1
 OPS = ("put", "get", "delete", "session", "drop", "evict", "truncated")
 TRACE_OPTIONS = ("trace_to", "trace_bytes")
 DEFAULT_TRACE_BYTES = 1 << 30  # a trace stops (with a "truncated" line) past this many bytes
