@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tierstore  # noqa: E402
-from tierstore import Blob, KVCache, Vectors  # noqa: E402
+from tierstore import Blob, KVCache, MLACache, Vectors  # noqa: E402
 from tierstore.format import constants as fmt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -99,6 +99,8 @@ def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
                               namespace="codecs", codec=spec)
                 elif kind == "vectors":
                     s.put(key, Vectors(vec, ids=np.arange(50) * 3 - 7), namespace="codecs", codec=spec)
+                elif kind == "mla":
+                    continue  # format 1.4: write_mla
                 else:
                     s.put(key, Blob(b"a compressible blob " * 300), namespace="codecs", codec=spec)
     s.put("kv-int4-group8", KVCache(kv), namespace="codecs", codec="int4:group=8")
@@ -112,8 +114,28 @@ def write_codecs(s: tierstore.Store, rng: np.random.Generator) -> None:
           codec="zstd")
 
 
+def write_mla(s: tierstore.Store, rng: np.random.Generator) -> None:
+    """Format 1.4: latent (MLA) caches in every dtype and with every codec that applies (SPEC.md §5.3, §6.3)."""
+    from tierstore import codecs
+    torch = _torch()
+    lat = rng.standard_normal((3, 40, 24)).astype(np.float32)  # 3 layers, 40 tokens, dim 24
+    lat[1, 7] = 0.0  # a token whose latent is all zeros: scale code 0
+    s.put("mla-fp16", MLACache(lat.astype(np.float16), layer_start=5), namespace="mla", meta={"model": "tiny-mla"})
+    s.put("mla-fp32", MLACache(lat), namespace="mla")
+    s.put("mla-bf16", MLACache(torch.from_numpy(lat).to(torch.bfloat16)), namespace="mla")
+    s.put("mla-e4m3", MLACache(torch.from_numpy(lat).to(torch.float8_e4m3fn)), namespace="mla")
+    for c in codecs.available():
+        if "mla" not in c["kinds"] or c["name"] == "raw":
+            continue
+        for spec in [c["name"]] + ([c["name"] + "+zstd"] if c["id"] in codecs.POST_ZSTD else []):
+            s.put(f"mla-{spec}", MLACache(lat.astype(np.float16), layer_start=2), namespace="codecs", codec=spec)
+            if not c["lossless"]:
+                s.put(f"mla-{spec}-bf16", MLACache(torch.from_numpy(lat).to(torch.bfloat16)), namespace="codecs",
+                      codec=spec)
+
+
 def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,
-               sessions: bool = False, codecs: bool = False, damaged: bool = False) -> None:
+               sessions: bool = False, codecs: bool = False, damaged: bool = False, mla: bool = False) -> None:
     rng = np.random.default_rng(2026)
     root = OUT / name
     store_dir = root / "store"
@@ -127,6 +149,8 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
             write_sessions(s, rng, torn=torn)
         if codecs:
             write_codecs(s, rng)
+        if mla:
+            write_mla(s, rng)
         if compact:
             s.compact()
             s.put("after-compaction", Blob(b"written after compaction"))
@@ -217,7 +241,7 @@ def describe_with_engine(store_dir: Path, root: Path) -> list[dict[str, Any]]:
                     np.save(root / "arrays" / f"{fname}.npy", raw)
                     item.update(dtype=info.dtype, shape=list(info.shape), file=f"arrays/{fname}.npy",
                                 sha256=hashlib.sha256(raw.tobytes()).hexdigest())
-                    if isinstance(obj, KVCache):
+                    if isinstance(obj, (KVCache, MLACache)):
                         item["layer_start"] = obj.layer_start
                     else:
                         item["metric"] = obj.metric
@@ -257,6 +281,8 @@ if fmt.FORMAT_MINOR == 2:  # 1.2: codecs (the 1.1 cases are not written again)
     CASES = {"kinds": {}, "codecs": {"codecs": True, "segment_bytes": 256 << 10, "compact": True}}
 if fmt.FORMAT_MINOR == 3:  # 1.3: SYNC records, and a damaged synced record that stays (SPEC.md §7.3)
     CASES = {"kinds": {}, "damaged_synced": {"damaged": True, "segment_bytes": 64 << 10}}
+if fmt.FORMAT_MINOR == 4:  # 1.4: the mla kind, raw and coded, after a compaction
+    CASES = {"kinds": {}, "mla": {"mla": True, "segment_bytes": 64 << 10, "compact": True}}
 
 
 def main(argv: list[str]) -> int:

@@ -141,7 +141,7 @@ RECORD_MAGIC = b"\xd4TRC"
 PAGE = 4096
 PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP, SYNC = 1, 2, 3, 4, 0x8000, 0x8005, 0x8006
 REF_NAMESPACE, REF_KIND = b"\x00ref", 4  # SPEC.md §5.4
-KINDS = {1: "kv", 2: "vectors", 3: "blob"}
+KINDS = {1: "kv", 2: "vectors", 3: "blob", 5: "mla"}  # 5: 1.4
 DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
           5: ("float8_e4m3fn", "u1"), 6: ("float8_e5m2", "u1"), 7: ("int8", "i1"), 8: ("uint8", "u1"),
           9: ("int16", "<i2"), 10: ("int32", "<i4"), 11: ("int64", "<i8")}
@@ -280,6 +280,13 @@ def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
             raise FormatError("kv layer_start")
         layer = int(np.prod(shape[1:], dtype=object)) * np.dtype(DTYPES[dt][1]).itemsize
         return [layer] * shape[0]
+    if kind == 5:  # 1.4: [layers, tokens, dim], one extent per layer
+        shape, dt = meta.get("shape"), meta.get("dtype")
+        if not ints(shape) or len(shape) != 3 or dt not in range(1, 7):
+            raise FormatError("mla metadata")
+        if type(meta.get("layer_start")) is not int or meta["layer_start"] < 0:
+            raise FormatError("mla layer_start")
+        return [shape[1] * shape[2] * np.dtype(DTYPES[dt][1]).itemsize] * shape[0]
     if kind == 2:
         shape, dt, rpe = meta.get("shape"), meta.get("dtype"), meta.get("rows_per_extent")
         if not ints(shape) or len(shape) != 2 or dt not in range(1, 9) or type(rpe) is not int or rpe < 1:
@@ -405,9 +412,11 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
 
 
 # --- §6: codecs -------------------------------------------------------------------------------
-CODECS = {0: ("raw", ("kv", "vectors", "blob")), 1: ("zstd", ("kv", "vectors", "blob")),
-          2: ("shuffle+zstd", ("kv", "vectors")), 3: ("int8", ("kv",)), 4: ("int4", ("kv",)), 5: ("int2", ("kv",)),
-          6: ("fp8", ("kv",)), 7: ("fp16", ("vectors",)), 8: ("int8", ("vectors",)), 9: ("binary", ("vectors",)),
+CODECS = {0: ("raw", ("kv", "vectors", "blob", "mla")),
+          1: ("zstd", ("kv", "vectors", "blob", "mla")),
+          2: ("shuffle+zstd", ("kv", "vectors", "mla")), 3: ("int8", ("kv", "mla")), 4: ("int4", ("kv",)),
+          5: ("int2", ("kv",)), 6: ("fp8", ("kv", "mla")), 7: ("fp16", ("vectors",)), 8: ("int8", ("vectors",)),
+          9: ("binary", ("vectors",)),
           10: ("kvq-ans", ("kv",))}
 
 
@@ -532,6 +541,18 @@ def decode_lossy(codec: int, b: bytes, shape: tuple[int, ...], params: dict[str,
         k = lo + ck.reshape(h, t, d).astype(F32) * st
         v = (cv.reshape(h, t, d) - (nb // 2 - 1)).astype(F32) * sv.reshape(h, t, 1)
         x = np.stack([k, v])
+    elif codec in (3, 6) and len(shape) == 2:  # an MLA layer [t, c]: coded as a V half with one head
+        t, c = shape
+        if codec == 3:
+            sv = (2.0 ** ((np.frombuffer(take(t), np.uint8).astype(np.float64) - 180) / 8)).astype(F32)
+            q = np.frombuffer(take(t * c), np.int8).astype(F32)
+        else:
+            sv = f16_up_down(take(2 * t))
+            q = np.frombuffer(take(t * c), np.uint8)
+            if ((q & 0x7F) == 0x7F).any():
+                raise FormatError("fp8 NaN code (never written)")
+            q = E4M3[q]
+        x = q.reshape(t, c) * sv.reshape(t, 1)
     elif codec in (3, 4, 5, 6):
         _, h, t, d = shape
         if codec in (3, 6):
@@ -610,14 +631,14 @@ def decode_extent(r: Record, i: int, b: bytes, dictionary: bytes | None = None) 
     if codec == 2:
         s = np.frombuffer(unzstd(b, logical), np.uint8)
         return s.reshape(width, -1).T.tobytes()
-    if r.kind == 1:
+    if r.kind in (1, 5):
         shape: tuple[int, ...] = tuple(m["shape"][1:])
     else:
         rpe = m["rows_per_extent"]
         shape = (min(rpe, m["shape"][0] - i * rpe), m["shape"][1])
     if "zstd" in params:  # §6.2: the codec's output in a zstd frame (decode_lossy checks its length)
         b = unzstd(b, None, limit=2 * logical + 8 * shape[0] + 4096)  # the codec's output is shorter
-    layer = m["layer_start"] + i if r.kind == 1 else 0
+    layer = m["layer_start"] + i if r.kind in (1, 5) else 0
     out = to_stored(decode_lossy(codec, b, shape, params, layer), m["dtype"])
     if len(out) != logical:
         raise FormatError("decoded extent size")
@@ -637,7 +658,7 @@ def decode(r: Record, data: bytes, dictionary: bytes | None = None) -> Any:
     if r.kind == 3:
         return parts[0]
     name, storage = DTYPES[m["dtype"]]
-    if r.kind == 1:
+    if r.kind in (1, 5):
         return np.frombuffer(b"".join(parts), dtype=storage).reshape(m["shape"])
     n, dim = m["shape"]
     e = -(-n // m["rows_per_extent"])
@@ -670,9 +691,9 @@ def describe(store: str) -> list[dict[str, Any]]:
         if r.kind == 3:
             item.update(size=len(obj), media_type=r.meta["media_type"], crc32c=crc32c(obj))
         else:
-            arr = obj if r.kind == 1 else obj[0]
+            arr = obj if r.kind in (1, 5) else obj[0]
             item.update(dtype=DTYPES[r.meta["dtype"]][0], shape=list(arr.shape), crc32c=crc32c(arr.tobytes()))
-            if r.kind == 1:
+            if r.kind in (1, 5):
                 item["layer_start"] = r.meta["layer_start"]
             else:
                 item["metric"] = r.meta["metric"]

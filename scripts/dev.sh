@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (once) and run one job: demo | test | bench [args].
 #   bash scripts/dev.sh demo     write and read KV caches, vectors and blobs; show timings
-#   bash scripts/dev.sh test     the test suite (what CI runs): .venv/, then tests/lmcache in .venv-lmcache/;
+#   bash scripts/dev.sh test     the test suite (what CI runs): .venv/, then tests/lmcache in .venv-lmcache/,
+#                                then tests/vllm in .venv-vllm/;
 #                                installs redis-server first when missing (root, Debian)
 #   bash scripts/dev.sh bench    the benchmarks (installs the optional peers first)
 # The first run installs into .venv/ (about a minute); later runs skip pip unless pyproject.toml
@@ -46,7 +47,10 @@ case "$job" in
     .venv/bin/python -m pytest -q
     # the LMCache plugin's tests, in LMCache's own environment (built once by scripts/lmcache_env.sh)
     bash scripts/lmcache_env.sh
-    exec .venv-lmcache/bin/python -m pytest -q -p no:cacheprovider tests/lmcache ;;
+    .venv-lmcache/bin/python -m pytest -q -p no:cacheprovider tests/lmcache
+    # the vLLM connector's tests, in vLLM's own environment (built once by scripts/vllm_env.sh)
+    bash scripts/vllm_env.sh 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+    exec .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm ;;
   bench)
     if [ ! -f .venv/.tierstore-bench ]; then
       say "installing the benchmark peers (safetensors, h5py, matplotlib)"

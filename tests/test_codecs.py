@@ -356,7 +356,7 @@ def test_a_damaged_coded_extent_is_never_decoded(store_path):
 
 def test_available_and_evaluate(real_kv):
     names = {(c["name"], tuple(c["kinds"])) for c in codecs.available()}
-    assert {("int8", ("kv",)), ("int8", ("vectors",)), ("zstd", ("kv", "vectors", "blob"))} <= names
+    assert {("int8", ("kv", "mla")), ("int8", ("vectors",)), ("zstd", ("kv", "vectors", "blob", "mla"))} <= names
     r = codecs.evaluate("int4", np.ascontiguousarray(real_kv[:2]))
     assert 3.0 < r["ratio"] < 3.3 and 0 < r["attention_error"] < 0.15 and not r["bit_exact"]
     assert codecs.evaluate("zstd", np.ascontiguousarray(real_kv[:1]))["bit_exact"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache
+from tierstore import Blob, KVCache, MLACache
 
 from .conftest import HAS_TORCH
 from .test_reference_reader import reader
@@ -29,6 +29,7 @@ def test_golden_files_exist():
     assert {c.name for c in CASES if c.parent.name == "v1.1"} >= {"kinds", "sessions", "torn_group"}
     assert {c.name for c in CASES if c.parent.name == "v1.2"} >= {"kinds", "codecs"}
     assert {c.name for c in CASES if c.parent.name == "v1.3"} >= {"kinds", "damaged_synced"}
+    assert {c.name for c in CASES if c.parent.name == "v1.4"} >= {"kinds", "mla"}
     from tierstore import codecs
     used = {e.get("codec", "raw").split(":")[0] for c in CASES for e in json.loads((c / "expected.json").read_text())}
     used |= {u.removesuffix("+zstd") for u in used}
@@ -103,8 +104,8 @@ def test_engine_reads_golden(case, tmp_path):
             raw = _raw(obj.data)
             want = np.load(case / e["file"])
             assert raw.dtype == want.dtype and np.array_equal(raw.view(np.uint8), want.view(np.uint8))
-            if isinstance(obj, KVCache):
-                assert obj.layer_start == e["layer_start"]
+            if isinstance(obj, (KVCache, MLACache)):
+                assert obj.layer_start == e["layer_start"] and obj.kind == e["kind"]
             else:
                 assert obj.metric == e["metric"]
                 if "ids_file" in e:
@@ -133,6 +134,6 @@ def test_reference_reader_reads_golden(case):
         if e["kind"] == "blob":
             assert hashlib.sha256(obj).hexdigest() == e["sha256"]
         else:
-            arr = obj if e["kind"] == "kv" else obj[0]
+            arr = obj if e["kind"] in ("kv", "mla") else obj[0]
             assert hashlib.sha256(arr.tobytes()).hexdigest() == e["sha256"]
             assert list(arr.shape) == e["shape"] and r.meta.get("meta", {}) == e["meta"]

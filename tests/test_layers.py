@@ -29,7 +29,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("tierstore.cli", "tierstore.bench", "tierstore.integrations", "tierstore.__main__")),
 ]
 # attributes with a leading underscore that are public by convention (namedtuple's API)
-PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults",
+                     # vLLM's KVConnectorBase_V1 gives its subclasses these (the documented way in)
+                     "_get_connector_metadata", "_kv_transfer_config", "_kv_cache_config"}
 
 
 def module_name(path: pathlib.Path) -> str:

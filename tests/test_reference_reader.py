@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tierstore
-from tierstore import Blob, KVCache, Vectors
+from tierstore import Blob, KVCache, MLACache, Vectors
 
 from .conftest import HAS_TORCH, segment_files
 
@@ -38,7 +38,7 @@ def engine_view(path: str) -> list[dict]:
                     arr = info.data
                     raw = arr.view(torch.uint8).numpy().tobytes() if HAS_TORCH and not isinstance(arr, np.ndarray) \
                         else arr.tobytes()
-                    item.update(kind="kv" if isinstance(info, KVCache) else "vectors", shape=list(arr.shape),
+                    item.update(kind=info.kind, shape=list(arr.shape),
                                 crc32c=reader.crc32c(raw))
                 out.append(item)
     return sorted(out, key=lambda i: (i["namespace"], i["key"]))
@@ -169,6 +169,8 @@ def test_reader_decodes_every_codec_like_the_engine(store_path, real_kv, real_em
                             names.append(key + "-bf16")
                     elif kind == "vectors":
                         s.put(key, Vectors(emb.astype(np.float32), ids=np.arange(200) * 7), codec=spec)
+                    elif kind == "mla":  # format 1.4: real activations as a [layers, tokens, dim] latent
+                        s.put(key, MLACache(np.ascontiguousarray(real_kv[:3, 1, 0, :40]), layer_start=1), codec=spec)
                     else:
                         s.put(key, Blob(b"a blob " * 500), codec=spec)
                     names.append(key)

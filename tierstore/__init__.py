@@ -33,7 +33,7 @@ from .errors import (
     StoreNotFound,
     TierstoreError,
 )
-from .objects import Blob, KVCache, ObjectInfo, Vectors
+from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors
 from .prefix import chunk_hashes
 from .scoped import NamespaceHandle
 from .store import Store
@@ -44,8 +44,8 @@ sys.modules[__name__ + ".policy"] = policy  # `tierstore.policy` as before the t
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "NamespaceHandle", "KVCache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes", "codecs", "policy",
-    "parse_size",
+    "open", "Store", "NamespaceHandle", "KVCache", "MLACache", "Vectors", "Blob", "ObjectInfo", "chunk_hashes",
+    "codecs", "policy", "parse_size",
     "TierstoreError", "AccessDenied", "NotFound", "StoreNotFound", "CorruptionError", "FormatVersionError", "StoreFull",
     "ReadOnlyError", "InvalidObject", "StoreLocked", "StoreClosed", "StoreIOError", "__version__",
 ]

@@ -1,4 +1,4 @@
-"""The typed objects a store holds (KVCache, Vectors, Blob) and ObjectInfo.
+"""The typed objects a store holds (KVCache, MLACache, Vectors, Blob) and ObjectInfo.
 
 This module owns argument validation of objects: shapes, dtypes, ids and media types are
 checked when an object is constructed, so a bad object never reaches the log.  Objects keep
@@ -146,6 +146,53 @@ def _stack_layers(pieces: Any) -> Any:
     return np.stack([np.stack(p) if len(p) == 2 else p[0] for p in pieces])
 
 
+class MLACache:
+    """A chunk of a latent attention cache (multi-head latent attention, DeepSeek-V2/V3): one
+    vector per token and layer instead of K and V per head.
+
+    ``data`` is shaped ``[layers, tokens, dim]`` (``dim`` = ``kv_lora_rank + rope_dim``, e.g.
+    512 + 64), a numpy array or torch tensor of a floating dtype.  ``layer_start`` is the model
+    layer of ``data[0]``.  Stored with one extent per layer (SPEC.md §5.3, format 1.4), so
+    ``get(layers=...)`` and ``stream_layers`` read only the layers asked for; codecs: zstd,
+    shuffle+zstd, and the lossy int8 and fp8 (per token scales, §6.3).
+    """
+
+    kind = "mla"
+    __slots__ = ("data", "layer_start", "meta")
+
+    def __init__(self, data: Any, *, layer_start: int = 0) -> None:
+        name = arrays.dtype_name(data)
+        if name not in fmt.FLOAT_DTYPES:
+            raise InvalidObject(f"MLACache needs a floating dtype, got {name}")
+        shape = tuple(int(d) for d in data.shape)
+        if len(shape) != 3:
+            raise InvalidObject(f"MLACache data must be shaped [layers, tokens, dim], got {list(shape)}",
+                                hint="a model's per-layer latent caches [tokens, dim] stacked on a new first dimension")
+        _check_dims(shape, "MLACache data")
+        self.data = data
+        self.layer_start = _layer_start(layer_start)
+        self.meta: dict[str, Any] = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.data.shape)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.data.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"MLACache(shape={list(self.shape)}, dtype={arrays.dtype_name(self.data)}, "
+                f"layer_start={self.layer_start})")
+
+
+def stored_mla(data: Any, layer_start: int) -> MLACache:
+    """An MLACache read back (shape and dtype from checked metadata: no validation)."""
+    obj = MLACache.__new__(MLACache)
+    obj.data, obj.layer_start, obj.meta = data, layer_start, {}
+    return obj
+
+
 class Vectors:
     """A shard of embedding vectors: ``data`` ``[n, dim]`` with optional int64 ``ids`` ``[n]``.
 
@@ -239,7 +286,7 @@ class ObjectInfo:
 
     namespace: str
     key: str | bytes
-    kind: str  # "kv" | "vectors" | "blob"
+    kind: str  # "kv" | "mla" | "vectors" | "blob"
     shape: tuple[int, ...]  # () for blobs
     dtype: str | None  # None for blobs
     logical_bytes: int  # bytes of the decoded object (array bytes; ids included for vectors)

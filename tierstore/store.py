@@ -43,7 +43,7 @@ from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
 from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session
-from .objects import Blob, KVCache, ObjectInfo, Vectors, stored_blob
+from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
 from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens_of
 from .tiers.config import TIER_OPTIONS, tier_options
@@ -220,9 +220,11 @@ class Store:
                 self._capacity = Capacity(self._engine, pinned=self._tiers.pinned, **capacity)
             if trace is not None:
                 self._trace = TraceWriter(trace["path"], max_bytes=trace["max_bytes"])
-                if self._capacity is not None:
-                    self._capacity.on_evict = self._trace.evicted
-            self._watchers = tuple(w for w in (self._capacity, self._trace) if w is not None)
+            if self._capacity is not None:  # the trace is told by the budget, in the order it decides
+                self._capacity.follower = self._trace
+                self._watchers = (self._capacity,)
+            elif self._trace is not None:
+                self._watchers = (self._trace,)
             if remote is not None:
                 self._remote = self._open_remote(remote)
         except BaseException:
@@ -319,7 +321,7 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
+    def put(self, key: str | bytes, obj: KVCache | MLACache | Vectors | Blob, *, namespace: str = "default",
             meta: dict[str, Any] | None = None, session: str | None = None, codec: str | None = None) -> None:
         """Store ``obj`` under ``key`` in ``namespace``, replacing any previous object.
 
@@ -582,7 +584,7 @@ class Store:
             raise
         self._settle_puts(where, records)
 
-    def put_async(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str = "default",
+    def put_async(self, key: str | bytes, obj: KVCache | MLACache | Vectors | Blob, *, namespace: str = "default",
                   meta: dict[str, Any] | None = None, session: str | None = None,
                   codec: str | None = None) -> Future:
         """``put`` that returns once the object's bytes are written to the log (the caller may
@@ -834,7 +836,7 @@ class Store:
         return f"namespace {shown} {'holds' if len(names) == 1 else 'hold'} that key"
 
     def get(self, key: str | bytes, *, namespace: str = "default", layers: Any = None, rows: Any = None,
-            device: str | None = None, out: Any = None) -> KVCache | Vectors | Blob:
+            device: str | None = None, out: Any = None) -> KVCache | MLACache | Vectors | Blob:
         """Read an object, or part of one, returning the kind that was stored.
 
         ``layers`` (KVCache): absolute layer ids, an int / range / slice / contiguous
@@ -1072,7 +1074,7 @@ class Store:
         return obj
 
     def get_many(self, keys: Any, *, namespace: str = "default", layers: Any = None, rows: Any = None,
-                 device: str | None = None) -> list[KVCache | Vectors | Blob | None]:
+                 device: str | None = None) -> list[KVCache | MLACache | Vectors | Blob | None]:
         """``get`` of many keys of ``namespace``: a list in the order of ``keys``, None where a
         key does not exist (a miss is an answer here, as in Redis' MGET).  The keys are looked
         up in one index snapshot; small blobs stored near each other are read with one system
@@ -1335,7 +1337,8 @@ class Store:
     def stream_layers(self, key: str | bytes, *, namespace: str = "default", device: str | None = None,
                       layers: Any = None) -> Iterator[tuple[int, Any]]:
         """Yield ``(layer_id, kv_layer)`` for each layer of a KVCache (or of ``layers``), in
-        order; ``kv_layer`` is shaped [2, kv_heads, tokens, head_dim] (K, V), on ``device``.
+        order; ``kv_layer`` is shaped [2, kv_heads, tokens, head_dim] (K, V), on ``device``
+        (an MLACache's layers: [tokens, dim]).
 
         Layer i+1 is being read (from the nearest tier, promoting by policy) while the
         caller uses layer i.  Every layer comes from the one version of the object found
@@ -1345,8 +1348,9 @@ class Store:
             arrays.validate_device(device)
         ns, k, loc = self._locate(key, namespace)
         hdr = loc.header
-        if hdr.kind != fmt.KIND_KV:
-            raise InvalidObject(f"stream_layers reads a KVCache; {key!r} is a {fmt.KIND_NAMES[hdr.kind]}")
+        if hdr.kind not in fmt.LAYERED_KINDS:
+            raise InvalidObject(f"stream_layers reads a KVCache or an MLACache; {key!r} is a "
+                                f"{fmt.KIND_NAMES[hdr.kind]}")
         start = hdr.meta["layer_start"]
         count = hdr.meta["shape"][0]
         pos = list(range(count)) if layers is None else blk.select_layers(layers, start, count)

@@ -33,7 +33,18 @@ IDS = frozenset({fmt.CODEC_KV_INT8, fmt.CODEC_KV_INT4, fmt.CODEC_KV_INT2, fmt.CO
 
 
 def encode(cid: int, x: np.ndarray, params: dict[str, Any]) -> bytes:
-    """One KV layer's float32 values ``[2, H, T, D]`` -> the codec's body (before any zstd stage)."""
+    """One KV layer's float32 values ``[2, H, T, D]`` -> the codec's body (before any zstd stage).
+    An MLA layer ``[T, C]`` (int8 and fp8 only) is coded as the V half of a KV layer with one
+    head: per token scales, then the codes (SPEC.md §6.3)."""
+    if x.ndim == 2:
+        v = x[None]
+        if cid == fmt.CODEC_KV_INT8:
+            cv, qv = log_int8(v, axis=2)
+            return cv.tobytes() + qv.tobytes()
+        assert cid == fmt.CODEC_KV_FP8
+        sv = f16_up(np.abs(v).max(axis=2, keepdims=True) / np.float32(448))
+        yv = np.divide(v, sv.astype(np.float32), out=np.zeros_like(v), where=sv > 0)
+        return sv.astype("<f2").tobytes() + to_e4m3(yv).tobytes()
     k, v = kv_split(x)
     if cid == fmt.CODEC_KV_INT8:
         sk, qk = absmax_int8(k, axis=1)  # K: per channel (head, dim), over the tokens
@@ -57,6 +68,13 @@ def encode(cid: int, x: np.ndarray, params: dict[str, Any]) -> bytes:
 
 def body_length(cid: int, ext: Extent, params: dict[str, Any]) -> int:
     """The exact length of the body of ``ext`` (one layer)."""
+    if ext.kind == "mla":
+        t, c = ext.shape
+        if cid == fmt.CODEC_KV_INT8:
+            return t + t * c
+        if cid == fmt.CODEC_KV_FP8:
+            return 2 * t + t * c
+        raise CorruptionError(f"codec id {cid} does not apply to an MLA layer")
     _, h, t, d = ext.shape
     if cid == fmt.CODEC_KV_INT8:
         return 2 * h * d + h * t + 2 * h * t * d
@@ -69,7 +87,19 @@ def body_length(cid: int, ext: Extent, params: dict[str, Any]) -> int:
 
 
 def parts(cid: int, b: np.ndarray, ext: Extent, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """A body of the checked length -> the K and V parts (quant.py's assemble_* make values)."""
+    """A body of the checked length -> the K and V parts (quant.py's assemble_* make values);
+    for an MLA layer, its one part."""
+    if ext.kind == "mla":
+        t, c = ext.shape
+        if cid == fmt.CODEC_KV_INT8:
+            sv = log_scale(b[:t]).reshape(t, 1)
+            qv = b[t:].view(np.int8).reshape(t, c).astype(np.float32)
+        else:
+            sv = b[: 2 * t].view("<f2").astype(np.float32).reshape(t, 1)
+            qv = E4M3[b[2 * t:]].reshape(t, c)
+            if np.isnan(qv).any():
+                raise CorruptionError("fp8 extent holds a NaN code (never written)")
+        return [("scaled", qv, sv)]
     _, h, t, d = ext.shape
     if cid in (fmt.CODEC_KV_INT8, fmt.CODEC_KV_FP8):
         sk = b[: 2 * h * d].view("<f2").astype(np.float32).reshape(h, 1, d)

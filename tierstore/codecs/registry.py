@@ -57,7 +57,7 @@ def body_length(codec: Codec, ext: Extent, params: dict[str, Any]) -> int:
     """The exact byte length of a fixed-size codec's output for ``ext`` (before any zstd stage)."""
     cid = codec.id
     if cid in kv.IDS or cid == fmt.CODEC_KV_ANS:
-        if len(ext.shape) != 4 or ext.shape[0] != 2:
+        if (len(ext.shape) != 4 or ext.shape[0] != 2) and not (ext.kind == "mla" and len(ext.shape) == 2):
             raise CorruptionError("KV codec on an extent that is not one layer")
         if cid == fmt.CODEC_KV_ANS:
             raise CorruptionError("kvq-ans has no fixed length")
@@ -141,12 +141,14 @@ def _checked_out(codec: Codec, x: np.ndarray, dtype: str) -> np.ndarray:
 # --- the registry ---------------------------------------------------------------------------------------
 
 _ALL = [
-    Codec(fmt.CODEC_RAW, "raw", True, ("kv", "vectors", "blob"), "exact", "1.0"),
-    Codec(fmt.CODEC_ZSTD, "zstd", True, ("kv", "vectors", "blob"), "exact", "1.08 (fp16 KV)", {"level": 3}),
-    Codec(fmt.CODEC_SHUFFLE_ZSTD, "shuffle+zstd", True, ("kv", "vectors"), "exact", "1.17 (fp16 KV)", {"level": 1}),
-    Codec(fmt.CODEC_KV_INT8, "int8", False, ("kv",),
+    Codec(fmt.CODEC_RAW, "raw", True, ("kv", "vectors", "blob", "mla"), "exact", "1.0"),
+    Codec(fmt.CODEC_ZSTD, "zstd", True, ("kv", "vectors", "blob", "mla"), "exact", "1.08 (fp16 KV)", {"level": 3}),
+    Codec(fmt.CODEC_SHUFFLE_ZSTD, "shuffle+zstd", True, ("kv", "vectors", "mla"), "exact", "1.17 (fp16 KV)",
+          {"level": 1}),
+    Codec(fmt.CODEC_KV_INT8, "int8", False, ("kv", "mla"),
           "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = absmax / 127 per channel over the chunk's tokens "
-          "(float16, rounded up); V: s <= 1.0906 * absmax / 127 per token (one-byte log scale, >= 2^-22.5)",
+          "(float16, rounded up); V (and an MLA latent): s <= 1.0906 * absmax / 127 per token (one-byte log scale, "
+          ">= 2^-22.5)",
           "1.96 (head_dim 32), 1.99 (128)"),
     Codec(fmt.CODEC_KV_INT4, "int4", False, ("kv",),
           "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 15 (float16, rounded up) per group of 32: "
@@ -154,9 +156,9 @@ _ALL = [
     Codec(fmt.CODEC_KV_INT2, "int2", False, ("kv",),
           "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 3 per group of 32 (as int4)", "5.3",
           {"group": 32}),
-    Codec(fmt.CODEC_KV_FP8, "fp8", False, ("kv",),
+    Codec(fmt.CODEC_KV_FP8, "fp8", False, ("kv", "mla"),
           "|x - x'| <= |x| / 16 + s / 1024 + stored-dtype rounding, s = absmax / 448 (float16, rounded up) per K "
-          "channel and per V token", "1.94"),
+          "channel and per V token (per token of an MLA latent)", "1.94"),
     Codec(fmt.CODEC_KV_ANS, "kvq-ans", False, ("kv",),
           "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = (max - min) / (B - 1) per channel over the chunk's "
           "tokens (float16: min rounded down, s up); V: s <= 1.0906 * absmax / (B/2 - 1) per token; B = bins of the "

@@ -19,7 +19,7 @@ import numpy as np
 from .. import arrays
 from .. import codecs as cdc
 from ..errors import CorruptionError, InvalidObject
-from ..objects import Blob, KVCache, Vectors, stored_blob, stored_kv
+from ..objects import Blob, KVCache, MLACache, Vectors, stored_blob, stored_kv, stored_mla
 from . import constants as fmt
 from . import record as rec
 from .layout import extent_codec, extent_shapes
@@ -64,6 +64,12 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
                 "fw": arrays.framework_of(obj.data)}
         extents = tuple(_mv(arr[i]) for i in range(arr.shape[0]))
         kind, align, keep, logical = fmt.KIND_KV, fmt.ALIGN_PAGE_LOG2, arr, arr.nbytes
+    elif isinstance(obj, MLACache):
+        arr = arrays.as_bytes_view(obj.data)
+        meta = {"dtype": fmt.DTYPE_IDS[arrays.dtype_name(obj.data)], "shape": list(arr.shape),
+                "layer_start": obj.layer_start, "fw": arrays.framework_of(obj.data)}
+        extents = tuple(_mv(arr[i]) for i in range(arr.shape[0]))
+        kind, align, keep, logical = fmt.KIND_MLA, fmt.ALIGN_PAGE_LOG2, arr, arr.nbytes
     elif isinstance(obj, Vectors):
         arr = arrays.as_bytes_view(obj.data)
         name = arrays.dtype_name(obj.data)
@@ -88,7 +94,7 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
         kind, keep, logical = fmt.KIND_BLOB, obj.data, view.nbytes
         align = fmt.ALIGN_INLINE_LOG2 if view.nbytes < fmt.INLINE_BLOB_MAX else fmt.ALIGN_PAGE_LOG2
     else:
-        raise InvalidObject(f"expected a KVCache, Vectors or Blob, got {type(obj).__name__}",
+        raise InvalidObject(f"expected a KVCache, MLACache, Vectors or Blob, got {type(obj).__name__}",
                             hint="wrap arrays as tierstore.KVCache(kv) / tierstore.Vectors(emb) / tierstore.Blob(b)")
     if user_meta:
         meta["meta"] = user_meta
@@ -244,13 +250,13 @@ def read_on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers
     there (the CPU never materialises the decoded array)."""
     torch = arrays.torch_module()
     meta = hdr.meta
-    if hdr.kind == fmt.KIND_KV:
+    if hdr.kind in fmt.LAYERED_KINDS:
         if rows is not None:
-            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
         data = torch.stack([reader.read_tensor(i, device) for i in idx])
-        return stored_kv(data, meta["layer_start"] + idx[0])
+        return (stored_kv if hdr.kind == fmt.KIND_KV else stored_mla)(data, meta["layer_start"] + idx[0])
     if layers is not None:
         raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
     n, dim = meta["shape"]
@@ -283,15 +289,15 @@ def result_shape(hdr: rec.RecordHeader, layers: Any, rows: Any) -> tuple[str, tu
     """(dtype name, shape) of the array a read of ``hdr`` (with ``layers`` / ``rows``) returns:
     what ``get(out=...)`` must match, checked before any I/O."""
     meta = hdr.meta
-    if hdr.kind == fmt.KIND_KV:
+    if hdr.kind in fmt.LAYERED_KINDS:
         if rows is not None:
-            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         n = count if layers is None else len(select_layers(layers, meta["layer_start"], count))
         return _dtype_name(meta), (n, *meta["shape"][1:])
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
-            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+            raise InvalidObject("layers= applies to a KVCache or an MLACache; use rows= for Vectors")
         n, dim = meta["shape"]
         return _dtype_name(meta), (n if rows is None else len(select_rows(rows, n)), dim)
     raise InvalidObject(f"out= applies to a KVCache or Vectors, not a {fmt.KIND_NAMES.get(hdr.kind, hdr.kind)}",
@@ -311,9 +317,9 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
         reader = _Decoding(hdr, reader, dictionaries)
         if device is not None and not reader.codec.lossless:
             return read_on_device(hdr, reader, device, layers, rows)
-    if hdr.kind == fmt.KIND_KV:
+    if hdr.kind in fmt.LAYERED_KINDS:
         if rows is not None:
-            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
@@ -322,10 +328,10 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
         reader.read_into([(i, memoryview(buf[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])
         data = out if host is not None else arrays.wrap(buf, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
-        return stored_kv(data, meta["layer_start"] + idx[0])
+        return (stored_kv if hdr.kind == fmt.KIND_KV else stored_mla)(data, meta["layer_start"] + idx[0])
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
-            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+            raise InvalidObject("layers= applies to a KVCache or an MLACache; use rows= for Vectors")
         return _read_vectors(hdr, reader, rows, device, out)
     if hdr.kind == fmt.KIND_BLOB:
         if layers is not None or rows is not None:

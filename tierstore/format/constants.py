@@ -19,7 +19,7 @@ RECORD_ALIGN = 8  # every record starts at a multiple of 8
 # --- SPEC.md §3 Segment header -----------------------------------------------------------
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 3  # 1.1: GROUP records, ref records (sessions); 1.2: codecs; 1.3: SYNC records; SPEC.md Changelog
+FORMAT_MINOR = 4  # 1.1: groups, refs (sessions); 1.2: codecs; 1.3: SYNC records; 1.4: mla kind; SPEC.md Changelog
 SEGMENT_HEADER_SIZE = PAGE
 # magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
 # base_lsn, created_ns, creator, header_crc
@@ -63,8 +63,10 @@ KIND_KV = 1
 KIND_VECTORS = 2
 KIND_BLOB = 3
 KIND_REF = 4  # 1.1: a session's reference to an object; only in REF_NAMESPACE
-KIND_NAMES = {KIND_KV: "kv", KIND_VECTORS: "vectors", KIND_BLOB: "blob", KIND_REF: "ref"}
-OBJECT_KINDS = (KIND_KV, KIND_VECTORS, KIND_BLOB)
+KIND_MLA = 5  # 1.4: a latent (MLA) cache, one vector per token and layer (SPEC.md §5.1, §5.3, §6.3)
+KIND_NAMES = {KIND_KV: "kv", KIND_VECTORS: "vectors", KIND_BLOB: "blob", KIND_REF: "ref", KIND_MLA: "mla"}
+OBJECT_KINDS = (KIND_KV, KIND_VECTORS, KIND_BLOB, KIND_MLA)
+LAYERED_KINDS = (KIND_KV, KIND_MLA)  # one extent per model layer (§5.3)
 RETIRED_KINDS: tuple[int, ...] = ()
 
 # Payload alignment (log2) a v1 writer uses; a reader accepts any value in the range.

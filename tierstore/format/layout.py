@@ -1,6 +1,6 @@
 """Which bytes each extent of a record holds (SPEC.md §5.3), as the codecs see them: pure, no I/O.
 
-A KVCache record has one extent per layer, a Vectors record one per row range (then one per
+A KVCache or MLACache record has one extent per layer, a Vectors record one per row range (then one per
 row range of its ids), a Blob one.  The record decoder checks stored lengths against this and
 the block encoder cuts objects along it; neither keeps a second copy of the rule.
 """
@@ -18,6 +18,10 @@ def extent_shapes(kind: int, meta: dict[str, Any]) -> list[cdc.Extent]:
     if kind == fmt.KIND_KV:
         name = fmt.DTYPES[meta["dtype"]][0]
         return [cdc.Extent("kv", tuple(meta["shape"][1:]), name, meta["layer_start"] + i)
+                for i in range(meta["shape"][0])]
+    if kind == fmt.KIND_MLA:
+        name = fmt.DTYPES[meta["dtype"]][0]
+        return [cdc.Extent("mla", tuple(meta["shape"][1:]), name, meta["layer_start"] + i)
                 for i in range(meta["shape"][0])]
     if kind == fmt.KIND_VECTORS:
         n, dim = meta["shape"]

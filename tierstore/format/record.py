@@ -696,6 +696,15 @@ def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> li
         layer = _checked_product(shape[1:] + [isz], **where)
         _checked_product([layer, shape[0]], **where)
         return [layer] * shape[0]
+    if kind == fmt.KIND_MLA:
+        shape = _shape(meta, 3, **where)
+        isz = _itemsize(meta, fmt.FLOAT_DTYPES, **where)
+        ls = _req(meta, "layer_start", int, **where)
+        if ls < 0:
+            raise CorruptionError("negative layer_start", **where)
+        layer = _checked_product(shape[1:] + [isz], **where)
+        _checked_product([layer, shape[0]], **where)
+        return [layer] * shape[0]
     if kind == fmt.KIND_VECTORS:
         n, dim = _shape(meta, 2, **where)
         isz = _itemsize(meta, fmt.VECTOR_DTYPES, **where)

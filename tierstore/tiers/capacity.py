@@ -55,11 +55,14 @@ RECLAIM_RATIOS = (0.5, 0.5, 0.25, 0.1)
 
 def tokens_of(hdr: rec.RecordHeader) -> int:
     """The tokens a stored object holds: a KV cache's token count (shape [layers, 2, heads,
-    tokens, dim]), 0 for other kinds (what a cost-weighing policy is told)."""
-    if hdr.kind != fmt.KIND_KV:
-        return 0
+    tokens, dim]) or an MLA cache's ([layers, tokens, dim]), 0 for other kinds (what a
+    cost-weighing policy is told)."""
     shape = hdr.meta.get("shape")
-    return int(shape[3]) if isinstance(shape, list) and len(shape) == 5 else 0
+    if hdr.kind == fmt.KIND_KV:
+        return int(shape[3]) if isinstance(shape, list) and len(shape) == 5 else 0
+    if hdr.kind == fmt.KIND_MLA:
+        return int(shape[1]) if isinstance(shape, list) and len(shape) == 3 else 0
+    return 0
 
 
 def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
@@ -117,8 +120,9 @@ class Capacity:
         self._thread: threading.Thread | None = None
         self.background_error: str | None = None
         self._since: set[Hashable] | None = None  # during an eviction: objects put or read since its order was taken
-        # told the keys and record sizes of each eviction (a trace's "evict" lines)
-        self.on_evict: Callable[[list[Hashable], list[int]], None] | None = None
+        # a trace: told of what this handle does and of each eviction under the lock the
+        # eviction decides under, so its lines come in the order the decisions saw
+        self.follower: Any = None
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
                          "eviction_runs": 0, "background_runs": 0, "records_copied": 0}
         self._latency: deque[float] = deque(maxlen=4096)  # evictions a put waited for
@@ -201,6 +205,8 @@ class Capacity:
                 self.policy.cost_hint((ns, k), tokens)
             self.policy.admitted((ns, k), nbytes, sessions)
             self._known.add((ns, k))
+            if self.follower is not None:
+                self.follower.admitted(ns, k, nbytes, sessions, tokens)
 
     def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
         with self._policy_lock:
@@ -208,22 +214,34 @@ class Capacity:
             if self._since is not None:
                 self._since.add((ns, k))
             self.policy.touched((ns, k))
+            if self.follower is not None:
+                self.follower.touched(ns, k, nbytes, tokens)
 
     def missed(self, ns: bytes, keys: list[bytes]) -> None:
-        self.counters["misses"] += len(keys)
+        with self._policy_lock:
+            self.counters["misses"] += len(keys)
+            if self.follower is not None:
+                self.follower.missed(ns, keys)
 
     def removed(self, ns: bytes, keys: list[bytes]) -> None:
-        """A handle's deletes, after the fact: nothing to do here -- ``_on_write`` already took the
-        objects out of the order when their DELETE records were appended, under the append lock,
-        before a put of the same key could come in again."""
+        """A handle's deletes, after the fact: ``_on_write`` already took the objects out of the
+        order when their DELETE records were appended, under the append lock, before a put of
+        the same key could come in again; only the follower is told here."""
+        if self.follower is not None:
+            with self._policy_lock:
+                self.follower.removed(ns, keys)
 
     def session_active(self, ns: bytes, sess: bytes) -> None:
         with self._policy_lock:
             self.policy.session_active(sess)
+            if self.follower is not None:
+                self.follower.session_active(ns, sess)
 
     def session_ended(self, ns: bytes, sess: bytes) -> None:
         with self._policy_lock:
             self.policy.session_ended(sess)
+            if self.follower is not None:
+                self.follower.session_ended(ns, sess)
 
     # -- making room ----------------------------------------------------------------------------
 
@@ -442,8 +460,8 @@ class Capacity:
                     units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]
                     self._since = None
                     chosen = [(key, loc) for key, loc, _ in units]
-                    if self.on_evict is not None and chosen:
-                        self.on_evict([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
+                    if self.follower is not None and chosen:
+                        self.follower.evicted([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
                 freed = sum(loc.header.record_len for _, loc in chosen)
                 batch: list[rec.EncodedRecord] = []
                 for _, _, unit in units:

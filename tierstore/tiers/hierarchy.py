@@ -44,9 +44,9 @@ CACHE_TIERS = ("dram", "gpu")
 def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
     """The extents a get of ``layers`` / ``rows`` needs (validating them, before any I/O)."""
     meta = hdr.meta
-    if hdr.kind == fmt.KIND_KV:
+    if hdr.kind in fmt.LAYERED_KINDS:
         if rows is not None:
-            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache")
+            raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         return list(range(count)) if layers is None else blk.select_layers(layers, meta["layer_start"], count)
     if hdr.kind == fmt.KIND_VECTORS:

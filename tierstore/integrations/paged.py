@@ -1,0 +1,162 @@
+"""Paged KV buffers <-> stored chunks: the block gather and scatter of serving engines' connectors.
+
+A serving engine (vLLM) keeps each layer's KV in a pool of fixed-size blocks; a request's tokens
+live in the blocks its block table names, token ``t`` at slot ``block_ids[t // block_size] *
+block_size + t % block_size``.  tierstore stores a chunk's layer as ``[2, kv_heads, tokens,
+head_dim]`` (a KVCache layer, SPEC.md §5.3) or, for latent (MLA) caches, ``[tokens, dim]`` (an
+MLACache layer).  This module copies between the two, one layer at a time:
+
+    layout = PagedLayout.of(kv_layer, num_blocks=..., block_size=...)   # read from the tensor
+    gather(kv_layer, layout, block_ids, out)     # the blocks' tokens -> out (a chunk's layer)
+    scatter(kv_layer, layout, block_ids, src)    # a chunk's layer -> the blocks, in place
+
+The layout is read from the tensor at run time, never assumed.  vLLM 0.33 hands connectors a
+standardised per-layer view ``[blocks, heads, block_tokens, K|V]`` (K and V of a head side by
+side in the last dimension; one head slot holding the latent for MLA), whose memory order
+varies with the backend (NHD, HND, layer-interleaved: only the strides differ), and whose
+kernel blocks may split each scheduler block in ``r`` pieces (``blocks = r * num_blocks``).
+Older releases used ``[2, blocks, block_size, heads, dim]`` (FlashAttention),
+``[blocks, 2, block_size, heads, dim]`` (FlashInfer) and ``[blocks, block_size, dim]`` (MLA);
+they are read too.  Copies between host tensors go through
+numpy views whose elements are whole ``head_dim`` rows, so a block moves in runs of ``head_dim *
+itemsize`` bytes (about 0.8x a copy of the same bytes that keeps the paged layout, on this
+project's CPU); device tensors use torch copies on their device.
+
+It owns the copy and nothing else: no I/O, no engine state, no imports of the engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidObject
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """How one layer's paged tensor is laid out (read from its shape, see ``of``)."""
+
+    kind: str  # "kv": K and V of each head; "mla": one latent vector per token
+    form: str  # "bhnc" (vLLM >= 0.33), "kv_first" ([2, B, N, H, D]), "blocks_first" ([B, 2, N, H, D]), "bnc"
+    ratio: int  # kernel blocks per scheduler block
+    block_tokens: int  # tokens per kernel block
+    heads: int  # kv heads (1 for mla)
+    dim: int  # head_dim (kv) or the latent dim (mla)
+
+    @classmethod
+    def of(cls, layer: Any, *, num_blocks: int, block_size: int, mla: bool = False) -> PagedLayout:
+        """Read the layout of ``layer``, one layer's paged tensor for ``num_blocks`` blocks of
+        ``block_size`` tokens (``mla``: the model caches one latent per token).  A shape this
+        module does not know is InvalidObject, never a guess."""
+        shape = tuple(int(d) for d in layer.shape)
+        if len(shape) == 4 and num_blocks and shape[0] % num_blocks == 0:
+            r = shape[0] // num_blocks
+            if shape[2] * r == block_size:
+                if mla and shape[1] == 1:
+                    return cls("mla", "bhnc", r, shape[2], 1, shape[3])
+                if not mla and shape[3] % 2 == 0:
+                    return cls("kv", "bhnc", r, shape[2], shape[1], shape[3] // 2)
+        if mla and len(shape) == 3 and shape[:2] == (num_blocks, block_size):
+            return cls("mla", "bnc", 1, block_size, 1, shape[2])
+        if not mla and len(shape) == 5 and shape[2] == block_size:
+            if shape[0] == 2 and shape[1] == num_blocks:
+                return cls("kv", "kv_first", 1, block_size, shape[3], shape[4])
+            if shape[0] == num_blocks and shape[1] == 2:
+                return cls("kv", "blocks_first", 1, block_size, shape[3], shape[4])
+        raise InvalidObject(f"a paged {'MLA' if mla else 'KV'} layer of shape {list(shape)} is not a layout tierstore "
+                            f"knows (num_blocks={num_blocks}, block_size={block_size})",
+                            hint="known: [blocks, heads, block_tokens, K|V] (vLLM 0.33), [2, blocks, block_size, "
+                                 "heads, dim], [blocks, 2, block_size, heads, dim], [blocks, block_size, dim] (MLA)")
+
+    def chunk_shape(self, tokens: int) -> tuple[int, ...]:
+        """The shape of one stored layer holding ``tokens`` tokens."""
+        return (2, self.heads, tokens, self.dim) if self.kind == "kv" else (tokens, self.dim)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per scheduler block."""
+        return self.ratio * self.block_tokens
+
+    def kernel_blocks(self, block_ids: Any) -> list[int]:
+        """Scheduler block ids -> the kernel blocks that hold their tokens, in token order."""
+        r = self.ratio
+        return [int(b) * r + i for b in block_ids for i in range(r)]
+
+    def blocks(self, layer: Any) -> Any:
+        """``layer`` with the kernel block first and, per block, ``[2, heads, tokens, dim]``
+        (kv) or ``[tokens, dim]`` (mla): views, no copy."""
+        if self.form == "bhnc":
+            if self.kind == "mla":
+                return layer[:, 0]
+            return layer.unflatten(3, (2, self.dim)).permute(0, 3, 1, 2, 4)
+        if self.form == "kv_first":
+            return layer.permute(1, 0, 3, 2, 4)
+        if self.form == "blocks_first":
+            return layer.permute(0, 1, 3, 2, 4)
+        return layer
+
+
+def _rows(t: Any) -> np.ndarray:
+    """A host tensor as a numpy array whose elements are its last dimension's rows (one void
+    item per row), sharing memory: any dtype, any strides above the last dimension."""
+    if t.stride(-1) != 1:
+        raise InvalidObject("the last dimension of a paged KV tensor must be contiguous")
+    b = t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
+                                                                   8: torch.int64}[t.element_size()])
+    a = b.numpy()
+    return a.view(np.dtype((np.void, a.shape[-1] * a.itemsize)))[..., 0]
+
+
+def _host(a: Any, b: Any) -> bool:
+    return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
+
+
+def gather(layer: Any, layout: PagedLayout, block_ids: Any, out: Any) -> Any:
+    """Copy the tokens of the scheduler blocks ``block_ids`` (in order) from the paged ``layer``
+    into ``out``, a chunk layer of ``len(block_ids) * block_size`` tokens
+    (``layout.chunk_shape``).  Returns ``out``."""
+    ids = layout.kernel_blocks(block_ids)
+    n = layout.block_tokens
+    want = layout.chunk_shape(len(ids) * n)
+    if tuple(out.shape) != want:
+        raise InvalidObject(f"a chunk layer of shape {list(out.shape)} for {len(block_ids)} blocks; "
+                            f"expected {list(want)}")
+    src = layout.blocks(layer)
+    if _host(src, out):
+        s, o = _rows(src), _rows(out)
+        for j, b in enumerate(ids):
+            np.copyto(o[..., j * n:(j + 1) * n] if layout.kind == "kv" else o[j * n:(j + 1) * n], s[b])
+        return out
+    for j, b in enumerate(ids):
+        (out[:, :, j * n:(j + 1) * n] if layout.kind == "kv" else out[j * n:(j + 1) * n]).copy_(src[b],
+                                                                                                non_blocking=True)
+    return out
+
+
+def scatter(layer: Any, layout: PagedLayout, block_ids: Any, src: Any, *, positions: Any = None) -> None:
+    """Copy a chunk layer ``src`` into the scheduler blocks ``block_ids`` of the paged ``layer``
+    (in place).  ``positions``: which blocks of the chunk go where (block ``positions[i]`` of
+    the chunk into ``block_ids[i]``); by default all of them, in order."""
+    bs = layout.block_size
+    pos = list(range(len(block_ids))) if positions is None else [int(p) for p in positions]
+    if len(pos) != len(block_ids):
+        raise InvalidObject(f"scatter: {len(block_ids)} block ids for {len(pos)} positions")
+    tokens = src.shape[2] if layout.kind == "kv" and src.dim() == 4 else src.shape[0]
+    if tuple(src.shape) != layout.chunk_shape(tokens) or tokens % bs or any(not 0 <= p < tokens // bs for p in pos):
+        raise InvalidObject(f"scatter: a chunk layer of shape {list(src.shape)} does not fit blocks of {bs} tokens "
+                            f"at positions {pos[:8]}")
+    r, n = layout.ratio, layout.block_tokens
+    pairs = [(p * r + i, int(b) * r + i) for p, b in zip(pos, block_ids) for i in range(r)]  # (chunk's, pool's)
+    dst = layout.blocks(layer)
+    if _host(dst, src):
+        d, s = _rows(dst), _rows(src)
+        for j, b in pairs:
+            np.copyto(d[b], s[..., j * n:(j + 1) * n] if layout.kind == "kv" else s[j * n:(j + 1) * n])
+        return
+    for j, b in pairs:
+        dst[b].copy_(src[:, :, j * n:(j + 1) * n] if layout.kind == "kv" else src[j * n:(j + 1) * n],
+                     non_blocking=True)
