@@ -120,6 +120,9 @@ def write_mla(s: tierstore.Store, rng: np.random.Generator) -> None:
     torch = _torch()
     lat = rng.standard_normal((3, 40, 24)).astype(np.float32)  # 3 layers, 40 tokens, dim 24
     lat[1, 7] = 0.0  # a token whose latent is all zeros: scale code 0
+    lat[2, 3, :12] = -0.0  # negative zeros
+    lat[2, 3, 12:] = np.linspace(-1, 1, 12) * 1e-3  # with 1e-3 beside them: fp8 subnormal codes, small int8 codes
+    lat[0, 9, 0] = 200.0  # one large value: the rest of its token quantises coarsely
     s.put("mla-fp16", MLACache(lat.astype(np.float16), layer_start=5), namespace="mla", meta={"model": "tiny-mla"})
     s.put("mla-fp32", MLACache(lat), namespace="mla")
     s.put("mla-bf16", MLACache(torch.from_numpy(lat).to(torch.bfloat16)), namespace="mla")
@@ -132,6 +135,7 @@ def write_mla(s: tierstore.Store, rng: np.random.Generator) -> None:
             if not c["lossless"]:
                 s.put(f"mla-{spec}-bf16", MLACache(torch.from_numpy(lat).to(torch.bfloat16)), namespace="codecs",
                       codec=spec)
+                s.put(f"mla-{spec}-fp32", MLACache(lat), namespace="codecs", codec=spec)
 
 
 def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,

@@ -1,6 +1,7 @@
 """GPU check (run it where a CUDA device exists; it is not part of CI, which has none).
 
     python scripts/gpu_check.py [--device cuda:0] [--json]
+    .venv-vllm/bin/python scripts/gpu_check.py --vllm [--json]   # the vLLM connector (vllm installed)
 
 Checks what cannot be checked on a CPU-only machine:
 1. lossy objects read with get(device=...) dequantise on the GPU bit for bit as the CPU
@@ -13,6 +14,12 @@ Checks what cannot be checked on a CPU-only machine:
    against the CPU decoder), a GPU hit's latency against a device copy, stream_layers to
    the device in order, and eviction from the GPU tier falling back to DRAM.
 Exits 1 on any mismatch.  Runs in well under a minute.
+
+``--vllm`` checks the vLLM connector instead (tierstore.integrations.vllm): ``vllm.LLM`` with
+``load_format="dummy"`` from a local Llama-3-8B-shaped config (no download, no tokenizer), the
+same 16,384-token prompt in two processes one after the other (a restart): the first computes
+and stores the prompt's chunks, the second loads them (counted by the worker's connector) and
+must give the same output tokens.  Prints both runs' time to first token and the store's load path.
 """
 
 from __future__ import annotations
@@ -29,14 +36,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tierstore  # noqa: E402
-from tierstore import KVCache, Vectors, codecs  # noqa: E402
+from tierstore import KVCache, TierstoreError, Vectors, codecs  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="check the vLLM connector (needs vllm installed)")
+    ap.add_argument("--vllm-run", help=argparse.SUPPRESS)  # one engine run: STORE_DIR (a child process)
+    ap.add_argument("--tokens", type=int, default=16384, help="prompt length for --vllm")
     args = ap.parse_args(argv)
+    if args.vllm_run:
+        return vllm_run(args.vllm_run, args.tokens)
+    if args.vllm:
+        return check_vllm(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -145,6 +159,88 @@ def check_gpu_tier(dev: str, out: dict, rng: np.random.Generator) -> bool:
         ok &= gpu["bytes_used"] <= gpu["capacity_bytes"]
     out["gpu_tier"] = res
     return ok
+
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+             "vocab_size": 128256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "torch_dtype": "bfloat16", "head_dim": 128, "tie_word_embeddings": False}
+
+
+def vllm_run(store: str, tokens: int) -> int:
+    """One engine: build vllm.LLM with the connector, prefill the prompt, print one JSON line
+    (output tokens, time to first token, the worker connector's counters)."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process: its counters
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = Path(store).parent / "llama3-8b-shaped"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=tokens + 64, gpu_memory_utilization=0.8, seed=0,
+              kv_transfer_config={"kv_connector": "TierstoreConnector", "kv_role": "kv_both",
+                                  "kv_connector_module_path": "tierstore.integrations.vllm",
+                                  "kv_connector_extra_config": {"path": store, "chunk_tokens": 256,
+                                                                "durability": "sync"}})
+    prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(1).integers(10, 100000, tokens)]}
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    ttft = time.perf_counter() - t0
+    conn = get_kv_transfer_group()
+    conn.flush()
+    io_path = None
+    try:
+        io_path = conn.store.stats()["tiers"].get("gpu", {}).get("io_path")
+    except (AttributeError, TierstoreError):
+        pass
+    print(json.dumps({"ttft_s": round(ttft, 3), "output": list(out[0].outputs[0].token_ids),
+                      "counters": dict(conn.counters), "io_path": io_path or "posix (pread into pinned host memory)"}))
+    return 0
+
+
+def check_vllm(args: argparse.Namespace) -> int:
+    import subprocess
+
+    try:
+        import vllm
+    except ImportError:
+        print("vllm is not installed here: run this with .venv-vllm/bin/python (scripts/vllm_env.sh)", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check", file=sys.stderr)
+        return 2
+    res: dict = {"vllm": vllm.__version__, "device": torch.cuda.get_device_name(0), "prompt_tokens": args.tokens}
+    with tempfile.TemporaryDirectory() as d:
+        store = str(Path(d) / "kv")
+        runs = []
+        for name in ("first", "after_restart"):
+            p = subprocess.run([sys.executable, __file__, "--vllm-run", store, "--tokens", str(args.tokens)],
+                               capture_output=True, text=True, timeout=600)
+            line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+            if p.returncode != 0 or line is None:
+                print(p.stdout[-3000:], p.stderr[-6000:], file=sys.stderr)
+                res[name] = {"error": f"exit {p.returncode}"}
+                break
+            runs.append(json.loads(line))
+            res[name] = {k: v for k, v in runs[-1].items() if k != "output"}
+    ok = len(runs) == 2
+    if ok:
+        full = (args.tokens - 1) // 256
+        res["chunks_stored_first"] = runs[0]["counters"]["chunks_saved"]
+        res["chunks_loaded_after_restart"] = runs[1]["counters"]["chunks_loaded"]
+        res["same_output"] = runs[0]["output"] == runs[1]["output"]
+        res["ttft_speedup"] = round(runs[0]["ttft_s"] / max(runs[1]["ttft_s"], 1e-9), 2)
+        ok = (res["same_output"] and res["chunks_loaded_after_restart"] == full
+              and runs[1]["counters"]["load_errors"] == 0)
+    res["ok"] = bool(ok)
+    print(json.dumps(res, indent=2) if args.json else res)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

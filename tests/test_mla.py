@@ -4,6 +4,8 @@ bounds; bad objects refused; an older reader refuses the kind cleanly."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,21 @@ def test_an_older_reader_refuses_the_kind_cleanly(store_path, latent, monkeypatc
     monkeypatch.undo()  # the valid twin: this tierstore reads it
     with tierstore.open(store_path, readonly=True) as r:
         assert r.get("blob").data == b"readable by every 1.x reader" and r.info("c").kind == "mla"
+
+
+def test_a_store_an_older_minor_began_gets_a_new_segment_before_any_append(store_path, latent, monkeypatch):
+    """A 1.3 writer's last segment is never appended to by this version, so a 1.3 reader or writer
+    never meets an mla record in a segment whose header says 1.3 (SPEC.md §11)."""
+    monkeypatch.setattr(fmt, "FORMAT_MINOR", 3)
+    with tierstore.open(store_path) as s:  # "a 1.3 writer"
+        s.put("old", Blob(b"written by 1.3"))
+    monkeypatch.undo()
+    seg_dir = os.path.join(store_path, "segments")
+    before = sorted(os.listdir(seg_dir))
+    with tierstore.open(store_path) as s:
+        assert s.get("old").data == b"written by 1.3"
+        s.put("c", MLACache(latent))
+        assert s.info("c").segment > int(before[-1].split(".")[0], 16)  # a segment of this version
+    with tierstore.open(store_path) as s:  # a store this version began: appends go on in place
+        s.put("d", MLACache(latent))
+        assert s.info("d").segment == s.info("c").segment

@@ -53,12 +53,18 @@ def test_gather_then_scatter_is_bit_exact(form, mem, ratio, dtype):
     t = make(form, mem, ratio, getattr(torch, dtype))
     lay = PagedLayout.of(t, num_blocks=NB, block_size=BS)
     assert (lay.kind, lay.form, lay.ratio, lay.heads, lay.dim) == ("kv", form, ratio, H, D)
-    ids = [7, 3, 39]
-    out = torch.empty(lay.chunk_shape(3 * BS), dtype=t.dtype)
-    gather(t, lay, ids, out)
     blocks = per_block(t, form)
-    want = torch.cat([blocks[b * ratio + i] for b in ids for i in range(ratio)], dim=2)
-    assert same(out, want)
+    for ids in ([7, 3, 39], [10, 11, 12, 30, 31], [5, 4, 3]):  # scattered, runs of consecutive blocks, descending
+        out = torch.empty(lay.chunk_shape(len(ids) * BS), dtype=t.dtype)
+        gather(t, lay, ids, out)
+        want = torch.cat([blocks[b * ratio + i] for b in ids for i in range(ratio)], dim=2)
+        assert same(out, want)
+    whole = torch.empty(lay.chunk_shape(3 * BS), dtype=t.dtype)
+    back2 = torch.zeros_like(t)
+    scatter(back2, lay, [20, 21, 22], gather(t, lay, [10, 11, 12], whole))  # a run both ways
+    assert all(same(per_block(back2, form)[(20 + k) * ratio + i], blocks[(10 + k) * ratio + i])
+               for k in range(3) for i in range(ratio))
+    out = gather(t, lay, [7, 3, 39], torch.empty(lay.chunk_shape(3 * BS), dtype=t.dtype))
     back = torch.zeros_like(t)
     scatter(back, lay, [1, 2], out, positions=[2, 0])  # chunk block 2 -> pool block 1, 0 -> 2
     got = per_block(back, form)

@@ -187,3 +187,231 @@ def test_bad_options_are_clear_errors(tmp_path):
     cfg = make_config(tmp_path, tmp_path / "kv", chunk_tokens=24)
     with pytest.raises(ValueError, match="multiple of the block size"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+# -- many steps: chunked prefill, preemption, decode (a model runner's bookkeeping, played here) ---
+
+class Engine:
+    """vLLM's real Scheduler and a worker connector over many steps, keeping block tables as a
+    model runner does (new requests, appended blocks, a resumed request's whole list), writing
+    each scheduled token's K|V, checking every scheduled request's KV after each step, and
+    feeding one sampled token back per finished prefill (``update_from_output``)."""
+
+    def __init__(self, tmp_path, store, *, chunk_tokens=32, max_batched=None, extra=None, num_blocks=NUM_BLOCKS,
+                 prefix_caching=True):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        self._outputs = (KVConnectorOutput, ModelRunnerOutput)
+        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra)
+        cfg.cache_config.enable_prefix_caching = prefix_caching
+        cfg.cache_config.num_gpu_blocks = num_blocks
+        if max_batched:
+            cfg.scheduler_config.max_num_scheduled_tokens = max_batched
+            cfg.scheduler_config.long_prefill_token_threshold = max_batched
+        self.cfg = cfg
+        kcc = kv_cache_config()
+        kcc.num_blocks = num_blocks
+        self.sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
+                               structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        self.caches = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.float16)
+                       for n in paged_caches(False)}
+        self.worker.register_kv_caches(self.caches)
+        self.reqs, self.tables, self.errors, self.next_token = {}, {}, [], 900
+
+    def add(self, rid, tokens, max_tokens=1, **kw):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        r = Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                    block_hasher=get_request_block_hasher(BLOCK, sha256), **kw)
+        self.reqs[rid] = r
+        self.sched.add_request(r)
+
+    def step(self):
+        out = self.sched.schedule()
+        for n in out.scheduled_new_reqs:
+            self.tables[n.req_id] = list(n.block_ids[0])
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            if rid in c.resumed_req_ids:
+                self.tables[rid] = list(c.new_block_ids[i][0])
+            elif c.new_block_ids[i]:
+                self.tables[rid].extend(c.new_block_ids[i][0])
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        starts.update({rid: c.num_computed_tokens[i] for i, rid in enumerate(c.req_ids)})
+        w = self.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)
+        for name, layer in self.caches.items():
+            li = int(name.split(".")[2])
+            w.wait_for_layer_load(name)
+            for rid, n in out.num_scheduled_tokens.items():
+                done, toks, table = starts[rid], self.reqs[rid].all_token_ids, self.tables[rid]
+                kv = token_kv(li, toks[: done + n], done)
+                for j, pos in enumerate(range(done, done + n)):
+                    layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
+            w.save_kv_layer(name, layer, None)
+        w.wait_for_save()
+        failed = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        for rid, n in out.num_scheduled_tokens.items():  # every token the model attends to: right
+            end, table = starts[rid] + n, self.tables[rid]
+            toks = self.reqs[rid].all_token_ids[:end]
+            for li, layer in enumerate(self.caches.values()):
+                got = torch.stack([layer[table[p // BLOCK], :, p % BLOCK] for p in range(end)])
+                if not torch.equal(got, token_kv(li, toks, 0)):
+                    self.errors.append((rid, li))
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            done = starts[rid] + out.num_scheduled_tokens[rid] >= self.reqs[rid].num_tokens
+            sampled.append([self.next_token] if done else [])
+            self.next_token += 1
+        kv_out, mro = self._outputs
+        self.sched.update_from_output(out, mro(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                               sampled_token_ids=sampled,
+                                               kv_connector_output=kv_out(invalid_block_ids=failed)))
+        return out
+
+    def run(self, limit=500):
+        for _ in range(limit):
+            if not self.sched.has_requests() if hasattr(self.sched, "has_requests") else not self.sched.requests:
+                break
+            self.step()
+
+    def close(self):
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+@pytest.mark.parametrize("chunk,budget", [(32, 40), (64, 24), (32, 16)])
+def test_chunked_prefill_saves_each_chunk_once_and_a_restart_loads_it(tmp_path, chunk, budget):
+    store = tmp_path / "kv"
+    a = list(range(1000, 1200))
+    e = Engine(tmp_path, store, chunk_tokens=chunk, max_batched=budget)
+    e.add("a", a, max_tokens=3)
+    e.run()
+    e.close()
+    assert e.errors == [] and e.worker.counters["chunks_saved"] == 200 // chunk
+    b = a[:150] + list(range(5000, 5050))
+    e2 = Engine(tmp_path, store, chunk_tokens=chunk, max_batched=budget)
+    e2.add("b", b, max_tokens=2)
+    first = e2.step()
+    assert first.scheduled_new_reqs[0].num_computed_tokens == 150 // chunk * chunk
+    e2.run()
+    e2.close()
+    assert e2.errors == [] and e2.worker.counters["chunks_loaded"] == 150 // chunk
+
+
+@pytest.mark.parametrize("v2", ["0", "1"], ids=["v1-runner", "v2-runner"])
+def test_preempted_requests_resume_with_the_right_kv(tmp_path, monkeypatch, v2):
+    """The KV pool runs out under three long decodes: requests are preempted, their blocks reused,
+    and they resume (the V1 model runner: as cached requests with a new block list; V2: as new
+    requests), loading their prefix from the store (vLLM's own prefix cache is off, so nothing
+    else holds it).  Every step's KV is checked."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
+    e = Engine(tmp_path, tmp_path / "kv", chunk_tokens=32, num_blocks=48, prefix_caching=False)
+    for i in range(3):
+        e.add(f"r{i}", [i * 1000 + t for t in range(300)], max_tokens=120)
+    e.run()
+    e.close()
+    assert sum(r.num_preemptions for r in e.reqs.values()) > 0  # the scenario happened
+    assert e.errors == [] and e.worker.counters["load_errors"] == 0 and e.worker.counters["chunks_loaded"] > 0
+
+
+def test_cache_salt_and_lora_separate_entries(tmp_path):
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    e = Engine(tmp_path, store)
+    e.add("plain", a)
+    e.run()
+    e.add("salted", a, cache_salt="tenant-1")  # same tokens, another tenant: nothing shared
+    out = e.step()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    e.run()
+    e.close()
+    with tierstore.open(store, readonly=True) as s:
+        assert len(s.keys(namespace="vllm")) == 2 * 3
+
+
+def worker_for(tmp_path, store, *, cache_dtype="auto", dtype=torch.float16):
+    from vllm.config import CacheConfig as CC
+
+    cfg = make_config(tmp_path, store)
+    cfg.cache_config = CC(block_size=BLOCK, cache_dtype=cache_dtype)
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    caches = {n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype) for n in paged_caches(False)}
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_fp8_kv_caches_held_as_bytes_round_trip(tmp_path):
+    """vLLM allocates an fp8 KV cache as uint8: saved as float8_e4m3fn values, loaded bit-exact."""
+    from tierstore.integrations.vllm import ChunkLoad, ChunkSave, TierstoreConnectorMetadata
+
+    store = tmp_path / "kv"
+    w, caches = worker_for(tmp_path, store, cache_dtype="fp8", dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    for layer in caches.values():
+        layer.copy_(torch.randint(0, 0x7F, layer.shape, generator=g, dtype=torch.uint8))  # no NaN codes
+    key = [b"k" * 32]
+    w.bind_connector_metadata(TierstoreConnectorMetadata(saves=[ChunkSave("r", key, [3, 9])]))
+    w.start_load_kv(None)
+    for name, layer in caches.items():
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, layer, None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    w.shutdown()
+    assert w.counters["chunks_saved"] == 1
+    with tierstore.open(store, readonly=True) as s:
+        assert s.info(key[0], namespace="vllm").dtype == "float8_e4m3fn"
+    w2, fresh = worker_for(tmp_path, store, cache_dtype="fp8", dtype=torch.uint8)
+    w2.bind_connector_metadata(TierstoreConnectorMetadata(loads=[ChunkLoad("r", key, [5, 6], [0, 1])]))
+    w2.start_load_kv(None)
+    for name in fresh:
+        w2.wait_for_layer_load(name)
+    assert w2.get_block_ids_with_load_errors() == set()
+    w2.shutdown()
+    for name in caches:
+        assert torch.equal(fresh[name][5], caches[name][3]) and torch.equal(fresh[name][6], caches[name][9])
+
+
+def test_a_step_that_misses_a_layer_saves_nothing(tmp_path):
+    from tierstore.integrations.vllm import ChunkSave, TierstoreConnectorMetadata
+
+    store = tmp_path / "kv"
+    w, caches = worker_for(tmp_path, store)
+    w.bind_connector_metadata(TierstoreConnectorMetadata(saves=[ChunkSave("r", [b"x" * 32], [1, 2])]))
+    first = next(iter(caches))
+    w.save_kv_layer(first, caches[first], None)  # layer 1 never handed over
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    w.shutdown()
+    assert w.counters["saves_dropped"] == 1 and w.counters["chunks_saved"] == 0
+    with tierstore.open(store, readonly=True) as s:
+        assert s.keys(namespace="vllm") == []
+
+
+def test_unsupported_configurations_are_refused(tmp_path):
+    from vllm.config import CacheConfig as CC
+
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    cfg.cache_config = CC(block_size=BLOCK, cache_dtype="fp8_per_token_head")
+    with pytest.raises(ValueError, match="packs scales"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_fingerprints_separate_pipeline_stages_and_tensor_ranks(tmp_path):
+    from tierstore.integrations.vllm import model_fingerprint
+
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    salts = {model_fingerprint(cfg, pp_rank=p, tp_rank=t) for p in range(2) for t in (None, 0, 1)}
+    assert len(salts) == 6

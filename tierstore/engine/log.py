@@ -17,7 +17,7 @@ from ..errors import StoreIOError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 from .fileio import PAGE, DirectIO, PosixIO, io_error, write_all, write_all_parallel
-from .segment import aligned_buffer, new_segment_header, segment_name
+from .segment import aligned_buffer, new_segment_header, read_segment_header, segment_name
 
 
 class Appended(NamedTuple):
@@ -69,6 +69,14 @@ class Log:
         self.tail = tail  # end of the log, buffered bytes included
         self.next_lsn = next_lsn
         self.fd = io.open(self._path(active), os.O_RDWR)
+        # a segment an older minor version began (SPEC.md §11): this writer appends nothing to it,
+        # so readers of that version never meet a record of a newer kind in a segment they may read
+        # as theirs; the first append starts a new segment
+        try:
+            self._older_minor = read_segment_header(io, self.fd, path=self._path(active),
+                                                    seg_id=active).minor < fmt.FORMAT_MINOR
+        except TierstoreError:  # a header recovery salvaged: begin a new segment too
+            self._older_minor = True
         self._buf = bytearray()  # bytes [tail - len(_buf), tail) of the active segment, not yet written
         self.written = (active, tail)  # the OS holds every byte before this position
         self.written_lsn = next_lsn - 1
@@ -146,7 +154,7 @@ class Log:
                 self.check()
             record_len = record.header.record_len
             start = self._start_for(record.header.align_log2)
-            if start + record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+            if self._older_minor or (start + record_len > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE):
                 self._rollover()
                 start = self._start_for(record.header.align_log2)
             lsn = self.next_lsn
@@ -198,7 +206,8 @@ class Log:
         with self.append_lock:
             if self.poisoned is not None:
                 self.check()
-            if self._group_end(group, self.tail) > self.segment_bytes and self.tail > fmt.SEGMENT_HEADER_SIZE:
+            if self._older_minor or (self._group_end(group, self.tail) > self.segment_bytes
+                                     and self.tail > fmt.SEGMENT_HEADER_SIZE):
                 self._rollover()
             pos, lsn = self.tail, self.next_lsn
             iov: list[memoryview | bytes] = []
@@ -429,6 +438,7 @@ class Log:
             self.oldest_unsynced = None
         self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
         self.written = (new_id, self.tail)
+        self._older_minor = False
 
     # -- syncing ----------------------------------------------------------------------------
 
@@ -550,6 +560,7 @@ class Log:
                 self.io.close(self.dfd)
             self.dfd = None
             self.fd, self.active = fd, active
+            self._older_minor = False  # begun by a writer of this version (an older one appends nowhere now)
         self.tail, self.next_lsn = tail, next_lsn
         self.written, self.written_lsn = (active, tail), next_lsn - 1
         if last_data_lsn is not None:

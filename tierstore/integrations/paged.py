@@ -115,25 +115,50 @@ def _host(a: Any, b: Any) -> bool:
     return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
 
 
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(chunk block, pool block) pairs -> runs (chunk start, pool start, count) of consecutive
+    blocks on both sides: a request's blocks are often consecutive in the pool, and one copy per
+    run costs less than one per block."""
+    runs: list[list[int]] = []
+    for j, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
+        else:
+            runs.append([j, b, 1])
+    return [(j, b, k) for j, b, k in runs]
+
+
+def _copy(pool: Any, chunk: Any, layout: PagedLayout, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
+    """Copy between the kernel blocks of ``pool`` (``layout.blocks`` form) and the chunk layer
+    ``chunk``, a run of blocks at a time, either way."""
+    n, kv = layout.block_tokens, layout.kind == "kv"
+    host = _host(pool, chunk)
+    p, c = (_rows(pool), _rows(chunk)) if host else (pool, chunk)
+    for j, b, k in _runs(pairs):
+        if kv:  # pool [k, 2, heads, n] <-> chunk [2, heads, k * n]
+            cv = c[..., j * n:(j + k) * n]
+            cv = cv.reshape(*cv.shape[:2], k, n) if host else cv.unflatten(2, (k, n))
+            pv = p[b:b + k].transpose(1, 2, 0, 3) if host else p[b:b + k].permute(1, 2, 0, 3, 4)
+        else:  # pool [k, n] <-> chunk [k * n]
+            cv = c[j * n:(j + k) * n]
+            cv = cv.reshape(k, n) if host else cv.unflatten(0, (k, n))
+            pv = p[b:b + k]
+        if host:
+            np.copyto(cv, pv) if to_chunk else np.copyto(pv, cv)
+        else:
+            cv.copy_(pv, non_blocking=True) if to_chunk else pv.copy_(cv, non_blocking=True)
+
+
 def gather(layer: Any, layout: PagedLayout, block_ids: Any, out: Any) -> Any:
     """Copy the tokens of the scheduler blocks ``block_ids`` (in order) from the paged ``layer``
     into ``out``, a chunk layer of ``len(block_ids) * block_size`` tokens
     (``layout.chunk_shape``).  Returns ``out``."""
     ids = layout.kernel_blocks(block_ids)
-    n = layout.block_tokens
-    want = layout.chunk_shape(len(ids) * n)
+    want = layout.chunk_shape(len(ids) * layout.block_tokens)
     if tuple(out.shape) != want:
         raise InvalidObject(f"a chunk layer of shape {list(out.shape)} for {len(block_ids)} blocks; "
                             f"expected {list(want)}")
-    src = layout.blocks(layer)
-    if _host(src, out):
-        s, o = _rows(src), _rows(out)
-        for j, b in enumerate(ids):
-            np.copyto(o[..., j * n:(j + 1) * n] if layout.kind == "kv" else o[j * n:(j + 1) * n], s[b])
-        return out
-    for j, b in enumerate(ids):
-        (out[:, :, j * n:(j + 1) * n] if layout.kind == "kv" else out[j * n:(j + 1) * n]).copy_(src[b],
-                                                                                                non_blocking=True)
+    _copy(layout.blocks(layer), out, layout, list(enumerate(ids)), to_chunk=True)
     return out
 
 
@@ -149,14 +174,6 @@ def scatter(layer: Any, layout: PagedLayout, block_ids: Any, src: Any, *, positi
     if tuple(src.shape) != layout.chunk_shape(tokens) or tokens % bs or any(not 0 <= p < tokens // bs for p in pos):
         raise InvalidObject(f"scatter: a chunk layer of shape {list(src.shape)} does not fit blocks of {bs} tokens "
                             f"at positions {pos[:8]}")
-    r, n = layout.ratio, layout.block_tokens
+    r = layout.ratio
     pairs = [(p * r + i, int(b) * r + i) for p, b in zip(pos, block_ids) for i in range(r)]  # (chunk's, pool's)
-    dst = layout.blocks(layer)
-    if _host(dst, src):
-        d, s = _rows(dst), _rows(src)
-        for j, b in pairs:
-            np.copyto(d[b], s[..., j * n:(j + 1) * n] if layout.kind == "kv" else s[j * n:(j + 1) * n])
-        return
-    for j, b in pairs:
-        dst[b].copy_(src[:, :, j * n:(j + 1) * n] if layout.kind == "kv" else src[j * n:(j + 1) * n],
-                     non_blocking=True)
+    _copy(layout.blocks(layer), src, layout, pairs, to_chunk=False)

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import tierstore
 
-from .. import CorruptionError, KVCache, MLACache, NotFound, StoreIOError, TierstoreError, chunk_hashes
+from .. import CorruptionError, InvalidObject, KVCache, MLACache, NotFound, StoreIOError, TierstoreError, chunk_hashes
 from .paged import PagedLayout, gather, scatter
 
 if TYPE_CHECKING:
@@ -95,15 +95,17 @@ def _release(store: tierstore.Store) -> None:
                 return
 
 
-def model_fingerprint(vllm_config: Any, *, rank: int | None, model_id: str | None = None) -> bytes:
+def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None) -> bytes:
     """The salt of one rank's chunk hashes: SHA-256 over the fingerprint version, the model
     (name, revision, dtype), the KV cache dtype, the attention kind, the tensor- and
-    pipeline-parallel sizes and ``rank`` (None: shared by every rank, for MLA latents), and
+    pipeline-parallel sizes, the pipeline stage ``pp_rank`` (its layers), the tensor-parallel
+    ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA latents), and
     ``model_id``.  16 bytes."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
-             str(pc.pipeline_parallel_size), "shared" if rank is None else str(rank), str(model_id)]
+             str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",
+             str(model_id)]
     h = hashlib.sha256()
     for p in parts:
         b = p if isinstance(p, bytes) else p.encode()
@@ -117,7 +119,7 @@ class ChunkLoad:
     chunk's blocks go into ``block_ids``)."""
 
     req_id: str
-    keys: list[bytes]  # one per tensor-parallel rank (one shared key for MLA)
+    keys: list[bytes]  # one per worker (pipeline stage x tensor rank; one per stage for MLA)
     block_ids: list[int]
     positions: list[int]
 
@@ -139,11 +141,16 @@ class TierstoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Tracked:
-    """A request whose prompt chunks are not all saved yet (scheduler side)."""
+    """A request the scheduler side follows from its first schedule to ``request_finished``."""
 
     tokens: list[int]
     block_ids: list[int]
     next_chunk: int  # the first prompt chunk not yet saved (or known stored)
+
+
+# vLLM's KV cache dtypes held as raw bytes (torch.uint8) that are plain fp8 values
+_FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+MAX_PENDING_SAVES = 4  # steps whose saves may wait for the writer before a step waits for them
 
 
 class TierstoreConnector(KVConnectorBase_V1):
@@ -160,42 +167,68 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self._chunk <= 0 or self._chunk % self._block_size:
             raise ValueError(f"chunk_tokens={self._chunk} must be a positive multiple of the block size "
                              f"({self._block_size})")
+        pc = vllm_config.parallel_config
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if int(getattr(pc, name, 1) or 1) > 1:
+                raise ValueError(f"TierstoreConnector does not support {name} > 1 (tokens sharded across ranks)")
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype.startswith("fp8") and cache_dtype not in _FP8_CACHE and cache_dtype != "fp8_inc":
+            raise ValueError(f"TierstoreConnector stores plain KV values; kv_cache_dtype={cache_dtype!r} packs scales "
+                             f"into the cache (supported: auto, fp8, fp8_e4m3, fp8_e5m2)")
+        self._fp8 = _FP8_CACHE.get(cache_dtype)
         self._namespace = str(extra.get("namespace", "vllm"))
         self._codec = extra.get("codec")
         self._mla = bool(vllm_config.model_config.use_mla)
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._tp = int(pc.tensor_parallel_size)
+        self._pp = int(pc.pipeline_parallel_size)
         model_id = extra.get("model_id")
-        ranks: list[int | None] = [None] if self._mla else list(range(tp))
-        self._salts = [model_fingerprint(vllm_config, rank=r, model_id=model_id) for r in ranks]
+        # one salt per worker, in the order worker_index gives: stage-major, then tensor rank
+        self._salts = [model_fingerprint(vllm_config, pp_rank=p, tp_rank=None if self._mla else t, model_id=model_id)
+                       for p in range(self._pp) for t in ([None] if self._mla else range(self._tp))]
         options = {"durability": extra.get("durability", "group"), **dict(extra.get("store_options") or {})}
         self._store = _acquire(str(path), options)
         # scheduler side
-        self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per rank, its chunk keys
+        self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per worker, its chunk keys
         self._planned: dict[str, tuple[int, int]] = {}  # req -> tokens [start, end) to load
         self._tracked: dict[str, _Tracked] = {}
         # worker side
-        self._rank = 0 if role == KVConnectorRole.SCHEDULER else self._worker_rank(extra)
+        self._tp_rank = 0
+        self._worker = 0 if role == KVConnectorRole.SCHEDULER else self._worker_index(extra)
         self._layers: list[tuple[str, Any, PagedLayout]] = []
         self._layer_index: dict[str, int] = {}
         self._loaded: list[threading.Event] = []
+        self._cuda_loaded: list[Any] = []  # per layer: a CUDA event recorded after its scatters
         self._load_thread: threading.Thread | None = None
         self._load_error: BaseException | None = None
+        self._load_stream: Any = None
         self._failed: set[int] = set()
+        self._failed_lock = threading.Lock()
         self._staged: list[tuple[ChunkSave, Any]] = []
+        self._staged_layers: set[int] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-vllm-save")
         self._pending: list[Future] = []
-        self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0}
+        self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0,
+                         "saves_dropped": 0}
 
-    @staticmethod
-    def _worker_rank(extra: dict[str, Any]) -> int:
-        if "tp_rank" in extra:
-            return int(extra["tp_rank"])
+    @property
+    def store(self) -> tierstore.Store:
+        """The store handle this connector uses (one per store and process, shared)."""
+        return self._store
+
+    def _worker_index(self, extra: dict[str, Any]) -> int:
+        """This worker's place in ``_salts``: stage-major, then tensor rank (MLA: the stage)."""
+        tp_rank, pp_rank = int(extra.get("tp_rank", -1)), int(extra.get("pp_rank", -1))
         try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            return int(get_tensor_model_parallel_rank())
-        except (AssertionError, ImportError, RuntimeError):  # no process group: a single rank
-            return 0
+            if tp_rank < 0:
+                tp_rank = int(get_tensor_model_parallel_rank())
+            if pp_rank < 0:
+                pp_rank = int(get_pp_group().rank_in_group)
+        except (AssertionError, AttributeError, ImportError, RuntimeError):  # no process group: one worker
+            tp_rank, pp_rank = max(tp_rank, 0), max(pp_rank, 0)
+        self._tp_rank = tp_rank
+        return pp_rank if self._mla else pp_rank * self._tp + tp_rank
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -207,22 +240,38 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    def _keys(self, req_id: str, tokens: list[int]) -> list[list[bytes]]:
-        keys = self._hashes.get(req_id)
+    def _request_salt(self, request: Any) -> bytes | None:
+        """What else the KV of a request depends on besides its tokens (vLLM's own block hashes
+        add the same): the LoRA adapter and the cache salt.  None: not cacheable here (inputs
+        other than tokens, e.g. images, whose content the token ids do not carry)."""
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return None
+        parts = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            parts.append(f"salt:{salt}")
+        return "\x00".join(parts).encode()
+
+    def _keys_for(self, request: Any) -> list[list[bytes]] | None:
+        keys = self._hashes.get(request.request_id)
         if keys is None:
-            keys = [chunk_hashes(tokens, chunk_tokens=self._chunk, salt=s) for s in self._salts]
-            self._hashes[req_id] = keys
+            extra = self._request_salt(request)
+            if extra is None:
+                return None
+            tokens = list(request.prompt_token_ids or [])
+            keys = [chunk_hashes(tokens, chunk_tokens=self._chunk, salt=s + extra) for s in self._salts]
+            self._hashes[request.request_id] = keys
         return keys
 
-    def _chunk_keys(self, keys: list[list[bytes]], c: int) -> list[bytes]:
-        return [k[c] for k in keys]
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        tokens = list(request.prompt_token_ids or [])
+        tokens = request.prompt_token_ids or []
         usable = max(0, len(tokens) - 1) // self._chunk  # whole chunks, never the last prompt token
-        if usable == 0:
+        keys = self._keys_for(request) if usable else None
+        if not keys:
             return 0, False
-        keys = self._keys(request.request_id, tokens)
         matched = min(self._store.match_prefix(k[:usable], namespace=self._namespace) for k in keys)
         end = matched * self._chunk
         if end <= num_computed_tokens:
@@ -237,31 +286,29 @@ class TierstoreConnector(KVConnectorBase_V1):
         start, _ = self._planned[request.request_id]
         self._planned[request.request_id] = (start, start + num_external_tokens)
 
-    def _plan_loads(self, req_id: str, tokens: list[int], block_ids: list[int],
-                    meta: TierstoreConnectorMetadata) -> int:
+    def _plan_loads(self, req_id: str, block_ids: list[int], meta: TierstoreConnectorMetadata) -> int:
         """Loads of the planned token range; returns the first chunk not loaded."""
         start, end = self._planned.pop(req_id)
-        keys = self._keys(req_id, tokens)
+        keys = self._hashes[req_id]
         bs, per = self._block_size, self._chunk // self._block_size
         for c in range(start // self._chunk, -(-end // self._chunk)):
             pos = [p for p in range(per) if start <= (c * per + p) * bs and (c * per + p + 1) * bs <= end]
             if pos:
-                meta.loads.append(ChunkLoad(req_id, self._chunk_keys(keys, c),
-                                            [block_ids[c * per + p] for p in pos], pos))
+                meta.loads.append(ChunkLoad(req_id, [k[c] for k in keys], [block_ids[c * per + p] for p in pos], pos))
         return end // self._chunk
 
     def _plan_saves(self, req_id: str, t: _Tracked, computed: int, meta: TierstoreConnectorMetadata) -> None:
-        """Saves of the prompt chunks computed by the end of this step (and not stored yet)."""
+        """Saves of the prompt chunks computed by the end of this step that some worker lacks."""
+        keys = self._hashes.get(req_id)
         per = self._chunk // self._block_size
         done = min(computed, len(t.tokens)) // self._chunk
-        if done <= t.next_chunk:
+        if keys is None or done <= t.next_chunk:
             return
-        keys = self._keys(req_id, t.tokens)
         todo = list(range(t.next_chunk, min(done, len(keys[0]))))
-        have = self._store.contains_many([keys[0][c] for c in todo], namespace=self._namespace) if todo else []
-        for c, stored in zip(todo, have):
-            if not stored and len(t.block_ids) >= (c + 1) * per:
-                meta.saves.append(ChunkSave(req_id, self._chunk_keys(keys, c), t.block_ids[c * per:(c + 1) * per]))
+        have = [self._store.contains_many([k[c] for c in todo], namespace=self._namespace) for k in keys]
+        for i, c in enumerate(todo):
+            if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per:
+                meta.saves.append(ChunkSave(req_id, [k[c] for k in keys], t.block_ids[c * per:(c + 1) * per]))
         t.next_chunk = done
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -270,9 +317,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
             block_ids = list(new.block_ids[0]) if new.block_ids else []
-            first = 0
-            if new.req_id in self._planned:
-                first = self._plan_loads(new.req_id, tokens, block_ids, meta)
+            first = self._plan_loads(new.req_id, block_ids, meta) if new.req_id in self._planned else 0
             t = self._tracked[new.req_id] = _Tracked(tokens, block_ids, first)
             self._plan_saves(new.req_id, t, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -286,10 +331,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             elif new_ids:
                 t.block_ids.extend(new_ids[0])
             if req_id in self._planned:  # a resumed request whose prefix loads again
-                t.next_chunk = max(t.next_chunk, self._plan_loads(req_id, t.tokens, t.block_ids, meta))
+                t.next_chunk = max(t.next_chunk, self._plan_loads(req_id, t.block_ids, meta))
             self._plan_saves(req_id, t, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
-            if t.next_chunk * self._chunk >= len(t.tokens) - len(t.tokens) % self._chunk:
-                del self._tracked[req_id]  # every full prompt chunk handled
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -303,60 +346,87 @@ class TierstoreConnector(KVConnectorBase_V1):
         num_blocks = int(self._kv_cache_config.num_blocks) if self._kv_cache_config is not None else None
         self._layers = []
         for name, tensor in kv_caches.items():
+            if tensor.dtype == torch.uint8 and self._fp8 is not None:  # fp8 values held as bytes
+                tensor = tensor.view(getattr(torch, self._fp8))
             n = num_blocks if num_blocks is not None else int(tensor.shape[0])
             self._layers.append((name, tensor, PagedLayout.of(tensor, num_blocks=n, block_size=self._block_size,
                                                               mla=self._mla)))
+        shapes = {layout.chunk_shape(self._chunk) for _, _, layout in self._layers}
+        if len(shapes) > 1:
+            raise ValueError(f"TierstoreConnector stores a chunk's layers as one object; these layers differ "
+                             f"in shape ({sorted(shapes)})")
         self._layer_index = {name: i for i, (name, _, _) in enumerate(self._layers)}
 
     def _key(self, keys: list[bytes]) -> bytes:
-        return keys[0] if self._mla else keys[self._rank]
+        return keys[self._worker]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._load_thread is not None:  # the last step's loads: all waited for, or finished now
+            self._load_thread.join()
+            self._load_thread = None
+        self._load_error = None
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierstoreConnectorMetadata)
-        self._loaded = [threading.Event() for _ in self._layers]
-        if not meta.loads:
-            for e in self._loaded:
+        events = [threading.Event() for _ in self._layers]
+        self._loaded, self._cuda_loaded = events, [None] * len(self._layers)
+        if not meta.loads or not self._layers:
+            for e in events:
                 e.set()
             return
-        self._load_error = None
-        self._load_thread = threading.Thread(target=self._load_layers, args=(list(meta.loads),),
+        start = None
+        if self._layers[0][1].device.type == "cuda":  # after what the compute stream queued (block zeroing)
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self._layers[0][1].device))
+        self._load_thread = threading.Thread(target=self._load_layers, args=(list(meta.loads), events, start),
                                              name="tierstore-vllm-load", daemon=True)
         self._load_thread.start()
 
-    def _load_layers(self, loads: list[ChunkLoad]) -> None:
-        """Layer by layer: every chunk's layer i into its blocks, then layer i's event."""
+    def _load_layers(self, loads: list[ChunkLoad], events: list[threading.Event], start: Any) -> None:
+        """Layer by layer: every chunk's layer i into its blocks, then layer i's event.  Each chunk
+        has its own host buffer; on a GPU the copies run on a stream of their own, after ``start``,
+        and a buffer is refilled only once the copy out of it (one layer earlier) completed."""
         failed: set[int] = set()
-        bufs: dict[tuple[int, ...], Any] = {}
+        bufs: list[Any] = [None] * len(loads)
+        cuda = self._layers[0][1].device.type == "cuda"
+        stream, prev = None, None
         try:
+            if cuda:
+                if self._load_stream is None:
+                    self._load_stream = torch.cuda.Stream(self._layers[0][1].device)
+                stream = self._load_stream
+                stream.wait_event(start)
             for i, (_, tensor, layout) in enumerate(self._layers):
-                for j, ld in enumerate(loads):
-                    if j in failed:
-                        continue
-                    shape = layout.chunk_shape(self._chunk)
-                    buf = bufs.get(shape)
-                    if buf is None:
-                        buf = bufs[shape] = torch.empty(shape, dtype=tensor.dtype,
-                                                        pin_memory=tensor.device.type == "cuda")
-                    try:
-                        self._store.get(self._key(ld.keys), namespace=self._namespace, layers=i, out=buf[None])
-                    except (NotFound, CorruptionError, StoreIOError) as e:  # evicted, damaged: recomputed
-                        failed.add(j)
-                        self._failed.update(ld.block_ids)
-                        self.counters["load_errors"] += 1
-                        _log.warning("tierstore: chunk %s not loaded (%s); vLLM recomputes its %d blocks",
-                                     self._key(ld.keys).hex()[:16], e, len(ld.block_ids))
-                        continue
-                    scatter(tensor, layout, ld.block_ids, buf.to(tensor.device, non_blocking=True),
-                            positions=ld.positions)
-                if tensor.device.type == "cuda":
-                    torch.cuda.current_stream(tensor.device).synchronize()
-                self._loaded[i].set()
+                if prev is not None:
+                    prev.synchronize()  # the last layer's host-to-device copies: done with the buffers
+                with torch.cuda.stream(stream) if cuda else _nothing():
+                    for j, ld in enumerate(loads):
+                        if j in failed:
+                            continue
+                        if bufs[j] is None:
+                            bufs[j] = torch.empty(layout.chunk_shape(self._chunk), dtype=tensor.dtype, pin_memory=cuda)
+                        try:
+                            self._store.get(self._key(ld.keys), namespace=self._namespace, layers=i, out=bufs[j][None])
+                        except (NotFound, CorruptionError, StoreIOError, InvalidObject) as e:
+                            # evicted since the match, damaged, stored with other layers: recomputed, never loaded
+                            failed.add(j)
+                            with self._failed_lock:
+                                self._failed.update(ld.block_ids)
+                            self.counters["load_errors"] += 1
+                            _log.warning("tierstore: chunk %s not loaded (%s); vLLM recomputes its %d blocks",
+                                         self._key(ld.keys).hex()[:16], e, len(ld.block_ids))
+                            continue
+                        src = bufs[j].to(tensor.device, non_blocking=True) if cuda else bufs[j]
+                        scatter(tensor, layout, ld.block_ids, src, positions=ld.positions)
+                    if cuda:
+                        prev = torch.cuda.Event()
+                        prev.record(stream)
+                        self._cuda_loaded[i] = prev
+                events[i].set()
             self.counters["chunks_loaded"] += len(loads) - len(failed)
         except BaseException as e:  # handed to the forward pass by wait_for_layer_load
             self._load_error = e
         finally:
-            for ev in self._loaded:
+            for ev in events:
                 ev.set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -366,30 +436,50 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._loaded[i].wait()
         if self._load_error is not None:
             raise self._load_error
+        ev = self._cuda_loaded[i]
+        if ev is not None:  # the compute stream waits for the copies, the host does not
+            torch.cuda.current_stream(self._layers[i][1].device).wait_event(ev)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierstoreConnectorMetadata)
-        if not meta.saves or (self._mla and self._rank != 0):
+        if not meta.saves or (self._mla and self._tp_rank != 0):  # an MLA latent: stored by tensor rank 0 only
             return
         i = self._layer_index.get(layer_name)
         if i is None:
             return
-        _, _, layout = self._layers[i]
-        if not self._staged:
+        _, tensor, layout = self._layers[i]
+        if not self._staged and not self._staged_layers:  # the step's first layer: what this worker saves
+            keys = [self._key(sv.keys) for sv in meta.saves]
+            have = self._store.contains_many(keys, namespace=self._namespace)
             shape = (len(self._layers), *layout.chunk_shape(self._chunk))
-            pin = kv_layer.device.type == "cuda"
-            self._staged = [(s, torch.empty(shape, dtype=kv_layer.dtype, pin_memory=pin)) for s in meta.saves]
-        for s, buf in self._staged:
-            gather(kv_layer, layout, s.block_ids, buf[i])
+            pin = tensor.device.type == "cuda"
+            self._staged = [(sv, torch.empty(shape, dtype=tensor.dtype, pin_memory=pin))
+                            for sv, h in zip(meta.saves, have) if not h]
+        self._staged_layers.add(i)
+        for sv, buf in self._staged:
+            if tensor.device.type == "cuda":  # gathered on the device, then one copy to pinned memory
+                tmp = gather(tensor, layout, sv.block_ids, torch.empty(buf.shape[1:], dtype=tensor.dtype,
+                                                                         device=tensor.device))
+                buf[i].copy_(tmp, non_blocking=True)
+            else:
+                gather(tensor, layout, sv.block_ids, buf[i])
 
     def wait_for_save(self) -> None:
         self._raise_save_error()
-        if not self._staged:
+        staged, layers = self._staged, self._staged_layers
+        self._staged, self._staged_layers = [], set()
+        if not staged:
+            return
+        if len(layers) != len(self._layers):  # a layer was not handed over this step: its buffer holds garbage
+            self.counters["saves_dropped"] += len(staged)
+            _log.warning("tierstore: %d chunks not saved: %d of %d layers were seen this step", len(staged),
+                         len(layers), len(self._layers))
             return
         if any(t.device.type == "cuda" for _, t, _ in self._layers):
             torch.cuda.synchronize()
-        staged, self._staged = self._staged, []
+        while len(self._pending) >= MAX_PENDING_SAVES:  # the disk is behind: wait rather than grow
+            self._pending.pop(0).result()
         self._pending.append(self._writer.submit(self._write, staged))
 
     def _write(self, staged: list[tuple[ChunkSave, Any]]) -> None:
@@ -414,7 +504,9 @@ class TierstoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._load_thread is not None:
             self._load_thread.join()
-        failed, self._failed = self._failed, set()
+            self._load_thread = None
+        with self._failed_lock:
+            failed, self._failed = self._failed, set()
         return failed
 
     def flush(self) -> None:
@@ -435,3 +527,13 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._writer.shutdown(wait=True)
             _release(self._store)
             self._store = None  # type: ignore[assignment]
+
+
+class _nothing:
+    """A context manager that does nothing (the CPU path of ``torch.cuda.stream``)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
