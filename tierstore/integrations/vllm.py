@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import tierstore
 
 from .. import CorruptionError, InvalidObject, KVCache, MLACache, NotFound, StoreIOError, TierstoreError, chunk_hashes
-from .paged import PagedLayout, gather, scatter
+from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -194,7 +194,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         # worker side
         self._tp_rank = 0
         self._worker = 0 if role == KVConnectorRole.SCHEDULER else self._worker_index(extra)
-        self._layers: list[tuple[str, Any, PagedLayout]] = []
+        self._layers: list[tuple[str, Any, PagedLayer]] = []
         self._layer_index: dict[str, int] = {}
         self._loaded: list[threading.Event] = []
         self._cuda_loaded: list[Any] = []  # per layer: a CUDA event recorded after its scatters
@@ -349,9 +349,9 @@ class TierstoreConnector(KVConnectorBase_V1):
             if tensor.dtype == torch.uint8 and self._fp8 is not None:  # fp8 values held as bytes
                 tensor = tensor.view(getattr(torch, self._fp8))
             n = num_blocks if num_blocks is not None else int(tensor.shape[0])
-            self._layers.append((name, tensor, PagedLayout.of(tensor, num_blocks=n, block_size=self._block_size,
-                                                              mla=self._mla)))
-        shapes = {layout.chunk_shape(self._chunk) for _, _, layout in self._layers}
+            layout = PagedLayout.of(tensor, num_blocks=n, block_size=self._block_size, mla=self._mla)
+            self._layers.append((name, tensor, PagedLayer(tensor, layout)))
+        shapes = {paged.layout.chunk_shape(self._chunk) for _, _, paged in self._layers}
         if len(shapes) > 1:
             raise ValueError(f"TierstoreConnector stores a chunk's layers as one object; these layers differ "
                              f"in shape ({sorted(shapes)})")
@@ -395,7 +395,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                     self._load_stream = torch.cuda.Stream(self._layers[0][1].device)
                 stream = self._load_stream
                 stream.wait_event(start)
-            for i, (_, tensor, layout) in enumerate(self._layers):
+            for i, (_, tensor, paged) in enumerate(self._layers):
                 if prev is not None:
                     prev.synchronize()  # the last layer's host-to-device copies: done with the buffers
                 with torch.cuda.stream(stream) if cuda else _nothing():
@@ -403,7 +403,8 @@ class TierstoreConnector(KVConnectorBase_V1):
                         if j in failed:
                             continue
                         if bufs[j] is None:
-                            bufs[j] = torch.empty(layout.chunk_shape(self._chunk), dtype=tensor.dtype, pin_memory=cuda)
+                            bufs[j] = torch.empty(paged.layout.chunk_shape(self._chunk), dtype=tensor.dtype,
+                                                  pin_memory=cuda)
                         try:
                             self._store.get(self._key(ld.keys), namespace=self._namespace, layers=i, out=bufs[j][None])
                         except (NotFound, CorruptionError, StoreIOError, InvalidObject) as e:
@@ -416,7 +417,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                                          self._key(ld.keys).hex()[:16], e, len(ld.block_ids))
                             continue
                         src = bufs[j].to(tensor.device, non_blocking=True) if cuda else bufs[j]
-                        scatter(tensor, layout, ld.block_ids, src, positions=ld.positions)
+                        paged.scatter(ld.block_ids, src, positions=ld.positions)
                     if cuda:
                         prev = torch.cuda.Event()
                         prev.record(stream)
@@ -448,22 +449,21 @@ class TierstoreConnector(KVConnectorBase_V1):
         i = self._layer_index.get(layer_name)
         if i is None:
             return
-        _, tensor, layout = self._layers[i]
+        _, tensor, paged = self._layers[i]
         if not self._staged and not self._staged_layers:  # the step's first layer: what this worker saves
             keys = [self._key(sv.keys) for sv in meta.saves]
             have = self._store.contains_many(keys, namespace=self._namespace)
-            shape = (len(self._layers), *layout.chunk_shape(self._chunk))
+            shape = (len(self._layers), *paged.layout.chunk_shape(self._chunk))
             pin = tensor.device.type == "cuda"
             self._staged = [(sv, torch.empty(shape, dtype=tensor.dtype, pin_memory=pin))
                             for sv, h in zip(meta.saves, have) if not h]
         self._staged_layers.add(i)
         for sv, buf in self._staged:
             if tensor.device.type == "cuda":  # gathered on the device, then one copy to pinned memory
-                tmp = gather(tensor, layout, sv.block_ids, torch.empty(buf.shape[1:], dtype=tensor.dtype,
-                                                                         device=tensor.device))
+                tmp = paged.gather(sv.block_ids, torch.empty(buf.shape[1:], dtype=tensor.dtype, device=tensor.device))
                 buf[i].copy_(tmp, non_blocking=True)
             else:
-                gather(tensor, layout, sv.block_ids, buf[i])
+                paged.gather(sv.block_ids, buf[i])
 
     def wait_for_save(self) -> None:
         self._raise_save_error()
