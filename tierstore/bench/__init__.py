@@ -64,6 +64,10 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             from .placement import bench_placement
             say("placement: generated traces through lru / session / cost / Belady; put latency under ssd_bytes")
             result["placement"] = bench_placement(os.path.join(root, "placement"), quick=quick, say=say)
+        if "paged" in sections:
+            from .paged import bench_paged
+            say("paged: the vLLM connector's block gather / scatter of a 256-token chunk layer vs memcpy")
+            result["paged"] = bench_paged(quick=quick, say=say)
         if "codecs" in sections:
             say("codecs: the real K/V and embedding sample")
             result["codecs"] = bench_codecs(say)

@@ -89,6 +89,9 @@ def markdown(result: dict[str, Any]) -> str:
     if "placement" in result:
         from .placement import markdown_placement
         lines += markdown_placement(result["placement"])
+    if "paged" in result:
+        from .paged import markdown_paged
+        lines += markdown_paged(result["paged"])
     return "\n".join(lines) + "\n"
 
 

@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, help="write results.json and plots here")
     sp.add_argument("--section", action="append",
                     choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote",
-                             "writers", "placement"],
+                             "writers", "placement", "paged"],
                     help="run only these sections")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
