@@ -103,3 +103,40 @@ def test_unknown_layouts_and_bad_chunks_are_refused():
     valid = torch.randn(2, H, BS, D).half()  # the valid twin: the same call with a position that exists
     scatter(t, lay, [1], valid, positions=[0])
     assert torch.equal(per_block(t, "bhnc")[1], valid)
+
+
+@pytest.mark.parametrize("form,mem,ratio", [("bhnc", "NHD", 1), ("bhnc", "HND", 2), ("kv_first", "NHD", 1),
+                                            ("blocks_first", "HND", 1)])
+def test_the_device_path_gives_the_same_bytes(form, mem, ratio):
+    """The torch path (what a CUDA layer takes: one index_select / index_copy_ per copy), run on
+    CPU tensors here, against the numpy path."""
+    from tierstore.integrations.paged import PagedLayer
+
+    t = make(form, mem, ratio, torch.float16)
+    lay = PagedLayout.of(t, num_blocks=NB, block_size=BS)
+    host = PagedLayer(t, lay)
+    ids = [7, 3, 39, 8]
+    want = host.gather(ids, torch.empty(lay.chunk_shape(4 * BS), dtype=t.dtype))
+    got = torch.empty_like(want)
+    host._copy_torch(got, list(enumerate(lay.kernel_blocks(ids))), to_chunk=True)
+    assert torch.equal(got, want)
+    a, b = torch.zeros_like(t), torch.zeros_like(t)
+    PagedLayer(a, lay).scatter([1, 2], want, positions=[3, 0])
+    r = lay.ratio
+    PagedLayer(b, lay)._copy_torch(want, [(p * r + i, q * r + i) for p, q in ((3, 1), (0, 2)) for i in range(r)],
+                                   to_chunk=False)
+    assert torch.equal(a, b) and a.any()
+
+
+def test_mla_device_path():
+    from tierstore.integrations.paged import PagedLayer
+
+    t = torch.randn(NB, 1, BS, 64).half()
+    lay = PagedLayout.of(t, num_blocks=NB, block_size=BS, mla=True)
+    want = PagedLayer(t, lay).gather([4, 2], torch.empty(32, 64, dtype=torch.float16))
+    got = torch.empty_like(want)
+    PagedLayer(t, lay)._copy_torch(got, [(0, 4), (1, 2)], to_chunk=True)
+    assert torch.equal(got, want)
+    a = torch.zeros_like(t)
+    PagedLayer(a, lay)._copy_torch(want, [(1, 9)], to_chunk=False)
+    assert torch.equal(a[9, 0], t[2, 0])

@@ -25,7 +25,7 @@ import tierstore
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 64
 
 
-def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None):
+def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="fail"):
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -34,7 +34,7 @@ def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None):
         "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "torch_dtype": "float16", "head_dim": HEAD_DIM}))
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
-    kv = KVTransferConfig(kv_connector="TierstoreConnector", kv_role="kv_both",
+    kv = KVTransferConfig(kv_connector="TierstoreConnector", kv_role="kv_both", kv_load_failure_policy=policy,
                           kv_connector_module_path="tierstore.integrations.vllm",
                           kv_connector_extra_config={"path": str(store), "chunk_tokens": chunk_tokens,
                                                      "durability": "sync", **(extra or {})})
@@ -198,11 +198,11 @@ class Engine:
     feeding one sampled token back per finished prefill (``update_from_output``)."""
 
     def __init__(self, tmp_path, store, *, chunk_tokens=32, max_batched=None, extra=None, num_blocks=NUM_BLOCKS,
-                 prefix_caching=True):
+                 prefix_caching=True, policy="fail"):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._outputs = (KVConnectorOutput, ModelRunnerOutput)
-        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra)
+        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra, policy=policy)
         cfg.cache_config.enable_prefix_caching = prefix_caching
         cfg.cache_config.num_gpu_blocks = num_blocks
         if max_batched:
@@ -258,6 +258,8 @@ class Engine:
         w.clear_connector_metadata()
         for rid, n in out.num_scheduled_tokens.items():  # every token the model attends to: right
             end, table = starts[rid] + n, self.tables[rid]
+            if failed & set(table):  # a failed load: vLLM drops this step's output and recomputes
+                continue
             toks = self.reqs[rid].all_token_ids[:end]
             for li, layer in enumerate(self.caches.values()):
                 got = torch.stack([layer[table[p // BLOCK], :, p % BLOCK] for p in range(end)])
@@ -300,6 +302,8 @@ def test_chunked_prefill_saves_each_chunk_once_and_a_restart_loads_it(tmp_path, 
     e2.add("b", b, max_tokens=2)
     first = e2.step()
     assert first.scheduled_new_reqs[0].num_computed_tokens == 150 // chunk * chunk
+    check = e2.worker.check_last_loads()
+    assert check == {"chunks": 150 // chunk, "layers_checked": 150 // chunk * LAYERS, "mismatches": 0}
     e2.run()
     e2.close()
     assert e2.errors == [] and e2.worker.counters["chunks_loaded"] == 150 // chunk
@@ -401,7 +405,7 @@ def test_unsupported_configurations_are_refused(tmp_path):
 
     cfg = make_config(tmp_path, tmp_path / "kv")
     cfg.cache_config = CC(block_size=BLOCK, cache_dtype="fp8_per_token_head")
-    with pytest.raises(ValueError, match="packs scales"):
+    with pytest.raises(ValueError, match="plain KV values"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
     cfg = make_config(tmp_path, tmp_path / "kv")
     cfg.parallel_config.decode_context_parallel_size = 2
@@ -415,3 +419,72 @@ def test_fingerprints_separate_pipeline_stages_and_tensor_ranks(tmp_path):
     cfg = make_config(tmp_path, tmp_path / "kv")
     salts = {model_fingerprint(cfg, pp_rank=p, tp_rank=t) for p in range(2) for t in (None, 0, 1)}
     assert len(salts) == 6
+
+
+def test_requests_sharing_a_prefix_in_one_step_save_it_once(tmp_path):
+    """Two prompts with a common 64-token system prompt and a third unrelated one, admitted in the
+    same step: every chunk is stored, the shared ones once (a batch with a key twice would be
+    refused whole)."""
+    store = tmp_path / "kv"
+    e = Engine(tmp_path, store)
+    system = list(range(7000, 7064))
+    e.add("x", system + list(range(100, 140)))
+    e.add("y", system + list(range(200, 240)))
+    e.add("z", list(range(300, 400)))
+    e.run()
+    e.close()
+    assert e.errors == [] and e.worker.counters["save_errors"] == 0
+    with tierstore.open(store, readonly=True) as s:
+        assert len(s.keys(namespace="vllm")) == 2 + 1 + 1 + 3  # shared 2, x's 3rd, y's 3rd, z's 3
+
+
+def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
+    """With kv_load_failure_policy "recompute": the damaged chunk's blocks are recomputed (right KV),
+    the entry is deleted so it is never matched again, and the recomputed chunk is stored anew."""
+    store = tmp_path / "kv"
+    a = list(range(500, 600))
+    e = Engine(tmp_path, store)
+    e.add("a", a)
+    e.run()
+    e.close()
+    with tierstore.open(store) as s:
+        victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1]
+    with open(store / "segments" / f"{victim.segment:016x}.tseg", "r+b") as f:
+        f.seek(victim.offset + victim.stored_bytes - 10)
+        byte = f.read(1)
+        f.seek(victim.offset + victim.stored_bytes - 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    e2 = Engine(tmp_path, store, policy="recompute", prefix_caching=False)
+    e2.add("again", a)
+    e2.run()
+    e2.close()
+    assert e2.errors == [] and e2.worker.counters["load_errors"] == 1
+    with tierstore.open(store, readonly=True) as s:
+        again = s.info(victim.key, namespace="vllm")  # stored anew, readable
+        assert again.lsn > victim.lsn and s.get(victim.key, namespace="vllm") is not None
+
+
+def test_a_one_chunk_prompt_is_saved(tmp_path):
+    store = tmp_path / "kv"
+    e = Engine(tmp_path, store)
+    e.add("one", list(range(32)))  # exactly one chunk: never loadable itself (its last token), but stored
+    e.run()
+    e.close()
+    with tierstore.open(store, readonly=True) as s:
+        assert len(s.keys(namespace="vllm")) == 1
+
+
+def test_a_lora_adapter_at_another_path_shares_nothing(tmp_path):
+    from vllm.lora.request import LoRARequest
+
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    e = Engine(tmp_path, store)
+    e.sched.connector.get_num_new_matched_tokens  # noqa: B018 (the scheduler built its connector)
+    conn = e.sched.connector
+    r1 = Request("v1", a, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("sql", 1, "/adapters/sql-v1"))
+    r2 = Request("v2", a, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("sql", 1, "/adapters/sql-v2"))
+    r3 = Request("p", a, SamplingParams(max_tokens=1), None)
+    keys = [conn._keys_for(r)[0][0] for r in (r1, r2, r3)]
+    e.close()
+    assert len(set(keys)) == 3

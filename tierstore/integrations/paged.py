@@ -165,10 +165,29 @@ class PagedLayer:
                 cv = c[..., j * n:(j + 1) * n] if kv else c[j * n:(j + 1) * n]
                 np.copyto(cv, p[b]) if to_chunk else np.copyto(p[b], cv)
             return
-        p = self.blocks
-        for j, b in pairs:
-            cv = chunk[:, :, j * n:(j + 1) * n] if kv else chunk[j * n:(j + 1) * n]
-            cv.copy_(p[b], non_blocking=True) if to_chunk else p[b].copy_(cv, non_blocking=True)
+        self._copy_torch(chunk, pairs, to_chunk=to_chunk)
+
+    def _copy_torch(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
+        """The same with torch on the layer's device: one gather (index_select) or scatter
+        (index_copy_) of all the blocks, not one small copy per block."""
+        n, kv, p = self.layout.block_tokens, self.layout.kind == "kv", self.blocks
+        if not pairs:
+            return
+        pool = torch.tensor([b for _, b in pairs], dtype=torch.long, device=p.device)
+        cpos = [j for j, _ in pairs]
+        # the chunk as [blocks, ...] in the pool's block form: [k, 2, heads, n, dim] or [k, n, dim]
+        cv = chunk.unflatten(2, (chunk.shape[2] // n, n)).permute(2, 0, 1, 3, 4) if kv else \
+            chunk.unflatten(0, (chunk.shape[0] // n, n))
+        if to_chunk:
+            sel = p.index_select(0, pool)
+            if cpos == list(range(len(cpos))) and len(cpos) == cv.shape[0]:
+                cv.copy_(sel, non_blocking=True)
+            else:
+                for i, j in enumerate(cpos):
+                    cv[j].copy_(sel[i], non_blocking=True)
+        else:
+            src = cv[torch.tensor(cpos, dtype=torch.long, device=cv.device)].to(p.device, non_blocking=True)
+            p.index_copy_(0, pool, src)
 
 
 def gather(layer: Any, layout: PagedLayout, block_ids: Any, out: Any) -> Any:

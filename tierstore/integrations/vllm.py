@@ -8,8 +8,10 @@ recomputing it, in this process or in one that ran before a restart.
 Options (``kv_connector_extra_config``): ``path`` (required), ``chunk_tokens`` (256; a multiple
 of the block size), ``namespace`` ("vllm"), ``codec`` (None: lossless raw; e.g. "fp8"),
 ``durability`` ("group": saves become durable within ``group_commit_ms``), ``model_id`` (a
-string that names the weights, e.g. a checkpoint digest, added to the fingerprint), and any
-``tierstore.open`` option under ``store_options`` (e.g. ``{"ssd_bytes": "500GiB"}``).
+string that names the weights, e.g. a checkpoint digest, added to the fingerprint),
+``max_pending_bytes`` ("2GiB": host memory of saves handed to the writer thread before a step
+waits for the disk), and any ``tierstore.open`` option under ``store_options`` (e.g.
+``{"ssd_bytes": "500GiB"}``).
 
 How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
 
@@ -95,17 +97,19 @@ def _release(store: tierstore.Store) -> None:
                 return
 
 
-def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None) -> bytes:
+def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None,
+                      layers: tuple[str, ...] = ()) -> bytes:
     """The salt of one rank's chunk hashes: SHA-256 over the fingerprint version, the model
     (name, revision, dtype), the KV cache dtype, the attention kind, the tensor- and
     pipeline-parallel sizes, the pipeline stage ``pp_rank`` (its layers), the tensor-parallel
-    ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA latents), and
-    ``model_id``.  16 bytes."""
+    ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA latents), ``model_id``,
+    and the names of the KV cache's layers (a drafter's layers added change what a chunk holds).
+    16 bytes."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
              str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",
-             str(model_id)]
+             str(model_id), "\n".join(sorted(layers))]
     h = hashlib.sha256()
     for p in parts:
         b = p if isinstance(p, bytes) else p.encode()
@@ -150,7 +154,8 @@ class _Tracked:
 
 # vLLM's KV cache dtypes held as raw bytes (torch.uint8) that are plain fp8 values
 _FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-MAX_PENDING_SAVES = 4  # steps whose saves may wait for the writer before a step waits for them
+# KV cache dtypes whose pool holds plain values of a float dtype (others pack scales or bits)
+_PLAIN_CACHE = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32", "fp8_inc"})
 
 
 class TierstoreConnector(KVConnectorBase_V1):
@@ -172,9 +177,12 @@ class TierstoreConnector(KVConnectorBase_V1):
             if int(getattr(pc, name, 1) or 1) > 1:
                 raise ValueError(f"TierstoreConnector does not support {name} > 1 (tokens sharded across ranks)")
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        if cache_dtype.startswith("fp8") and cache_dtype not in _FP8_CACHE and cache_dtype != "fp8_inc":
-            raise ValueError(f"TierstoreConnector stores plain KV values; kv_cache_dtype={cache_dtype!r} packs scales "
-                             f"into the cache (supported: auto, fp8, fp8_e4m3, fp8_e5m2)")
+        if cache_dtype not in _PLAIN_CACHE and cache_dtype not in _FP8_CACHE:
+            raise ValueError(f"TierstoreConnector stores plain KV values; kv_cache_dtype={cache_dtype!r} is not one "
+                             f"(supported: {', '.join(sorted(_PLAIN_CACHE | set(_FP8_CACHE)))})")
+        if self._kv_transfer_config.kv_load_failure_policy == "fail":
+            _log.warning("tierstore: kv_load_failure_policy is 'fail': a chunk evicted or damaged between its match "
+                         "and its load fails the request; 'recompute' recomputes its blocks instead")
         self._fp8 = _FP8_CACHE.get(cache_dtype)
         self._namespace = str(extra.get("namespace", "vllm"))
         self._codec = extra.get("codec")
@@ -183,7 +191,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._pp = int(pc.pipeline_parallel_size)
         model_id = extra.get("model_id")
         # one salt per worker, in the order worker_index gives: stage-major, then tensor rank
-        self._salts = [model_fingerprint(vllm_config, pp_rank=p, tp_rank=None if self._mla else t, model_id=model_id)
+        layers = tuple(name for g in getattr(kv_cache_config, "kv_cache_groups", None) or () for name in g.layer_names)
+        self._salts = [model_fingerprint(vllm_config, pp_rank=p, tp_rank=None if self._mla else t, model_id=model_id,
+                                         layers=layers)
                        for p in range(self._pp) for t in ([None] if self._mla else range(self._tp))]
         options = {"durability": extra.get("durability", "group"), **dict(extra.get("store_options") or {})}
         self._store = _acquire(str(path), options)
@@ -206,7 +216,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._staged: list[tuple[ChunkSave, Any]] = []
         self._staged_layers: set[int] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-vllm-save")
-        self._pending: list[Future] = []
+        self._pending: list[tuple[Future, int]] = []  # saves handed to the writer, and their pinned bytes
+        self._max_pending = int(tierstore.parse_size(extra.get("max_pending_bytes", "2GiB"), "max_pending_bytes"))
+        self.last_loads: list[ChunkLoad] = []  # the loads of the last step with any (for checks)
         self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0,
                          "saves_dropped": 0}
 
@@ -249,7 +261,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         parts = []
         lora = getattr(request, "lora_request", None)
         if lora is not None:
-            parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+            parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}:"
+                         f"{getattr(lora, 'lora_path', '')}")
         salt = getattr(request, "cache_salt", None)
         if salt:
             parts.append(f"salt:{salt}")
@@ -269,8 +282,8 @@ class TierstoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tokens = request.prompt_token_ids or []
         usable = max(0, len(tokens) - 1) // self._chunk  # whole chunks, never the last prompt token
-        keys = self._keys_for(request) if usable else None
-        if not keys:
+        keys = self._keys_for(request) if len(tokens) >= self._chunk else None  # (saved even if never loaded)
+        if not keys or not usable:
             return 0, False
         matched = min(self._store.match_prefix(k[:usable], namespace=self._namespace) for k in keys)
         end = matched * self._chunk
@@ -298,7 +311,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         return end // self._chunk
 
     def _plan_saves(self, req_id: str, t: _Tracked, computed: int, meta: TierstoreConnectorMetadata) -> None:
-        """Saves of the prompt chunks computed by the end of this step that some worker lacks."""
+        """Saves of the prompt chunks computed by the end of this step that some worker lacks
+        (once per step: requests sharing a prefix compute the same chunks)."""
         keys = self._hashes.get(req_id)
         per = self._chunk // self._block_size
         done = min(computed, len(t.tokens)) // self._chunk
@@ -306,9 +320,12 @@ class TierstoreConnector(KVConnectorBase_V1):
             return
         todo = list(range(t.next_chunk, min(done, len(keys[0]))))
         have = [self._store.contains_many([k[c] for c in todo], namespace=self._namespace) for k in keys]
+        planned = {tuple(sv.keys) for sv in meta.saves}
         for i, c in enumerate(todo):
-            if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per:
-                meta.saves.append(ChunkSave(req_id, [k[c] for k in keys], t.block_ids[c * per:(c + 1) * per]))
+            chunk_keys = [k[c] for k in keys]
+            if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per and tuple(chunk_keys) not in planned:
+                planned.add(tuple(chunk_keys))
+                meta.saves.append(ChunkSave(req_id, chunk_keys, t.block_ids[c * per:(c + 1) * per]))
         t.next_chunk = done
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -334,6 +351,18 @@ class TierstoreConnector(KVConnectorBase_V1):
                 t.next_chunk = max(t.next_chunk, self._plan_loads(req_id, t.block_ids, meta))
             self._plan_saves(req_id, t, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: their chunks are saved again once
+        computed (the worker deleted a damaged entry; an evicted one is gone)."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        per = self._chunk // self._block_size
+        for t in self._tracked.values():
+            hit = [i for i, b in enumerate(t.block_ids) if b in bad]
+            if hit:
+                t.next_chunk = min(t.next_chunk, hit[0] // per)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for d in (self._hashes, self._planned, self._tracked):
@@ -377,6 +406,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self._layers[0][1].device.type == "cuda":  # after what the compute stream queued (block zeroing)
             start = torch.cuda.Event()
             start.record(torch.cuda.current_stream(self._layers[0][1].device))
+        self.last_loads = list(meta.loads)
         self._load_thread = threading.Thread(target=self._load_layers, args=(list(meta.loads), events, start),
                                              name="tierstore-vllm-load", daemon=True)
         self._load_thread.start()
@@ -413,8 +443,11 @@ class TierstoreConnector(KVConnectorBase_V1):
                             with self._failed_lock:
                                 self._failed.update(ld.block_ids)
                             self.counters["load_errors"] += 1
-                            _log.warning("tierstore: chunk %s not loaded (%s); vLLM recomputes its %d blocks",
-                                         self._key(ld.keys).hex()[:16], e, len(ld.block_ids))
+                            _log.warning("tierstore: chunk %s not loaded (%s); its %d blocks are recomputed (or the "
+                                         "request fails: kv_load_failure_policy)", self._key(ld.keys).hex()[:16], e,
+                                         len(ld.block_ids))
+                            if not isinstance(e, (NotFound, StoreIOError)):  # damaged for good: never matched again
+                                self._forget(self._key(ld.keys))
                             continue
                         src = bufs[j].to(tensor.device, non_blocking=True) if cuda else bufs[j]
                         paged.scatter(ld.block_ids, src, positions=ld.positions)
@@ -429,6 +462,14 @@ class TierstoreConnector(KVConnectorBase_V1):
         finally:
             for ev in events:
                 ev.set()
+
+    def _forget(self, key: bytes) -> None:
+        """Delete an entry that cannot be loaded (damaged, or stored with other layers), so later
+        prompts recompute and save it again instead of matching it forever."""
+        try:
+            self._store.delete(key, namespace=self._namespace)
+        except TierstoreError as e:
+            _log.warning("tierstore: could not delete the unreadable chunk %s: %s", key.hex()[:16], e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
@@ -476,15 +517,25 @@ class TierstoreConnector(KVConnectorBase_V1):
             _log.warning("tierstore: %d chunks not saved: %d of %d layers were seen this step", len(staged),
                          len(layers), len(self._layers))
             return
-        if any(t.device.type == "cuda" for _, t, _ in self._layers):
-            torch.cuda.synchronize()
-        while len(self._pending) >= MAX_PENDING_SAVES:  # the disk is behind: wait rather than grow
-            self._pending.pop(0).result()
-        self._pending.append(self._writer.submit(self._write, staged))
+        copied = None
+        if any(t.device.type == "cuda" for _, t, _ in self._layers):  # the writer waits for the copies, not us
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self._layers[0][1].device))
+        nbytes = sum(buf.nbytes for _, buf in staged)
+        while self._pending and sum(n for _, n in self._pending) + nbytes > self._max_pending:
+            self._pending.pop(0)[0].result()  # the disk is behind: wait rather than pin more memory
+        self._pending.append((self._writer.submit(self._write, staged, copied), nbytes))
 
-    def _write(self, staged: list[tuple[ChunkSave, Any]]) -> None:
+    def _write(self, staged: list[tuple[ChunkSave, Any]], copied: Any = None) -> None:
+        if copied is not None:
+            copied.synchronize()
         kind = MLACache if self._mla else KVCache
-        items = [(self._key(s.keys), kind(buf)) for s, buf in staged]
+        items, seen = [], set()
+        for sv, buf in staged:
+            key = self._key(sv.keys)
+            if key not in seen:  # one chunk computed by several requests of a step
+                seen.add(key)
+                items.append((key, kind(buf)))
         try:
             self._store.put_many(items, namespace=self._namespace, codec=self._codec)
             self.counters["chunks_saved"] += len(items)
@@ -493,8 +544,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             _log.warning("tierstore: %d chunks not saved: %s", len(items), e)
 
     def _raise_save_error(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
+        done = [f for f, _ in self._pending if f.done()]
+        self._pending = [(f, n) for f, n in self._pending if not f.done()]
         for f in done:
             f.result()  # anything but a TierstoreError is a bug: raised in the step that follows
 
@@ -509,9 +560,28 @@ class TierstoreConnector(KVConnectorBase_V1):
             failed, self._failed = self._failed, set()
         return failed
 
+    def check_last_loads(self) -> dict[str, int]:
+        """Compare what the last loads put in the paged cache with the store's bytes, block by
+        block and layer by layer (a check for tests and scripts/gpu_check.py, run once the blocks
+        are not yet reused): ``{"chunks", "layers_checked", "mismatches"}``."""
+        if self._load_thread is not None:
+            self._load_thread.join()
+        checked = mismatches = 0
+        bs = self._block_size
+        for ld in self.last_loads:
+            for i, (_, tensor, paged) in enumerate(self._layers):
+                stored = self._store.get(self._key(ld.keys), namespace=self._namespace, layers=i, device="cpu").data[0]
+                got = paged.gather(ld.block_ids, torch.empty(paged.layout.chunk_shape(len(ld.block_ids) * bs),
+                                                             dtype=tensor.dtype, device=tensor.device)).cpu()
+                axis = 2 if paged.layout.kind == "kv" else 0
+                want = torch.cat([stored.narrow(axis, p * bs, bs) for p in ld.positions], dim=axis)
+                checked += 1
+                mismatches += not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+        return {"chunks": len(self.last_loads), "layers_checked": checked, "mismatches": mismatches}
+
     def flush(self) -> None:
         """Wait for every save handed to the writer, and make them durable."""
-        for f in list(self._pending):
+        for f, _ in list(self._pending):
             f.result()
         self._pending = []
         self._store.flush()
