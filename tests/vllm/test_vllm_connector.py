@@ -25,7 +25,21 @@ import tierstore
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 64
 
 
-def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="fail"):
+MLA_DIM = 64 + 16  # kv_lora_rank + qk_rope_head_dim of the tiny DeepSeek-V2 config below
+
+
+def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="fail", mla=False):
+    if mla:
+        model = tmp_path / "tiny-deepseek"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps({
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+            "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+            "kv_lora_rank": 64, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+            "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": LAYERS, "torch_dtype": "bfloat16", "rope_theta": 10000.0}))
+        return _config(model, store, chunk_tokens, extra, policy, "bfloat16")
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -33,7 +47,11 @@ def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="f
         "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
         "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "torch_dtype": "float16", "head_dim": HEAD_DIM}))
-    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+    return _config(model, store, chunk_tokens, extra, policy, "float16")
+
+
+def _config(model, store, chunk_tokens, extra, policy, dtype):
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=2048)
     kv = KVTransferConfig(kv_connector="TierstoreConnector", kv_role="kv_both", kv_load_failure_policy=policy,
                           kv_connector_module_path="tierstore.integrations.vllm",
                           kv_connector_extra_config={"path": str(store), "chunk_tokens": chunk_tokens,
@@ -44,8 +62,11 @@ def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="f
     return cfg
 
 
-def kv_cache_config():
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+def kv_cache_config(mla=False):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_DIM, dtype=torch.bfloat16) if mla else \
+        FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
@@ -62,14 +83,15 @@ def paged_caches(hnd: bool):
     return out
 
 
-def token_kv(layer: int, tokens: list[int], start: int) -> torch.Tensor:
+def token_kv(layer: int, tokens: list[int], start: int, mla: bool = False) -> torch.Tensor:
     """The K|V a model would compute for tokens[start:]: [n, heads, 2*head_dim], a function of the
     layer, the token and every token before it (so a different prefix gives different KV)."""
+    heads, width, dtype = (1, MLA_DIM, torch.bfloat16) if mla else (HEADS, 2 * HEAD_DIM, torch.float16)
     out = []
     for pos in range(start, len(tokens)):
         g = torch.Generator().manual_seed(hash((layer, tuple(tokens[: pos + 1]))) & 0x7FFFFFFF)
-        out.append(torch.randn(HEADS, 2 * HEAD_DIM, generator=g))
-    return torch.stack(out).half() if out else torch.zeros(0, HEADS, 2 * HEAD_DIM).half()
+        out.append(torch.randn(heads, width, generator=g))
+    return torch.stack(out).to(dtype) if out else torch.zeros(0, heads, width, dtype=dtype)
 
 
 def forward(worker, caches, out, requests):
@@ -198,23 +220,25 @@ class Engine:
     feeding one sampled token back per finished prefill (``update_from_output``)."""
 
     def __init__(self, tmp_path, store, *, chunk_tokens=32, max_batched=None, extra=None, num_blocks=NUM_BLOCKS,
-                 prefix_caching=True, policy="fail"):
+                 prefix_caching=True, policy="fail", mla=False):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._outputs = (KVConnectorOutput, ModelRunnerOutput)
-        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra, policy=policy)
+        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra, policy=policy, mla=mla)
         cfg.cache_config.enable_prefix_caching = prefix_caching
+        self.mla = mla
         cfg.cache_config.num_gpu_blocks = num_blocks
         if max_batched:
             cfg.scheduler_config.max_num_scheduled_tokens = max_batched
             cfg.scheduler_config.long_prefill_token_threshold = max_batched
         self.cfg = cfg
-        kcc = kv_cache_config()
+        kcc = kv_cache_config(mla)
         kcc.num_blocks = num_blocks
         self.sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                                structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
-        self.caches = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.float16)
+        self.caches = {n: torch.zeros(num_blocks, 1, BLOCK, MLA_DIM, dtype=torch.bfloat16) if mla else
+                       torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.float16)
                        for n in paged_caches(False)}
         self.worker.register_kv_caches(self.caches)
         self.reqs, self.tables, self.errors, self.next_token = {}, {}, [], 900
@@ -249,7 +273,7 @@ class Engine:
             w.wait_for_layer_load(name)
             for rid, n in out.num_scheduled_tokens.items():
                 done, toks, table = starts[rid], self.reqs[rid].all_token_ids, self.tables[rid]
-                kv = token_kv(li, toks[: done + n], done)
+                kv = token_kv(li, toks[: done + n], done, self.mla)
                 for j, pos in enumerate(range(done, done + n)):
                     layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
             w.save_kv_layer(name, layer, None)
@@ -263,7 +287,7 @@ class Engine:
             toks = self.reqs[rid].all_token_ids[:end]
             for li, layer in enumerate(self.caches.values()):
                 got = torch.stack([layer[table[p // BLOCK], :, p % BLOCK] for p in range(end)])
-                if not torch.equal(got, token_kv(li, toks, 0)):
+                if not torch.equal(got, token_kv(li, toks, 0, self.mla)):
                     self.errors.append((rid, li))
         ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -488,3 +512,27 @@ def test_a_lora_adapter_at_another_path_shares_nothing(tmp_path):
     keys = [conn._keys_for(r)[0][0] for r in (r1, r2, r3)]
     e.close()
     assert len(set(keys)) == 3
+
+
+def test_an_mla_model_stores_one_latent_per_chunk_and_loads_it(tmp_path):
+    """A DeepSeek-V2-shaped config (use_mla): the paged latent view [blocks, 1, block_tokens,
+    kv_lora_rank + rope] is stored as MLACache chunks (format 1.4) and loaded bit-exact after a restart."""
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    e = Engine(tmp_path, store, mla=True)
+    assert e.cfg.model_config.use_mla
+    e.add("a", a)
+    e.run()
+    e.close()
+    assert e.errors == [] and e.worker.counters["chunks_saved"] == 3
+    with tierstore.open(store, readonly=True) as s:
+        infos = [s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")]
+        assert {(i.kind, i.shape, i.dtype) for i in infos} == {("mla", (LAYERS, 32, MLA_DIM), "bfloat16")}
+    e2 = Engine(tmp_path, store, mla=True)
+    e2.add("b", a[:70] + [5] * 30)
+    first = e2.step()
+    assert first.scheduled_new_reqs[0].num_computed_tokens == 64
+    assert e2.worker.check_last_loads()["mismatches"] == 0
+    e2.run()
+    e2.close()
+    assert e2.errors == [] and e2.worker.counters["chunks_loaded"] == 2
