@@ -179,8 +179,11 @@ class _LogScanner:
 
     def __init__(self, io: PosixIO, root: str, store_uuid: bytes | None, *, writable: bool, repair: bool,
                  verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0,
-                 verify_tail: bool = True) -> None:
+                 verify_tail: bool = True,
+                 witness: Callable[[int, int], rec.RecordHeader | None] | None = None) -> None:
         self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
+        # repair: the previous index's copy of the record header at (segment, offset), if it had one
+        self.witness = witness
         self.verify_tail = verify_tail  # check payload checksums in the last segment
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
@@ -318,6 +321,11 @@ class _LogScanner:
                     r.ops.append(Op(bad.namespace, bad.key, bad.lsn, seg, stop.offset, 0, None))
                     nxt: int | None = end
                     resume_lsn: int | None = bad.lsn + 1
+                elif self.repair and self._restore_header(fd, seg, path, stop.offset, expected, size, why):
+                    # the header came back from the previous index's copy: read the record again
+                    scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=stop.offset, expect_lsn=expected,
+                                                    verify_payload=True, size=size)
+                    continue
                 else:
                     nxt = scanner.next_valid(stop.offset)
                     end = size if nxt is None else nxt
@@ -390,6 +398,29 @@ class _LogScanner:
         self._sealed_damage(fd, seg, path, group.offset, None, why)
         self._rewrite(fd, group.offset, group.offset + g.record_len, g.lsn, 1, None)
         self.result.ops.extend(group.ops)
+
+    def _restore_header(self, fd: int, seg: int, path: str, offset: int, expected: int | None, size: int,
+                        why: str) -> bool:
+        """Repair: a record header that cannot be read, whose copy the previous index holds (same
+        segment and offset, the LSN the log expects there) and whose every extent matches that
+        copy's checksums, is written back from the copy: the object is kept, not quarantined.
+        The damaged bytes go to quarantine/ first.  False when there is no such witness."""
+        hdr = self.witness(seg, offset) if self.witness is not None else None
+        if hdr is None or (expected is not None and hdr.lsn != expected) or offset + hdr.record_len > size:
+            return False
+        try:
+            if seglib.verify_extents(self.io, fd, offset, hdr) is not None:
+                return False
+        except (OSError, TierstoreError):
+            return False
+        qpath = quarantine_bytes(self.io, self.root, fd, seg, offset, offset + hdr.header_len, why)
+        write_all(self.io, fd, [hdr.raw], offset)
+        self.io.fdatasync(fd)
+        self.result.damage.append(Damage(seg, offset, f"{why}; restored from the index's copy of the header "
+                                                     "(every extent matches its checksums): the object is kept", 0,
+                                         quarantined_to=qpath, namespace=hdr.namespace.decode("utf-8", "replace"),
+                                         key=shown_key(hdr.key)))
+        return True
 
     def _rewrite(self, fd: int, start: int, end: int, lsn: int, count: int, bad: rec.RecordHeader | None) -> None:
         """Repair: replace quarantined bytes [start, end) so the log reads clean again and keeps
@@ -478,7 +509,8 @@ class _LogScanner:
 
 def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | None, *, writable: bool,
              repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None,
-             proven_lsn: int = 0, verify_tail: bool = True) -> LogScan:
+             proven_lsn: int = 0, verify_tail: bool = True,
+             witness: Callable[[int, int], rec.RecordHeader | None] | None = None) -> LogScan:
     """Scan the log from ``start`` (None: from the first segment) and cut a torn tail if writable.
     ``verify_tail=False`` skips the payload checksums of the last segment (a writer catching up
     with records other live writers wrote whole, SPEC.md §7.8).
@@ -487,7 +519,7 @@ def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | 
     ``IndexAhead`` when ``start`` is not in the log.  See the module docstring for the rules.
     """
     return _LogScanner(io, root, store_uuid, writable=writable, repair=repair, verify_sealed=verify_sealed,
-                       progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail).run(start)
+                       progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail, witness=witness).run(start)
 
 
 def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:
@@ -532,11 +564,13 @@ REBUILD_BATCH = 20_000
 
 
 def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloads: bool = False,
-                  progress: Callable[[int], None] | None = None, proven_lsn: int = 0) -> LogScan:
+                  progress: Callable[[int], None] | None = None, proven_lsn: int = 0,
+                  witness: Callable[[int, int], rec.RecordHeader | None] | None = None) -> LogScan:
     """Build a fresh index from the segments alone and swap it in (the old one is moved to
-    quarantine/).  The caller holds the writer lock; the index must not be open in-process."""
+    quarantine/).  The caller holds the writer lock; the index must not be open in-process.
+    ``witness``: repairing, the previous index's header copies (see ``_restore_header``)."""
     scan = scan_log(io, root, None, None, writable=True, repair=repair, verify_sealed=verify_payloads,
-                    progress=progress, proven_lsn=proven_lsn)
+                    progress=progress, proven_lsn=proven_lsn, witness=witness)
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
     first = seglib.list_segments(io, seg_dir)[0]
     fd = io.open(os.path.join(seg_dir, seglib.segment_name(first)), os.O_RDONLY)

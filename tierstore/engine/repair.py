@@ -49,6 +49,31 @@ def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | N
         idx.close()
 
 
+class _HeaderWitness:
+    """The previous index's copies of record headers, by (segment, offset): read one segment at a
+    time, only when recovery meets a header it cannot read there (damage is rare)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, fmt.INDEX_DIR)
+        self.by_segment: dict[int, dict[int, Any]] = {}
+
+    def __call__(self, seg: int, offset: int) -> Any:
+        if seg not in self.by_segment:
+            self.by_segment[seg] = {}
+            try:
+                idx = Index.open(self.path, writable=False)
+            except TierstoreError:
+                return None
+            try:
+                with idx.read() as view:
+                    self.by_segment[seg] = {loc.offset: loc.header for _, _, loc in view.items() if loc.segment == seg}
+            except TierstoreError:
+                pass
+            finally:
+                idx.close()
+        return self.by_segment[seg].get(offset)
+
+
 def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """``tierstore recover``: under the writer lock, scan every segment verifying every
@@ -58,7 +83,9 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
 
     When the previous index is readable, it is a second witness: a key it did not hold (or
     held at a newer LSN) whose rebuilt version is older than what it had applied lost the
-    record that deleted or replaced it, and is deleted rather than brought back."""
+    record that deleted or replaced it, and is deleted rather than brought back; and a record
+    header that cannot be read is written back from the index's checksummed copy when every
+    extent of the record matches it (the object is kept, the damaged bytes quarantined)."""
     io = io or PosixIO()
     root = os.path.abspath(path)
     if not os.path.isdir(os.path.join(root, fmt.SEGMENTS_DIR)):
@@ -71,7 +98,8 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     try:
         previous = _previous_index(root)
         scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress,
-                             proven_lsn=previous[1] if previous is not None else 0)
+                             proven_lsn=previous[1] if previous is not None else 0,
+                             witness=_HeaderWitness(root) if previous is not None else None)
         leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
         if os.path.exists(leftover):
             shutil.rmtree(leftover)
