@@ -88,6 +88,11 @@ def retrieve(eng, tokens):  # type: ignore[no-untyped-def]
 
 
 def close(eng) -> None:  # type: ignore[no-untyped-def]
+    """LMCache's own teardown: its stats logger too, then the engine (as vLLM's shutdown does)."""
+    for iid, e in list(LMCacheEngineBuilder._instances.items()):
+        if e is eng:
+            LMCacheEngineBuilder.destroy(iid)
+            return
     eng.close()
 
 
