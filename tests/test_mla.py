@@ -101,6 +101,7 @@ def test_an_older_reader_refuses_the_kind_cleanly(store_path, latent, monkeypatc
         s.put("c", MLACache(latent))
     monkeypatch.setattr(fmt, "FORMAT_MINOR", 3)
     monkeypatch.setattr(fmt, "KIND_MLA", 0x7F)  # the kind id this older reader does not have
+    monkeypatch.setattr(fmt, "LAYERED_KINDS", (fmt.KIND_KV,))
     with pytest.raises(tierstore.ReadOnlyError):
         tierstore.open(store_path)
     with pytest.raises(tierstore.CorruptionError):

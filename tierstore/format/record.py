@@ -685,22 +685,12 @@ def same_object(a: RecordHeader, b: RecordHeader) -> bool:
 
 def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> list[int]:
     """Raw extent lengths implied by the metadata of a PUT (SPEC.md §5.3)."""
-    if kind == fmt.KIND_KV:
-        shape = _shape(meta, 5, **where)
-        if shape[1] != 2:
+    if kind in fmt.LAYERED_KINDS:  # kv [layers, 2, heads, tokens, dim]; mla [layers, tokens, dim]
+        shape = _shape(meta, 5 if kind == fmt.KIND_KV else 3, **where)
+        if kind == fmt.KIND_KV and shape[1] != 2:
             raise CorruptionError("KV shape[1] must be 2", **where)
         isz = _itemsize(meta, fmt.FLOAT_DTYPES, **where)
-        ls = _req(meta, "layer_start", int, **where)
-        if ls < 0:
-            raise CorruptionError("negative layer_start", **where)
-        layer = _checked_product(shape[1:] + [isz], **where)
-        _checked_product([layer, shape[0]], **where)
-        return [layer] * shape[0]
-    if kind == fmt.KIND_MLA:
-        shape = _shape(meta, 3, **where)
-        isz = _itemsize(meta, fmt.FLOAT_DTYPES, **where)
-        ls = _req(meta, "layer_start", int, **where)
-        if ls < 0:
+        if _req(meta, "layer_start", int, **where) < 0:
             raise CorruptionError("negative layer_start", **where)
         layer = _checked_product(shape[1:] + [isz], **where)
         _checked_product([layer, shape[0]], **where)
