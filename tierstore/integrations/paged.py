@@ -21,7 +21,7 @@ Older releases used ``[2, blocks, block_size, heads, dim]`` (FlashAttention),
 they are read too.  Copies between host tensors go through
 numpy views whose elements are whole ``head_dim`` rows, so a block moves in runs of ``head_dim *
 itemsize`` bytes; device tensors use torch copies on their device.  On this project's 2-core
-CPU a gather runs at 0.62-0.74x and a scatter at 0.46-0.59x a memcpy of the same blocks' bytes
+CPU a gather runs at 0.64-0.68x and a scatter at 0.43-0.48x a memcpy of the same blocks' bytes
 (docs/integrations.md: an NHD block is transposed into the stored [2, heads, tokens, dim]).
 
 It owns the copy and nothing else: no I/O, no engine state, no imports of the engines.
