@@ -184,6 +184,7 @@ class _LogScanner:
         self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
         # repair: the previous index's copy of the record header at (segment, offset), if it had one
         self.witness = witness
+        self._restored: set[tuple[int, int]] = set()
         self.verify_tail = verify_tail  # check payload checksums in the last segment
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
@@ -405,9 +406,12 @@ class _LogScanner:
         segment and offset, the LSN the log expects there) and whose every extent matches that
         copy's checksums, is written back from the copy: the object is kept, not quarantined.
         The damaged bytes go to quarantine/ first.  False when there is no such witness."""
+        if (seg, offset) in self._restored:  # restored once and still unreadable: damage of another kind
+            return False
         hdr = self.witness(seg, offset) if self.witness is not None else None
         if hdr is None or (expected is not None and hdr.lsn != expected) or offset + hdr.record_len > size:
             return False
+        self._restored.add((seg, offset))
         try:
             if seglib.verify_extents(self.io, fd, offset, hdr) is not None:
                 return False
