@@ -28,7 +28,7 @@ LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 64
 MLA_DIM = 64 + 16  # kv_lora_rank + qk_rope_head_dim of the tiny DeepSeek-V2 config below
 
 
-def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="fail", mla=False):
+def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="fail", mla=False, role="kv_both"):
     if mla:
         model = tmp_path / "tiny-deepseek"
         model.mkdir(exist_ok=True)
@@ -39,7 +39,7 @@ def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="f
             "kv_lora_rank": 64, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
             "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "first_k_dense_replace": LAYERS, "torch_dtype": "bfloat16", "rope_theta": 10000.0}))
-        return _config(model, store, chunk_tokens, extra, policy, "bfloat16")
+        return _config(model, store, chunk_tokens, extra, policy, "bfloat16", role)
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -47,12 +47,12 @@ def make_config(tmp_path, store, *, chunk_tokens=32, tp=1, extra=None, policy="f
         "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
         "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "torch_dtype": "float16", "head_dim": HEAD_DIM}))
-    return _config(model, store, chunk_tokens, extra, policy, "float16")
+    return _config(model, store, chunk_tokens, extra, policy, "float16", role)
 
 
-def _config(model, store, chunk_tokens, extra, policy, dtype):
+def _config(model, store, chunk_tokens, extra, policy, dtype, role="kv_both"):
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=2048)
-    kv = KVTransferConfig(kv_connector="TierstoreConnector", kv_role="kv_both", kv_load_failure_policy=policy,
+    kv = KVTransferConfig(kv_connector="TierstoreConnector", kv_role=role, kv_load_failure_policy=policy,
                           kv_connector_module_path="tierstore.integrations.vllm",
                           kv_connector_extra_config={"path": str(store), "chunk_tokens": chunk_tokens,
                                                      "durability": "sync", **(extra or {})})
@@ -220,11 +220,11 @@ class Engine:
     feeding one sampled token back per finished prefill (``update_from_output``)."""
 
     def __init__(self, tmp_path, store, *, chunk_tokens=32, max_batched=None, extra=None, num_blocks=NUM_BLOCKS,
-                 prefix_caching=True, policy="fail", mla=False):
+                 prefix_caching=True, policy="fail", mla=False, role="kv_both"):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._outputs = (KVConnectorOutput, ModelRunnerOutput)
-        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra, policy=policy, mla=mla)
+        cfg = make_config(tmp_path, store, chunk_tokens=chunk_tokens, extra=extra, policy=policy, mla=mla, role=role)
         cfg.cache_config.enable_prefix_caching = prefix_caching
         self.mla = mla
         cfg.cache_config.num_gpu_blocks = num_blocks
@@ -536,3 +536,41 @@ def test_an_mla_model_stores_one_latent_per_chunk_and_loads_it(tmp_path):
     e2.run()
     e2.close()
     assert e2.errors == [] and e2.worker.counters["chunks_loaded"] == 2
+
+
+def test_options_are_checked_at_start(tmp_path):
+    from vllm.config import CacheConfig as CC
+
+    def create(cfg):
+        return KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+    with pytest.raises(ValueError, match="codec"):
+        create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "no-such-codec"}))
+    with pytest.raises(ValueError, match="codec"):
+        create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "int4"}, mla=True))  # not for MLA latents
+    cfg = make_config(tmp_path, tmp_path / "kv", extra={"codec": "int8"})
+    cfg.cache_config = CC(block_size=BLOCK, cache_dtype="fp8")
+    with pytest.raises(ValueError, match="already fp8"):
+        create(cfg)
+    with pytest.raises(ValueError, match="durability"):
+        create(make_config(tmp_path, tmp_path / "kv", extra={"store_options": {"durability": "none"}}))
+    create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "int8"})).shutdown()  # the valid twin
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_a_producer_only_saves_and_a_consumer_only_loads(tmp_path, role):
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    e = Engine(tmp_path, store)
+    e.add("a", a)
+    e.run()
+    e.close()
+    e2 = Engine(tmp_path, store, role=role)
+    e2.add("b", a[:70] + list(range(900, 960)))  # 64 tokens stored; 2 new full chunks after them
+    first = e2.step()
+    e2.run()
+    e2.close()
+    assert first.scheduled_new_reqs[0].num_computed_tokens == (0 if role == "kv_producer" else 64)
+    assert e2.errors == []
+    with tierstore.open(store, readonly=True) as s:
+        assert len(s.keys(namespace="vllm")) == 3 + (2 if role == "kv_producer" else 0)

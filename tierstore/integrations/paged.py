@@ -22,7 +22,7 @@ they are read too.  Copies between host tensors go through
 numpy views whose elements are whole ``head_dim`` rows, so a block moves in runs of ``head_dim *
 itemsize`` bytes; device tensors use torch copies on their device.  On this project's 2-core
 CPU a gather runs at 0.64-0.68x and a scatter at 0.43-0.48x a memcpy of the same blocks' bytes
-(docs/integrations.md: an NHD block is transposed into the stored [2, heads, tokens, dim]).
+(docs/benchmarks.md: each 256-byte row is reordered between the two layouts).
 
 It owns the copy and nothing else: no I/O, no engine state, no imports of the engines.
 """

@@ -10,16 +10,20 @@ of the block size), ``namespace`` ("vllm"), ``codec`` (None: lossless raw; e.g. 
 ``durability`` ("group": saves become durable within ``group_commit_ms``), ``model_id`` (a
 string that names the weights, e.g. a checkpoint digest, added to the fingerprint),
 ``max_pending_bytes`` ("2GiB": host memory of saves handed to the writer thread before a step
-waits for the disk), and any ``tierstore.open`` option under ``store_options`` (e.g.
-``{"ssd_bytes": "500GiB"}``).
+waits for the disk), ``tp_rank`` / ``pp_rank`` (this worker's ranks, when vLLM's process groups
+cannot say), and any other ``tierstore.open`` option under ``store_options`` (e.g.
+``{"ssd_bytes": "500GiB"}``).  ``kv_role``: "kv_both" loads and saves, "kv_consumer" only
+loads, "kv_producer" only saves.
 
 How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
 
-- Keys: the chained ``chunk_hashes`` of the prompt's token ids, salted with a fingerprint of the
-  model (name, revision, dtype, KV cache dtype, attention kind), the tensor-parallel size and
-  the rank: each rank stores the KV of its own heads under its own keys, so two models or two
-  TP layouts never share an entry.  An MLA model's latent cache is the same on every rank:
-  rank 0 stores it once (salt without the rank) and every rank loads it.
+- Keys: the chained ``chunk_hashes`` of the prompt's token ids, salted with a fingerprint
+  (``model_fingerprint``: model name, revision, dtype, KV cache dtype, attention kind, tensor-
+  and pipeline-parallel sizes, the worker's stage and rank, the KV cache's layer names,
+  ``model_id``) and, per request, its LoRA adapter and ``cache_salt``: each worker stores the KV
+  of its own heads of its own layers under its own keys, so two models, two parallel layouts,
+  two adapters or two tenants never share an entry.  An MLA model's latent cache is the same on
+  every tensor rank: rank 0 of each stage stores it once and every rank loads it.
 - Scheduler side: ``get_num_new_matched_tokens`` is ``match_prefix`` over every rank's keys
   (no side effects), whole chunks only, never the prompt's last token (vLLM recomputes it).
   ``build_connector_meta`` names, per request, the chunks to load (and which of their blocks:
@@ -185,8 +189,19 @@ class TierstoreConnector(KVConnectorBase_V1):
                          "and its load fails the request; 'recompute' recomputes its blocks instead")
         self._fp8 = _FP8_CACHE.get(cache_dtype)
         self._namespace = str(extra.get("namespace", "vllm"))
-        self._codec = extra.get("codec")
         self._mla = bool(vllm_config.model_config.use_mla)
+        self._codec = extra.get("codec")
+        if self._codec is not None:  # checked now: a codec refused at each save would store nothing, quietly
+            try:
+                choice = tierstore.codecs.parse(str(self._codec), "mla" if self._mla else "kv")
+            except TierstoreError as e:
+                raise ValueError(f"kv_connector_extra_config.codec: {e}") from None
+            if not choice.codec.lossless and cache_dtype in _FP8_CACHE:
+                raise ValueError(f"codec {self._codec!r} is lossy; this KV cache is already fp8 ({cache_dtype}): "
+                                 f"use a lossless codec (zstd) or none")
+        role = self._kv_transfer_config.kv_role
+        self._loads = role in ("kv_both", "kv_consumer")
+        self._saves = role in ("kv_both", "kv_producer")
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
         model_id = extra.get("model_id")
@@ -195,7 +210,10 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._salts = [model_fingerprint(vllm_config, pp_rank=p, tp_rank=None if self._mla else t, model_id=model_id,
                                          layers=layers)
                        for p in range(self._pp) for t in ([None] if self._mla else range(self._tp))]
-        options = {"durability": extra.get("durability", "group"), **dict(extra.get("store_options") or {})}
+        store_options = dict(extra.get("store_options") or {})
+        if "durability" in store_options:
+            raise ValueError("give durability as kv_connector_extra_config.durability, not in store_options")
+        options = {"durability": extra.get("durability", "group"), **store_options}
         self._store = _acquire(str(path), options)
         # scheduler side
         self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per worker, its chunk keys
@@ -283,7 +301,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         tokens = request.prompt_token_ids or []
         usable = max(0, len(tokens) - 1) // self._chunk  # whole chunks, never the last prompt token
         keys = self._keys_for(request) if len(tokens) >= self._chunk else None  # (saved even if never loaded)
-        if not keys or not usable:
+        if not keys or not usable or not self._loads:
             return 0, False
         matched = min(self._store.match_prefix(k[:usable], namespace=self._namespace) for k in keys)
         end = matched * self._chunk
@@ -316,7 +334,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         keys = self._hashes.get(req_id)
         per = self._chunk // self._block_size
         done = min(computed, len(t.tokens)) // self._chunk
-        if keys is None or done <= t.next_chunk:
+        if keys is None or done <= t.next_chunk or not self._saves:
             return
         todo = list(range(t.next_chunk, min(done, len(keys[0]))))
         have = [self._store.contains_many([k[c] for c in todo], namespace=self._namespace) for k in keys]
