@@ -44,9 +44,9 @@ It uses only tierstore's public API and vLLM's connector interface.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,33 +73,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("tierstore")
 FINGERPRINT_VERSION = b"tierstore/vllm/1"
-
-# One handle per store and process, shared by the scheduler side and the workers that live in
-# the same process (vLLM's single-process executor): LMDB allows one environment per process.
-_HANDLES: dict[str, list[Any]] = {}
-_HANDLES_LOCK = threading.Lock()
-
-
-def _acquire(path: str, options: dict[str, Any]) -> tierstore.Store:
-    real = os.path.realpath(path)
-    with _HANDLES_LOCK:
-        entry = _HANDLES.get(real)
-        if entry is None or entry[0].closed:
-            entry = _HANDLES[real] = [tierstore.open(path, **options), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release(store: tierstore.Store) -> None:
-    with _HANDLES_LOCK:
-        for real, entry in list(_HANDLES.items()):
-            if entry[0] is store:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del _HANDLES[real]
-                    store.close()
-                return
-
 
 def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None,
                       layers: tuple[str, ...] = ()) -> bytes:
@@ -214,7 +187,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         if "durability" in store_options:
             raise ValueError("give durability as kv_connector_extra_config.durability, not in store_options")
         options = {"durability": extra.get("durability", "group"), **store_options}
-        self._store = _acquire(str(path), options)
+        # the scheduler side and an in-process worker each open a handle: writable handles on one store
+        # in one process share its engine (tierstore.open), so this costs no second LMDB environment
+        self._store = tierstore.open(str(path), **options)
         # scheduler side
         self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per worker, its chunk keys
         self._planned: dict[str, tuple[int, int]] = {}  # req -> tokens [start, end) to load
@@ -446,7 +421,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             for i, (_, tensor, paged) in enumerate(self._layers):
                 if prev is not None:
                     prev.synchronize()  # the last layer's host-to-device copies: done with the buffers
-                with torch.cuda.stream(stream) if cuda else _nothing():
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                     for j, ld in enumerate(loads):
                         if j in failed:
                             continue
@@ -548,12 +523,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         if copied is not None:
             copied.synchronize()
         kind = MLACache if self._mla else KVCache
-        items, seen = [], set()
-        for sv, buf in staged:
-            key = self._key(sv.keys)
-            if key not in seen:  # one chunk computed by several requests of a step
-                seen.add(key)
-                items.append((key, kind(buf)))
+        items = [(self._key(sv.keys), kind(buf)) for sv, buf in staged]  # keys unique: build_connector_meta
         try:
             self._store.put_many(items, namespace=self._namespace, codec=self._codec)
             self.counters["chunks_saved"] += len(items)
@@ -613,15 +583,6 @@ class TierstoreConnector(KVConnectorBase_V1):
             self.flush()
         finally:
             self._writer.shutdown(wait=True)
-            _release(self._store)
+            self._store.close()
             self._store = None  # type: ignore[assignment]
 
-
-class _nothing:
-    """A context manager that does nothing (the CPU path of ``torch.cuda.stream``)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
