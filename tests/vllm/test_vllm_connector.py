@@ -424,10 +424,7 @@ def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
     the entry is deleted so it is never matched again, and the recomputed chunk is stored anew."""
     store = tmp_path / "kv"
     a = list(range(500, 600))
-    e = Engine(tmp_path, store)
-    e.add("a", a)
-    e.run()
-    e.close()
+    serve(tmp_path, store, [a])
     with tierstore.open(store) as s:
         victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1]
     with open(store / "segments" / f"{victim.segment:016x}.tseg", "r+b") as f:
@@ -518,10 +515,7 @@ def test_options_are_checked_at_start(tmp_path):
 def test_a_producer_only_saves_and_a_consumer_only_loads(tmp_path, role):
     store = tmp_path / "kv"
     a = list(range(100, 200))
-    e = Engine(tmp_path, store)
-    e.add("a", a)
-    e.run()
-    e.close()
+    serve(tmp_path, store, [a])
     e2 = Engine(tmp_path, store, role=role)
     e2.add("b", a[:70] + list(range(900, 960)))  # 64 tokens stored; 2 new full chunks after them
     first = e2.step()
