@@ -168,7 +168,7 @@ def test_two_processes_share_a_server(tmp_path, server):
     script = """
 import sys, numpy as np, tierstore
 path, url, op = sys.argv[1:4]
-s = tierstore.open(path, remote=url)
+s = tierstore.open(path, remote=url, remote_timeout=30)  # a slow machine is not what this test is about
 if op == "put":
     s.put(b"chunk", tierstore.KVCache(np.full((2, 2, 1, 4, 8), float(sys.argv[4]), np.float16)), namespace="m")
 else:
@@ -267,6 +267,29 @@ def test_a_paused_server_costs_a_timeout_not_a_hang(tmp_path, server):
     finally:
         server.resume()
     a.close()
+
+
+def test_close_gives_a_put_that_failed_one_more_try(tmp_path, server):
+    """A write-through send that timed out once is sent by close(), not left for the next open."""
+    a = node(tmp_path, "a", server.url, remote_timeout=0.3, remote_retry_s=0.5)
+    server.pause()
+    try:
+        a.put(b"k", tierstore.Blob(b"v"), namespace="m")  # the send times out: queued, the tier down
+        assert remote_of(a)["errors"] == 1 and remote_of(a)["queue_length"] == 1
+    finally:
+        server.resume()
+    a.close()  # the retry (after remote_retry_s) reaches the server
+    assert redis.Redis(port=server.port).exists(remote_key(b"m", b"k"))
+
+
+def test_close_of_a_node_whose_server_is_gone_costs_one_more_try(tmp_path, server):
+    a = node(tmp_path, "a", server.url, remote_timeout=0.3, remote_connect_timeout=0.3, remote_retry_s=0.2)
+    server.kill()
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    t0 = time.monotonic()
+    a.close()
+    assert time.monotonic() - t0 < 3  # one retry, not the whole 5 s drain
+    assert json.loads((tmp_path / "a" / fmt.REMOTE_FILE).read_text())["dirty"]  # the put waits for the next open
 
 
 def test_unsent_puts_are_resent_after_a_crash(tmp_path, server):

@@ -692,7 +692,7 @@ class PushQueue:
         self.sweep_needed = False
         self.sweeping = False
         self._saved: tuple[Any, ...] | None = None
-        self.failing = False  # the last send failed
+        self.failures = 0  # sends that failed (the sender tries again after ``retry_s``)
         if state_path is not None:
             self._read_state()
 
@@ -826,12 +826,11 @@ class PushQueue:
                     continue
                 try:
                     self._step()
-                    self.failing = False
                 except (RemoteDown, TierstoreError, OSError) as e:  # down, refused (a full server), or
                     if not isinstance(e, RemoteDown):  # the local record unreadable: try again later
                         _log.warning("remote %s: a send failed: %s", tier.url, e)
                     with self._cv:
-                        self.failing = True
+                        self.failures += 1
                         self._cv.notify_all()
                         if self._stopping:
                             return
@@ -901,10 +900,14 @@ class PushQueue:
         return sent
 
     def close(self, drain_s: float) -> None:
+        """Wait (at most ``drain_s``) for the queue to drain, then stop the sender.  A send that
+        failed before close gets one more try (one blip of the server does not leave a put
+        unsent until the next open); the first failure after close began ends the wait."""
         deadline = time.monotonic() + drain_s
         with self._cv:
+            failures = self.failures
             while self._work_left() and self._thread is not None and time.monotonic() < deadline \
-                    and not self.tier.down and not self.failing:
+                    and self.failures == failures:
                 self._cv.wait(0.05)
             self._stopping = True
             self._cv.notify_all()
