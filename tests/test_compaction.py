@@ -6,6 +6,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
 import tierstore
 from tierstore import Blob, KVCache
@@ -98,11 +99,11 @@ def test_interrupted_compaction_keeps_what_it_reclaimed(store_path, monkeypatch)
     real_batch = compaction.compact_batch
     calls = {"n": 0}
 
-    def failing_second(*a):
+    def failing_second(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(5, "injected: compaction interrupted")
-        return real_batch(*a)
+        return real_batch(*a, **kw)
 
     monkeypatch.setattr(compaction, "compact_batch", failing_second)
     want = {}
@@ -148,3 +149,108 @@ def test_frequent_compaction_does_not_pile_up_small_segments(store_path):
         st = s.stats()
     assert len(segment_files(store_path)) <= 3, segment_files(store_path)
     assert st["segment_bytes"] <= 2 * (256 << 10)
+
+
+# -- retired segments shrunk away (the budget's background eviction) --------------------------------
+
+
+def _overwritten_store(s: tierstore.Store) -> dict[str, bytes]:
+    """Objects over several 64 KiB segments, each key overwritten: sealed segments all dead."""
+    want = {}
+    for i in range(24):
+        want[f"k{i % 4}"] = bytes([i]) * 20000
+        s.put(f"k{i % 4}", Blob(want[f"k{i % 4}"]))
+    return want
+
+
+def _reclaim_gradually(s: tierstore.Store) -> dict:
+    from tierstore.engine import compaction
+
+    return compaction.reclaim(s._engine, lambda: 1 << 40, min_dead_ratio=0.5, gradual=True)
+
+
+def test_a_retired_segment_is_shrunk_away_a_step_at_a_time(store_path, monkeypatch):
+    from tierstore.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "SHRINK_STEP", 16 << 10)
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        want = _overwritten_store(s)
+        cuts: list[tuple[str, int]] = []
+        held: list[int] = []
+        real_truncate, real_sleep = s._engine.io.ftruncate, engine_mod.time.sleep
+        monkeypatch.setattr(s._engine.io, "ftruncate",
+                            lambda fd, n: cuts.append((os.readlink(f"/proc/self/fd/{fd}"), n)) or real_truncate(fd, n))
+        monkeypatch.setattr(engine_mod.time, "sleep", lambda t: held.append(s._engine.disk_bytes()) or real_sleep(t))
+        before = disk_bytes(store_path)
+        done = _reclaim_gradually(s)
+        assert len(done["victims"]) >= 3
+        shrunk = {p for p, _ in cuts}
+        assert len(shrunk) == len(done["victims"]) and all(p.endswith(".tseg.dead") for p in shrunk)
+        for p in shrunk:  # each one from its size down to nothing, a step at a time
+            sizes = [n for q, n in cuts if q == p]
+            assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0 and len(sizes) >= 4
+            assert all(a - b <= 16 << 10 for a, b in zip(sizes, sizes[1:]))
+            assert not os.path.exists(p)
+        assert held and max(held) > disk_bytes(store_path)  # the bytes being shrunk still count against a budget
+        assert disk_bytes(store_path) < before / 2
+        assert not [n for n in os.listdir(os.path.join(store_path, "segments")) if not n.endswith(".tseg")]
+        assert {k: s.get(k).data for k in s.keys()} == want
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
+
+
+def test_a_retired_segment_a_reader_holds_is_unlinked_not_shrunk(store_path, monkeypatch):
+    """A read in flight (this process or another: each holds the segment's shared flock) keeps
+    every byte it reads: the segment is unlinked at once, never truncated under it."""
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        want = _overwritten_store(s)
+        first = int(os.path.basename(segment_files(store_path)[0]).split(".")[0], 16)
+        other = tierstore.open(store_path, readonly=True)  # another handle of this process: its own descriptors
+        cuts: list[int] = []
+        real_truncate = s._engine.io.ftruncate
+        monkeypatch.setattr(s._engine.io, "ftruncate", lambda fd, n: cuts.append(fd) or real_truncate(fd, n))
+        with s._engine.hold_segment(first) as (fd, _):
+            size = os.fstat(fd).st_size
+            done = _reclaim_gradually(s)
+            assert first in done["victims"] and not os.path.exists(s._engine.segment_path(first))
+            assert os.fstat(fd).st_size == size  # whole: unlinked, not shrunk
+            assert len(os.pread(fd, size, 0)) == size
+        assert len(cuts) < len(done["victims"]) * 4  # the others were shrunk
+        assert {k: other.get(k).data for k in other.keys()} == want
+        other.close()
+        assert {k: s.get(k).data for k in s.keys()} == want
+
+
+def test_a_segment_being_shrunk_cannot_be_opened(tmp_path):
+    """open_segment takes a shared flock; a segment whose exclusive lock a shrink holds is gone."""
+    import fcntl
+
+    from tierstore.engine import segment as seglib
+
+    path = str(tmp_path / "0000000000000001.tseg")
+    with open(path, "wb") as f:
+        f.write(b"x" * 100)
+    fd = seglib.open_segment(DEFAULT_IO, path)  # twin: a segment nobody shrinks opens
+    os.close(fd)
+    shrinker = os.open(path, os.O_WRONLY)
+    fcntl.flock(shrinker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(FileNotFoundError):
+            seglib.open_segment(DEFAULT_IO, path)
+    finally:
+        os.close(shrinker)
+
+
+def test_what_a_crash_left_of_a_shrink_is_removed_at_open(store_path):
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        want = _overwritten_store(s)
+    seg_dir = os.path.join(store_path, "segments")
+    left = os.path.join(seg_dir, "00000000000000ff.tseg.dead")
+    with open(left, "wb") as f:
+        f.write(os.urandom(40000))  # half shrunk: garbage to any reader, ignored by all of them
+    with tierstore.open(store_path, readonly=True) as r:  # readers ignore it and leave it
+        assert {k: r.get(k).data for k in r.keys()} == want
+    assert os.path.exists(left)
+    with tierstore.open(store_path) as s:  # a writer opening alone removes it
+        assert not os.path.exists(left)
+        assert {k: s.get(k).data for k in s.keys()} == want
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok

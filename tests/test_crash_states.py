@@ -288,9 +288,9 @@ def test_power_loss_states(fast_tmp, capsys, monkeypatch):
     per_compaction: list[int] = []  # how many batches each compaction ran
     real_batch = compaction.compact_batch
 
-    def counted_batch(*a):
+    def counted_batch(*a, **kw):
         per_compaction[-1] += 1
-        return real_batch(*a)
+        return real_batch(*a, **kw)
 
     real_compact = compaction.compact
     monkeypatch.setattr(compaction, "compact_batch", counted_batch)
@@ -372,10 +372,20 @@ class EvictExplorer(Explorer):
         assert self.state(image) == state
 
 
-def test_power_loss_states_with_eviction(fast_tmp, capsys, monkeypatch):
+@pytest.mark.parametrize("gradual", [False, True], ids=["unlinked", "shrunk"])
+def test_power_loss_states_with_eviction(fast_tmp, capsys, monkeypatch, gradual):
+    """``shrunk``: retired segments are shrunk away a step at a time (what the eviction thread
+    does, SPEC.md §7.5), here in the put's thread so that the harness sees every step."""
+    from tierstore.engine import compaction
+    from tierstore.engine import engine as engine_mod
     from tierstore.tiers import capacity
 
     monkeypatch.setattr(capacity.Capacity, "_wake", lambda self: None)  # evictions in the put's thread
+    if gradual:
+        real_reclaim = compaction.reclaim
+        monkeypatch.setattr(compaction, "reclaim", lambda *a, **kw: real_reclaim(*a, **{**kw, "gradual": True}))
+        monkeypatch.setattr(engine_mod, "SHRINK_STEP", 16 << 10)
+        monkeypatch.setattr(engine_mod, "SHRINK_PAUSE_S", 0.0)
     ex = EvictExplorer(fast_tmp, "64KiB")
     evictions = []
     real_evict = capacity.Capacity._evict

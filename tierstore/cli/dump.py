@@ -60,7 +60,7 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
     """Header and records of one segment file, and where/why its valid part ends."""
     name = os.path.basename(path)
     seg_id = seglib.parse_segment_name(name)
-    fd = io.open(path, os.O_RDONLY)
+    fd = seglib.open_segment(io, path)
     try:
         out: dict[str, Any] = {"path": path, "size": io.size(fd)}
         try:

@@ -80,13 +80,15 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
     return {"victims": victims, **_compact_victims(engine, victims, progress), "seconds": time.perf_counter() - t0}
 
 
-def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float) -> dict[str, Any]:
+def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
+            gradual: bool = False) -> dict[str, Any]:
     """Compact sealed segments whose dead fraction is at least ``min_dead_ratio``, the largest
     fraction first (the fewest live bytes copied per byte freed), until ``excess()`` (bytes
     still to free) is 0 or none is left: the SSD budget's eviction (capacity.py), after it deleted
     its victims.  Victims are taken together while their dead bytes cover the excess (one sync
     and one index commit per batch).  The active segment is sealed and joins them when the
-    sealed ones do not suffice and it holds dead bytes itself."""
+    sealed ones do not suffice and it holds dead bytes itself.  ``gradual``: victims are shrunk
+    away (``Engine.retire_segments``), for a background eviction beside puts."""
     engine.check_writable()
     lock = engine.compaction_lock()
     try:
@@ -116,7 +118,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float)
             if not victims:
                 break
             victims.sort()
-            for k, v in _compact_victims(engine, victims, None).items():
+            for k, v in _compact_victims(engine, victims, None, gradual=gradual).items():
                 counts[k] += v
             done += victims
         return {"victims": done, **counts, "seconds": time.perf_counter() - t0}
@@ -124,7 +126,8 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float)
         engine.io.close(lock)
 
 
-def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int], None] | None) -> dict[str, Any]:
+def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int], None] | None, *,
+                     gradual: bool = False) -> dict[str, Any]:
     """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
     keeps what it finished."""
     victim_set = set(victims)
@@ -138,13 +141,13 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
         batch.append(seg)
         batch_bytes += os.path.getsize(engine.segment_path(seg))
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
-            compact_batch(engine, batch, oldest_survivor, counts, progress)
+            compact_batch(engine, batch, oldest_survivor, counts, progress, gradual=gradual)
             batch, batch_bytes = [], 0
     return {**counts, "bytes_before": bytes_before}
 
 
 def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int],
-                  progress: Callable[[int], None] | None = None) -> None:
+                  progress: Callable[[int], None] | None = None, *, gradual: bool = False) -> None:
     """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, unlink."""
     io = engine.io
     moved: list[tuple[bytes, bytes]] = []
@@ -179,7 +182,7 @@ def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None,
         loc = engine.lookup(ns, key)
         if loc is not None and loc.segment in batch:
             raise AssertionError(f"compaction left {key!r} in victim segment {loc.segment}")
-    engine.retire_segments(batch)
+    engine.retire_segments(batch, gradual=gradual)
     if progress is not None:
         progress(sum(sizes.values()))
 

@@ -67,6 +67,12 @@ STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.Q
                            fmt.REMOTE_FILE + ".tmp", fmt.APPEND_FILE, fmt.COMPACT_FILE, fmt.REMOTE_LOCK_FILE})
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
+# a retired segment shrunk away gradually (retire_segments(gradual=True)) loses this many bytes
+# per ftruncate, with this pause between steps: the file system frees (and, mounted with
+# `discard`, trims) a little at a time instead of a whole segment in the journal commit that
+# the next put's sync waits for (measured: docs/placement.md)
+SHRINK_STEP = 16 << 20
+SHRINK_PAUSE_S = 0.01
 
 # The writable engines of this process, by the store's real path: a second writable handle on a
 # store this process already writes shares that engine (the writer lock is per process).
@@ -204,6 +210,8 @@ class Engine:
         self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
         self._refs_seen = False  # the store holds (or held) session references
         self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
+        self._shrinking = 0  # disk_bytes: what is left of retired segments being shrunk away
+        self._shrink_lock = threading.Lock()
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
         self._oldest_pending: float | None = None
@@ -391,15 +399,20 @@ class Engine:
         return scan
 
     def _drop_dead_segments(self, keep: int) -> None:
-        """Unlink segments a finished compaction marked dead (a crash may have left them)."""
+        """Unlink segments a finished compaction marked dead, and what is left of retired
+        segments that were being shrunk away (a crash may have left them)."""
         assert self.index is not None
         dead = [s for s, (_, state) in self.index.segment_stats().items() if state == 1 and s != keep]
         for seg in dead:
             path = self.files.path(seg)
             if os.path.exists(path):
                 self.io.unlink(path)
-        if dead:
+        shrunk = [n for n in self.io.listdir(self.seg_dir) if n.endswith(fmt.SEGMENT_SUFFIX + fmt.RETIRED_SUFFIX)]
+        for name in shrunk:  # a crash while a retired segment was shrunk away left the rest of it
+            self.io.unlink(os.path.join(self.seg_dir, name))
+        if dead or shrunk:
             self.io.fsync_dir(self.seg_dir)
+        if dead:
             self.index.forget_segments(dead)
 
     # -- closing ----------------------------------------------------------------------------
@@ -1126,19 +1139,62 @@ class Engine:
         with self.write_lock:
             return log.seal_if(min_bytes)
 
-    def retire_segments(self, segs: Sequence[int]) -> None:
-        """Segments the index no longer points into: mark them dead (durable), unlink them, and
-        forget them.  A crash in between leaves dead segments that the next open unlinks."""
+    def retire_segments(self, segs: Sequence[int], *, gradual: bool = False) -> None:
+        """Segments the index no longer points into: mark them dead (durable), delete them, and
+        forget them.  A crash in between leaves dead segments that the next open deletes.
+        ``gradual`` (the budget's background eviction): shrink each one away a step at a time
+        (``_shrink_away``) instead of unlinking it at once."""
         assert self.index is not None
         self.index.mark_dead(segs)
         for seg in segs:
+            path = self.files.path(seg)
+            shrink = gradual
             try:
-                self.io.unlink(self.files.path(seg))
+                if shrink:
+                    self.io.rename(path, path + fmt.RETIRED_SUFFIX)
+                else:
+                    self.io.unlink(path)
             except FileNotFoundError:
-                pass  # a writer that opened alone meanwhile unlinked it (it was marked dead)
+                shrink = False  # a writer that opened alone meanwhile deleted it (it was marked dead)
+            # the name is gone, so no new descriptor; this process's close once no read uses them
             self.files.retire(seg)
+            if shrink:
+                self._shrink_away(path + fmt.RETIRED_SUFFIX)
         self.io.fsync_dir(self.seg_dir)
         self.index.forget_segments(segs)
+
+    def _shrink_away(self, dead: str) -> None:
+        """Delete a retired segment, renamed to ``dead``, by shrinking it (SPEC.md §7.5): take its
+        exclusive ``flock``, which no reader holds (each reader holds a shared one for as long as
+        its descriptor is open: ``segment.open_segment``), truncate it ``SHRINK_STEP`` bytes at a
+        time, then unlink it.  If a reader still holds it, it is unlinked at once (the reader's
+        descriptor keeps the bytes it reads, as after any unlink)."""
+        self.io.fsync_dir(self.seg_dir)  # the new name first: never a shortened segment under its own name
+        fd = self.io.open(dead, os.O_WRONLY)
+        try:
+            try:
+                self.io.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a reader holds it (or this file system has no flock)
+                self.io.unlink(dead)
+                return
+            size = self.io.size(fd)
+            with self._shrink_lock:
+                self._shrinking += size
+            try:
+                while size > 0:
+                    step = min(size, SHRINK_STEP)
+                    self.io.ftruncate(fd, size - step)
+                    size -= step
+                    with self._shrink_lock:
+                        self._shrinking -= step
+                    if size:
+                        time.sleep(SHRINK_PAUSE_S)
+            finally:
+                with self._shrink_lock:
+                    self._shrinking -= size
+            self.io.unlink(dead)
+        finally:
+            self.io.close(fd)
 
     def disk_bytes(self) -> int:
         """Bytes the store occupies on disk: its segment files, the index's files and the
@@ -1167,6 +1223,7 @@ class Engine:
                 total += os.path.getsize(self.files.path(seg))
             except FileNotFoundError:
                 pass
+        total += self._shrinking
         other = [os.path.join(self.path, fmt.RESERVE_FILE)]
         index_dir = os.path.join(self.path, fmt.INDEX_DIR)
         try:

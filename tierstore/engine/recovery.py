@@ -145,7 +145,7 @@ def _store_uuid_of_others(io: PosixIO, seg_dir: str, skip: int) -> bytes | None:
         if seg == skip:
             continue
         path = os.path.join(seg_dir, seglib.segment_name(seg))
-        fd = io.open(path, os.O_RDONLY)
+        fd = seglib.open_segment(io, path)
         try:
             return seglib.read_segment_header(io, fd, path=path, seg_id=seg).store_uuid
         except TierstoreError:
@@ -220,7 +220,7 @@ class _LogScanner:
                  expect: int | None) -> int | None:
         io, r = self.io, self.result
         path = os.path.join(self.seg_dir, seglib.segment_name(seg))
-        fd = io.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
+        fd = seglib.open_segment(io, path, os.O_RDWR if self.writable else os.O_RDONLY)
         try:
             try:
                 header = seglib.read_segment_header(io, fd, path=path, seg_id=seg)
@@ -532,7 +532,7 @@ def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:
         return True
     path = os.path.join(root, fmt.SEGMENTS_DIR, seglib.segment_name(applied.segment))
     try:
-        fd = io.open(path, os.O_RDONLY)
+        fd = seglib.open_segment(io, path)
     except FileNotFoundError:
         return False
     try:
@@ -551,7 +551,7 @@ def abandoned_creation(io: PosixIO, root: str) -> bool:
     if len(segs) != 1 or Index.exists(os.path.join(root, fmt.INDEX_DIR)):
         return False
     path = os.path.join(seg_dir, seglib.segment_name(segs[0]))
-    fd = io.open(path, os.O_RDONLY)
+    fd = seglib.open_segment(io, path)
     try:
         seglib.read_segment_header(io, fd, path=path, seg_id=segs[0])
         return False
@@ -577,7 +577,7 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
                     progress=progress, proven_lsn=proven_lsn, witness=witness)
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
     first = seglib.list_segments(io, seg_dir)[0]
-    fd = io.open(os.path.join(seg_dir, seglib.segment_name(first)), os.O_RDONLY)
+    fd = seglib.open_segment(io, os.path.join(seg_dir, seglib.segment_name(first)))
     try:
         store_uuid = seglib.read_segment_header(io, fd, path=seg_dir, seg_id=first).store_uuid
     finally:

@@ -328,9 +328,14 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
     """
     report = Report()
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
-    segs = seglib.list_segments(io, seg_dir)
+    fds: dict[int, int] = {}
+    for seg in seglib.list_segments(io, seg_dir):
+        try:  # held open (and locked shared) for the whole check: a compaction cannot shrink them
+            fds[seg] = seglib.open_segment(io, os.path.join(seg_dir, seglib.segment_name(seg)))
+        except FileNotFoundError:
+            continue  # retired by a compaction since the listing
+    segs = list(fds)
     report.segments = len(segs)
-    fds = {seg: io.open(os.path.join(seg_dir, seglib.segment_name(seg)), os.O_RDONLY) for seg in segs}
     try:
         if deep:
             # verify-then-trust: LMDB's offline verifier walks the file in Python first, since

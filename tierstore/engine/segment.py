@@ -7,6 +7,8 @@ never decides what is live.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import threading
 import time
@@ -45,6 +47,26 @@ def parse_segment_name(name: str) -> int | None:
         return int(stem, 16) if stem == stem.lower() else None
     except ValueError:
         return None
+
+
+def open_segment(io: PosixIO, path: str, flags: int = os.O_RDONLY) -> int:
+    """Open a segment file to read it, with a shared ``flock`` held for as long as the
+    descriptor is open (SPEC.md §7.5): a writer shrinks a retired segment away only while it
+    holds the exclusive lock, so no descriptor opened here ever sees a segment shrink.  A
+    segment being shrunk is gone: FileNotFoundError, as if it had been unlinked."""
+    fd = io.open(path, flags)
+    try:
+        io.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            io.close(fd)
+            raise FileNotFoundError(errno.ENOENT, "segment retired (being deleted)", path) from None
+        # no flock on this file system: writers cannot take the exclusive lock either, so they
+        # unlink retired segments at once (an open descriptor keeps the bytes)
+    except BaseException:
+        io.close(fd)
+        raise
+    return fd
 
 
 def list_segments(io: PosixIO, seg_dir: str) -> list[int]:
@@ -570,7 +592,7 @@ class SegmentFiles:
             ent = self._fds.get(seg_id)
             if ent is None:
                 path = self.path(seg_id)
-                fd = self.io.open(path, os.O_RDONLY)
+                fd = open_segment(self.io, path)
                 self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
                 try:
                     dfd = self.dio.open_direct(self.io, path, os.O_RDONLY) if self.direct_reads else -1

@@ -31,6 +31,7 @@ INCOMPAT_KNOWN = 0
 RO_COMPAT_KNOWN = 0
 COMPAT_KNOWN = 0
 SEGMENT_SUFFIX = ".tseg"
+RETIRED_SUFFIX = ".dead"  # §1, §7.5: a retired segment being shrunk away (<id>.tseg.dead); never read
 SEGMENT_NAME_DIGITS = 16  # segments/<16 lower-case hex digits>.tseg
 
 # --- SPEC.md §4 Records ------------------------------------------------------------------

@@ -315,7 +315,7 @@ class Capacity:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
             evicted = self._evict(used + inflight + nbytes - target, ratio)
             done = compaction.reclaim(engine, lambda: engine.disk_bytes() + inflight + nbytes - target,
-                                      min_dead_ratio=ratio)
+                                      min_dead_ratio=ratio, gradual=not strict)  # no put waits on a shrink
             self.counters["compacted_bytes"] += done["bytes_before"]
             self.counters["records_copied"] += done["copied"]
             used = engine.disk_bytes()
