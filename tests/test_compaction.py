@@ -176,11 +176,14 @@ def test_a_retired_segment_is_shrunk_away_a_step_at_a_time(store_path, monkeypat
     with tierstore.open(store_path, segment_bytes="64KiB") as s:
         want = _overwritten_store(s)
         cuts: list[tuple[str, int]] = []
-        held: list[int] = []
+        counted: list[tuple[int, int]] = []  # (what disk_usage says, what the files take) at each pause
+        seg_dir = os.path.join(store_path, "segments")
         real_truncate, real_sleep = s._engine.io.ftruncate, engine_mod.time.sleep
         monkeypatch.setattr(s._engine.io, "ftruncate",
                             lambda fd, n: cuts.append((os.readlink(f"/proc/self/fd/{fd}"), n)) or real_truncate(fd, n))
-        monkeypatch.setattr(engine_mod.time, "sleep", lambda t: held.append(s._engine.disk_bytes()) or real_sleep(t))
+        monkeypatch.setattr(engine_mod.time, "sleep", lambda t: counted.append(
+            (s._engine.disk_usage()[0], sum(os.path.getsize(os.path.join(seg_dir, n)) for n in os.listdir(seg_dir))))
+            or real_sleep(t))
         before = disk_bytes(store_path)
         done = _reclaim_gradually(s)
         assert len(done["victims"]) >= 3
@@ -191,7 +194,7 @@ def test_a_retired_segment_is_shrunk_away_a_step_at_a_time(store_path, monkeypat
             assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0 and len(sizes) >= 4
             assert all(a - b <= 16 << 10 for a, b in zip(sizes, sizes[1:]))
             assert not os.path.exists(p)
-        assert held and max(held) > disk_bytes(store_path)  # the bytes being shrunk still count against a budget
+        assert counted and all(said == took for said, took in counted)  # a .dead file counts against a budget
         assert disk_bytes(store_path) < before / 2
         assert not [n for n in os.listdir(os.path.join(store_path, "segments")) if not n.endswith(".tseg")]
         assert {k: s.get(k).data for k in s.keys()} == want
@@ -203,18 +206,22 @@ def test_a_retired_segment_a_reader_holds_is_unlinked_not_shrunk(store_path, mon
     every byte it reads: the segment is unlinked at once, never truncated under it."""
     with tierstore.open(store_path, segment_bytes="64KiB") as s:
         want = _overwritten_store(s)
-        first = int(os.path.basename(segment_files(store_path)[0]).split(".")[0], 16)
-        other = tierstore.open(store_path, readonly=True)  # another handle of this process: its own descriptors
-        cuts: list[int] = []
+        first, second = (int(os.path.basename(p).split(".")[0], 16) for p in segment_files(store_path)[:2])
+        other = tierstore.open(store_path, readonly=True)  # another handle: its own descriptors, kept open
+        with other._engine.hold_segment(second):  # as after a read of it: the descriptor stays cached
+            pass
+        cuts: list[str] = []
         real_truncate = s._engine.io.ftruncate
-        monkeypatch.setattr(s._engine.io, "ftruncate", lambda fd, n: cuts.append(fd) or real_truncate(fd, n))
+        monkeypatch.setattr(s._engine.io, "ftruncate",
+                            lambda fd, n: cuts.append(os.readlink(f"/proc/self/fd/{fd}")) or real_truncate(fd, n))
         with s._engine.hold_segment(first) as (fd, _):
             size = os.fstat(fd).st_size
             done = _reclaim_gradually(s)
-            assert first in done["victims"] and not os.path.exists(s._engine.segment_path(first))
+            assert {first, second} <= set(done["victims"]) and not os.path.exists(s._engine.segment_path(first))
             assert os.fstat(fd).st_size == size  # whole: unlinked, not shrunk
             assert len(os.pread(fd, size, 0)) == size
-        assert len(cuts) < len(done["victims"]) * 4  # the others were shrunk
+        shrunk = {os.path.basename(p).split(".")[0] for p in cuts}
+        assert shrunk == {f"{v:016x}" for v in done["victims"]} - {f"{first:016x}", f"{second:016x}"}
         assert {k: other.get(k).data for k in other.keys()} == want
         other.close()
         assert {k: s.get(k).data for k in s.keys()} == want
@@ -250,7 +257,36 @@ def test_what_a_crash_left_of_a_shrink_is_removed_at_open(store_path):
     with tierstore.open(store_path, readonly=True) as r:  # readers ignore it and leave it
         assert {k: r.get(k).data for k in r.keys()} == want
     assert os.path.exists(left)
+    shutil.copytree(store_path, store_path + "-noindex")
+    shutil.rmtree(os.path.join(store_path + "-noindex", "index"))
+    with tierstore.open(store_path + "-noindex") as r:  # nor does a rebuild of the index read it
+        assert {k: r.get(k).data for k in r.keys()} == want
     with tierstore.open(store_path) as s:  # a writer opening alone removes it
         assert not os.path.exists(left)
+        assert {k: s.get(k).data for k in s.keys()} == want
+        assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
+
+
+def test_a_failed_step_of_a_shrink_unlinks_the_segment(store_path, monkeypatch):
+    from tierstore.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "SHRINK_STEP", 16 << 10)
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        want = _overwritten_store(s)
+        calls = {"n": 0}
+        real_truncate = s._engine.io.ftruncate
+
+        def failing_second(fd, n):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(5, "injected: EIO")
+            return real_truncate(fd, n)
+
+        monkeypatch.setattr(s._engine.io, "ftruncate", failing_second)
+        done = _reclaim_gradually(s)
+        assert len(done["victims"]) >= 3 and calls["n"] > 4  # the later victims were shrunk too
+        seg_dir = os.path.join(store_path, "segments")
+        assert not [n for n in os.listdir(seg_dir) if not n.endswith(".tseg")]  # nothing left behind
+        assert s._engine.disk_usage()[0] == sum(os.path.getsize(p) for p in segment_files(store_path))
         assert {k: s.get(k).data for k in s.keys()} == want
         assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok

@@ -148,7 +148,8 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
 
 def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int],
                   progress: Callable[[int], None] | None = None, *, gradual: bool = False) -> None:
-    """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, unlink."""
+    """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, delete (``gradual``:
+    shrunk away, ``Engine.retire_segments``)."""
     io = engine.io
     moved: list[tuple[bytes, bytes]] = []
     sizes = {seg: os.path.getsize(engine.segment_path(seg)) for seg in batch}

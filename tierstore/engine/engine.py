@@ -1148,53 +1148,62 @@ class Engine:
         self.index.mark_dead(segs)
         for seg in segs:
             path = self.files.path(seg)
-            shrink = gradual
+            size = 0
             try:
-                if shrink:
-                    self.io.rename(path, path + fmt.RETIRED_SUFFIX)
+                if gradual:
+                    size = os.path.getsize(path)
+                    self._count_shrinking(size)  # from before the rename on (disk_usage)
+                    try:
+                        self.io.rename(path, path + fmt.RETIRED_SUFFIX)
+                    except BaseException:
+                        self._count_shrinking(-size)
+                        size = 0
+                        raise
                 else:
                     self.io.unlink(path)
             except FileNotFoundError:
-                shrink = False  # a writer that opened alone meanwhile deleted it (it was marked dead)
+                pass  # a writer that opened alone meanwhile deleted it (it was marked dead)
             # the name is gone, so no new descriptor; this process's close once no read uses them
             self.files.retire(seg)
-            if shrink:
-                self._shrink_away(path + fmt.RETIRED_SUFFIX)
+            if size:
+                self._shrink_away(path + fmt.RETIRED_SUFFIX, size)
         self.io.fsync_dir(self.seg_dir)
         self.index.forget_segments(segs)
 
-    def _shrink_away(self, dead: str) -> None:
-        """Delete a retired segment, renamed to ``dead``, by shrinking it (SPEC.md §7.5): take its
-        exclusive ``flock``, which no reader holds (each reader holds a shared one for as long as
-        its descriptor is open: ``segment.open_segment``), truncate it ``SHRINK_STEP`` bytes at a
-        time, then unlink it.  If a reader still holds it, it is unlinked at once (the reader's
-        descriptor keeps the bytes it reads, as after any unlink)."""
-        self.io.fsync_dir(self.seg_dir)  # the new name first: never a shortened segment under its own name
-        fd = self.io.open(dead, os.O_WRONLY)
+    def _shrink_away(self, dead: str, size: int) -> None:
+        """Delete a retired segment, renamed to ``dead`` (``size`` bytes, counted in
+        ``disk_usage`` until they are gone), by shrinking it (SPEC.md §7.5): take its exclusive
+        ``flock``, which no reader holds (each reader holds a shared one for as long as its
+        descriptor is open: ``segment.open_segment``), truncate it ``SHRINK_STEP`` bytes at a
+        time, then unlink it.  If a reader holds it (or a step fails), it is unlinked at once:
+        a reader's descriptor keeps the bytes it reads, as after any unlink."""
+        fd = -1
         try:
-            try:
-                self.io.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # a reader holds it (or this file system has no flock)
-                self.io.unlink(dead)
-                return
-            size = self.io.size(fd)
-            with self._shrink_lock:
-                self._shrinking += size
-            try:
-                while size > 0:
-                    step = min(size, SHRINK_STEP)
-                    self.io.ftruncate(fd, size - step)
-                    size -= step
-                    with self._shrink_lock:
-                        self._shrinking -= step
-                    if size:
-                        time.sleep(SHRINK_PAUSE_S)
-            finally:
-                with self._shrink_lock:
-                    self._shrinking -= size
-            self.io.unlink(dead)
+            self.io.fsync_dir(self.seg_dir)  # the new name first: never a shortened segment under its own name
+            fd = self.io.open(dead, os.O_WRONLY)
+            self.io.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a reader holds it (or no flock here)
+            while size > 0:
+                step = min(size, SHRINK_STEP)
+                self.io.ftruncate(fd, size - step)
+                size -= step
+                self._count_shrinking(-step)
+                if size:
+                    time.sleep(SHRINK_PAUSE_S)
+        except OSError:
+            pass  # a reader holds it, no flock here, or a step failed: unlinked at once below (a
+            # failing disk shows in retire_segments' directory sync)
         finally:
-            self.io.close(fd)
+            self._count_shrinking(-size)
+            if fd >= 0:
+                self.io.close(fd)
+            try:
+                self.io.unlink(dead)
+            except FileNotFoundError:
+                pass
+
+    def _count_shrinking(self, nbytes: int) -> None:
+        with self._shrink_lock:
+            self._shrinking += nbytes
 
     def disk_bytes(self) -> int:
         """Bytes the store occupies on disk: its segment files, the index's files and the

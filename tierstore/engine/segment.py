@@ -611,7 +611,8 @@ class SegmentFiles:
                 self._close(seg_id)
 
     def retire(self, seg_id: int) -> None:
-        """Close the segment's fds once no read uses them (called after the file is unlinked)."""
+        """Close the segment's fds once no read uses them (called once the file's name is gone:
+        unlinked, or renamed to be shrunk away)."""
         with self._lock:
             ent = self._fds.get(seg_id)
             if ent is not None and ent[2] == 0:

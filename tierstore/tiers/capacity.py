@@ -5,7 +5,7 @@ Eviction path:  Store.put -> Capacity.make_room(n) -> [past budget - 2 slack] th
                 (or, past the budget with the thread idle, the put itself) -> _evict_until ->
                 _evict (DELETE groups through Engine.append_group, each object with its session
                 references) -> compaction.reclaim (the deadest sealed segments copied forward,
-                then unlinked)
+                then deleted: shrunk away a step at a time by the thread, unlinked by a put)
 
 An eviction is a delete: crash-safe because it goes through the log like any delete, and seen
 as a miss by every handle and process.  Nothing about the budget is kept apart from the log:
@@ -315,7 +315,7 @@ class Capacity:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
             evicted = self._evict(used + inflight + nbytes - target, ratio)
             done = compaction.reclaim(engine, lambda: engine.disk_bytes() + inflight + nbytes - target,
-                                      min_dead_ratio=ratio, gradual=not strict)  # no put waits on a shrink
+                                      min_dead_ratio=ratio, gradual=not strict)  # a put that evicts unlinks
             self.counters["compacted_bytes"] += done["bytes_before"]
             self.counters["records_copied"] += done["copied"]
             used = engine.disk_bytes()

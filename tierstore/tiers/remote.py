@@ -902,12 +902,15 @@ class PushQueue:
     def close(self, drain_s: float) -> None:
         """Wait (at most ``drain_s``) for the queue to drain, then stop the sender.  A send that
         failed before close gets one more try (one blip of the server does not leave a put
-        unsent until the next open); the first failure after close began ends the wait."""
+        unsent until the next open) if it comes within the wait; the first failure after close
+        began ends the wait."""
         deadline = time.monotonic() + drain_s
         with self._cv:
             failures = self.failures
             while self._work_left() and self._thread is not None and time.monotonic() < deadline \
                     and self.failures == failures:
+                if self.tier.down and time.monotonic() + self.tier.down_for >= deadline:
+                    break  # the next try would come after the wait allowed
                 self._cv.wait(0.05)
             self._stopping = True
             self._cv.notify_all()
