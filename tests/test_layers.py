@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # attributes with a leading underscore that are public by convention (namedtuple's API)
 PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults",
                      # vLLM's KVConnectorBase_V1 gives its subclasses these (the documented way in)
-                     "_get_connector_metadata", "_kv_transfer_config", "_kv_cache_config"}
+                     "_get_connector_metadata", "_kv_transfer_config", "_kv_cache_config", "_cache_hit_source"}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -59,6 +59,7 @@ def _config(model, store, chunk_tokens, extra, policy, dtype, role="kv_both"):
     cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kv,
                      device_config=DeviceConfig(device="cpu"))
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets after profiling memory
+    cfg.scheduler_config.async_scheduling = False  # Engine below schedules a step once the last one is done
     return cfg
 
 
@@ -525,3 +526,103 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(tmp_path, role):
     assert e2.errors == []
     with tierstore.open(store, readonly=True) as s:
         assert len(s.keys(namespace="vllm")) == 3 + (2 if role == "kv_producer" else 0)
+
+
+# -- after a cold review (2026-12-01) ----------------------------------------------------------------
+
+
+def test_sliding_window_and_other_non_prefix_layer_groups_are_refused(tmp_path):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16,
+                             sliding_window=16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    swa = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    with pytest.raises(ValueError, match="SlidingWindowSpec"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, swa)
+    KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())  # twin: full attention
+
+
+def test_a_failed_load_drops_the_saves_of_its_step(tmp_path):
+    """Chunks computed in the step whose load failed attended to the failed blocks: never stored
+    from that step (vLLM recomputes them, and they are stored then)."""
+    store = tmp_path / "kv"
+    a = list(range(700, 800))
+    serve(tmp_path, store, [a])
+    with tierstore.open(store) as s:
+        victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1]
+    with open(store / "segments" / f"{victim.segment:016x}.tseg", "r+b") as f:
+        f.seek(victim.offset + victim.stored_bytes - 10)
+        byte = f.read(1)
+        f.seek(victim.offset + victim.stored_bytes - 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    e = Engine(tmp_path, store, policy="recompute", prefix_caching=False)
+    e.add("longer", a + list(range(900, 964)))  # three stored chunks (the second damaged), two more computed
+    first = e.step()
+    assert first.kv_connector_metadata.saves and e.last_failed  # saves planned in the step whose load failed
+    e.run()
+    e.close()
+    assert e.errors == [] and e.worker.counters["saves_dropped"] >= len(first.kv_connector_metadata.saves)
+    with tierstore.open(store, readonly=True) as s:  # stored later, once recomputed
+        assert len(s.keys(namespace="vllm")) == 5 and s.info(victim.key, namespace="vllm").lsn > victim.lsn
+
+
+def test_with_asynchronous_scheduling_the_next_step_of_a_failed_request_is_not_saved(tmp_path):
+    """With async scheduling vLLM scheduled the next step before it heard of the failure: what that
+    step computes for the request attends to the failed blocks too."""
+    cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute")
+    cfg.scheduler_config.async_scheduling = True
+    from tierstore.integrations.vllm import ChunkSave, TierstoreConnectorMetadata
+
+    w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    caches = paged_caches(False)
+    w.register_kv_caches(caches)
+    w._tainted.add("r")  # what the load thread records for a request whose load failed
+    meta = TierstoreConnectorMetadata(saves=[ChunkSave("r", [b"k" * 16], [1, 2]), ChunkSave("q", [b"j" * 16], [3, 4])])
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name, layer in caches.items():
+        w.save_kv_layer(name, layer, None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    w.shutdown()
+    assert w.counters["saves_dropped"] == 1
+    with tierstore.open(tmp_path / "kv", readonly=True) as s:
+        assert s.keys(namespace="vllm") == [b"j" * 16]
+
+
+def test_reset_cache_starts_a_new_epoch(tmp_path):
+    store = tmp_path / "kv"
+    a = list(range(1000, 1100))
+    serve(tmp_path, store, [a])
+    e = Engine(tmp_path, store)
+    conn = e.sched.connector
+    r = Request("x", a, SamplingParams(max_tokens=1), None)
+    assert conn.get_num_new_matched_tokens(r, 0)[0] == 96
+    assert conn.reset_cache() is True
+    assert conn.get_num_new_matched_tokens(r, 0)[0] == 0  # stored before the reset: never loaded again
+    e.close()
+
+
+def test_the_codec_and_the_layer_order_are_in_the_fingerprint(tmp_path):
+    from tierstore.integrations.vllm import model_fingerprint
+
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    base = model_fingerprint(cfg, pp_rank=0, tp_rank=0, layers=names)
+    assert model_fingerprint(cfg, pp_rank=0, tp_rank=0, layers=names, codec="int8") != base
+    assert model_fingerprint(cfg, pp_rank=0, tp_rank=0, layers=names[::-1]) != base
+    assert model_fingerprint(cfg, pp_rank=0, tp_rank=0, layers=names, epoch=1) != base
+    assert model_fingerprint(cfg, pp_rank=0, tp_rank=0, layers=names) == base  # twin: deterministic
+
+
+def test_ranks_come_from_vllm_and_unknown_ones_are_refused(tmp_path):
+    cfg = make_config(tmp_path, tmp_path / "kv")
+    cfg.parallel_config.tensor_parallel_size = 2  # with no process groups of that size in this process
+    with pytest.raises(ValueError, match="cannot tell this worker's ranks"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    cfg = make_config(tmp_path, tmp_path / "kv", extra={"tp_rank": 1})
+    cfg.parallel_config.tensor_parallel_size = 2
+    w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    assert w._worker == 1 and w.requires_kv_delivery is False

@@ -120,7 +120,7 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
     with open_store(path, create=False, readonly=True) as store:
         info = store.info(key, namespace=namespace)
         seg = os.path.join(path, fmt.SEGMENTS_DIR, seglib.segment_name(info.segment))
-        fd = DEFAULT_IO.open(seg, os.O_RDONLY)
+        fd = seglib.open_segment(DEFAULT_IO, seg)
         try:
             hdr = rec.decode_header(DEFAULT_IO.pread(fd, fmt.HEADER_MAX_BYTES, info.offset))
         finally:

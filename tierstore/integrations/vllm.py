@@ -37,7 +37,8 @@ How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
   ``wait_for_save`` hands the buffers to a writer thread and returns.
 - A chunk that cannot be read (evicted since the match, damaged: CorruptionError) is never
   loaded as KV: its blocks are reported by ``get_block_ids_with_load_errors`` and vLLM
-  recomputes them or fails the request, as its ``kv_load_failure_policy`` says.
+  recomputes them or fails the request, as its ``kv_load_failure_policy`` says; the saves of
+  that step (chunks computed on top of it) are dropped.
 
 It uses only tierstore's public API and vLLM's connector interface.
 """
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,10 +60,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import tierstore
 
-from .. import CorruptionError, InvalidObject, KVCache, MLACache, NotFound, StoreIOError, TierstoreError, chunk_hashes
+from .. import CorruptionError, InvalidObject, KVCache, MLACache, TierstoreError, chunk_hashes
 from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
@@ -72,21 +75,25 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _log = logging.getLogger("tierstore")
-FINGERPRINT_VERSION = b"tierstore/vllm/1"
+FINGERPRINT_VERSION = b"tierstore/vllm/2"
 
 def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None,
-                      layers: tuple[str, ...] = ()) -> bytes:
+                      layers: tuple[str, ...] = (), codec: str | None = None, epoch: int = 0) -> bytes:
     """The salt of one rank's chunk hashes: SHA-256 over the fingerprint version, the model
-    (name, revision, dtype), the KV cache dtype, the attention kind, the tensor- and
-    pipeline-parallel sizes, the pipeline stage ``pp_rank`` (its layers), the tensor-parallel
-    ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA latents), ``model_id``,
-    and the names of the KV cache's layers (a drafter's layers added change what a chunk holds).
-    16 bytes."""
+    (name, revision, dtype, quantization, config overrides), the KV cache dtype, the attention
+    kind, the tensor- and pipeline-parallel sizes, the pipeline stage ``pp_rank`` (its layers),
+    the tensor-parallel ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA
+    latents), ``model_id``, the names of the KV cache's layers in the order a chunk stores them
+    (a drafter's layers added change what a chunk holds), the codec (a lossy entry is never
+    loaded by a deployment that stores losslessly) and ``epoch`` (``reset_cache``).  16 bytes."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    overrides = getattr(mc, "hf_overrides", None)
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
+             str(getattr(mc, "quantization", None)),
+             json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides),
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
              str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",
-             str(model_id), "\n".join(sorted(layers))]
+             str(model_id), "\n".join(layers), str(codec), f"epoch{epoch}"]
     h = hashlib.sha256()
     for p in parts:
         b = p if isinstance(p, bytes) else p.encode()
@@ -135,8 +142,24 @@ _FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "
 _PLAIN_CACHE = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32", "fp8_inc"})
 
 
+def _check_spec(spec: Any) -> None:
+    """Refuse a KV cache group other than plain full attention or MLA: a sliding-window or
+    chunked-local group hands the connector block lists with the null block where tokens left
+    the window (and frees blocks as they leave it), a recurrent one holds no per-token KV."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    for one in (inner.values() if isinstance(inner, dict) else [spec]):
+        if type(one) not in (FullAttentionSpec, MLAAttentionSpec):
+            raise ValueError(f"TierstoreConnector stores full-attention and MLA KV caches only; this model has a "
+                             f"{type(one).__name__} layer group (sliding window, chunked local, recurrent or another "
+                             f"kind whose blocks are not a plain prefix)")
+
+
 class TierstoreConnector(KVConnectorBase_V1):
     """vLLM's KV connector over a tierstore store (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.DISK  # vLLM's metrics: prompt tokens whose KV came from here
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -172,17 +195,19 @@ class TierstoreConnector(KVConnectorBase_V1):
             if not choice.codec.lossless and cache_dtype in _FP8_CACHE:
                 raise ValueError(f"codec {self._codec!r} is lossy; this KV cache is already fp8 ({cache_dtype}): "
                                  f"use a lossless codec (zstd) or none")
+        for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+            _check_spec(group.kv_cache_spec)
         role = self._kv_transfer_config.kv_role
         self._loads = role in ("kv_both", "kv_consumer")
         self._saves = role in ("kv_both", "kv_producer")
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
-        model_id = extra.get("model_id")
-        # one salt per worker, in the order worker_index gives: stage-major, then tensor rank
-        layers = tuple(name for g in getattr(kv_cache_config, "kv_cache_groups", None) or () for name in g.layer_names)
-        self._salts = [model_fingerprint(vllm_config, pp_rank=p, tp_rank=None if self._mla else t, model_id=model_id,
-                                         layers=layers)
-                       for p in range(self._pp) for t in ([None] if self._mla else range(self._tp))]
+        self._vllm_config, self._model_id = vllm_config, extra.get("model_id")
+        # the order a chunk stores its layers in (register_kv_caches follows it)
+        self._layer_names = tuple(name for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+                                  for name in g.layer_names)
+        self._epoch = 0
+        self._salts = self._salts_of(0)
         store_options = dict(extra.get("store_options") or {})
         if "durability" in store_options:
             raise ValueError("give durability as kv_connector_extra_config.durability, not in store_options")
@@ -206,6 +231,12 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._load_stream: Any = None
         self._failed: set[int] = set()
         self._failed_lock = threading.Lock()
+        self._step_failed = False  # a load of this step failed: its saves may hold KV computed on garbage
+        # requests with a failed load: with asynchronous scheduling the next step was scheduled before
+        # vLLM heard of the failure, so what it computes for them attends to the failed blocks too
+        self._tainted: set[str] = set()
+        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._staged_meta: Any = None
         self._staged: list[tuple[ChunkSave, Any]] = []
         self._staged_layers: set[int] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-vllm-save")
@@ -215,23 +246,57 @@ class TierstoreConnector(KVConnectorBase_V1):
         self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0,
                          "saves_dropped": 0}
 
+    def _salts_of(self, epoch: int) -> list[bytes]:
+        """One salt per worker, in the order ``_worker_index`` gives: stage-major, then tensor rank."""
+        return [model_fingerprint(self._vllm_config, pp_rank=p, tp_rank=None if self._mla else t,
+                                  model_id=self._model_id, layers=self._layer_names,
+                                  codec=None if self._codec is None else str(self._codec), epoch=epoch)
+                for p in range(self._pp) for t in ([None] if self._mla else range(self._tp))]
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that does not happen is a later miss
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (``pause_generation(clear_cache=True)``, e.g. after a weight
+        update): from now on this process stores and matches under a new epoch of the
+        fingerprint, so nothing stored before is loaded again by it.  The epoch lives in this
+        process only: a restarted server is told apart by ``model_id`` (or the model's name and
+        revision), as always."""
+        self._epoch += 1
+        self._salts = self._salts_of(self._epoch)
+        self._hashes.clear()
+        return True
+
     @property
     def store(self) -> tierstore.Store:
         """The store handle this connector uses (one per store and process, shared)."""
         return self._store
 
     def _worker_index(self, extra: dict[str, Any]) -> int:
-        """This worker's place in ``_salts``: stage-major, then tensor rank (MLA: the stage)."""
-        tp_rank, pp_rank = int(extra.get("tp_rank", -1)), int(extra.get("pp_rank", -1))
+        """This worker's place in ``_salts``: stage-major, then tensor rank (MLA: the stage).
+        The ranks come from vLLM's process groups; ``tp_rank`` / ``pp_rank`` of the extra config
+        only where those cannot say (a single worker without them is rank 0)."""
         try:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
-            if tp_rank < 0:
-                tp_rank = int(get_tensor_model_parallel_rank())
-            if pp_rank < 0:
-                pp_rank = int(get_pp_group().rank_in_group)
-        except (AssertionError, AttributeError, ImportError, RuntimeError):  # no process group: one worker
+            if int(get_tensor_model_parallel_world_size()) != self._tp or int(get_pp_group().world_size) != self._pp:
+                raise RuntimeError("vLLM's process groups are not this configuration's")
+            tp_rank, pp_rank = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        except (AssertionError, AttributeError, ImportError, RuntimeError):  # no process group
+            tp_rank, pp_rank = int(extra.get("tp_rank", -1)), int(extra.get("pp_rank", -1))
+            if (tp_rank < 0 and self._tp > 1) or (pp_rank < 0 and self._pp > 1):
+                raise ValueError(f"TierstoreConnector cannot tell this worker's ranks (tensor parallel {self._tp}, "
+                                 f"pipeline parallel {self._pp}): vLLM's process groups are not set up; give "
+                                 f"kv_connector_extra_config tp_rank and pp_rank") from None
             tp_rank, pp_rank = max(tp_rank, 0), max(pp_rank, 0)
+        if not (0 <= tp_rank < self._tp and 0 <= pp_rank < self._pp):
+            raise ValueError(f"TierstoreConnector: ranks tp {tp_rank} / pp {pp_rank} outside the parallel sizes "
+                             f"{self._tp} / {self._pp}")
         self._tp_rank = tp_rank
         return pp_rank if self._mla else pp_rank * self._tp + tp_rank
 
@@ -367,12 +432,17 @@ class TierstoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = int(self._kv_cache_config.num_blocks) if self._kv_cache_config is not None else None
         self._layers = []
-        for name, tensor in kv_caches.items():
+        order = {name: i for i, name in enumerate(self._layer_names)}  # the order the fingerprint names
+        for name, tensor in sorted(kv_caches.items(), key=lambda item: order.get(item[0], len(order))):
             if tensor.dtype == torch.uint8 and self._fp8 is not None:  # fp8 values held as bytes
                 tensor = tensor.view(getattr(torch, self._fp8))
             n = num_blocks if num_blocks is not None else int(tensor.shape[0])
             layout = PagedLayout.of(tensor, num_blocks=n, block_size=self._block_size, mla=self._mla)
             self._layers.append((name, tensor, PagedLayer(tensor, layout)))
+        dtypes = {str(tensor.dtype) for _, tensor, _ in self._layers}
+        if len(dtypes) > 1:
+            raise ValueError(f"TierstoreConnector stores a chunk's layers as one object; these layers differ "
+                             f"in dtype ({sorted(dtypes)}, e.g. --kv-cache-dtype-skip-layers)")
         shapes = {paged.layout.chunk_shape(self._chunk) for _, _, paged in self._layers}
         if len(shapes) > 1:
             raise ValueError(f"TierstoreConnector stores a chunk's layers as one object; these layers differ "
@@ -387,6 +457,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._load_thread.join()
             self._load_thread = None
         self._load_error = None
+        self._step_failed = False
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierstoreConnectorMetadata)
         events = [threading.Event() for _ in self._layers]
@@ -430,16 +501,18 @@ class TierstoreConnector(KVConnectorBase_V1):
                                                   pin_memory=cuda)
                         try:
                             self._store.get(self._key(ld.keys), namespace=self._namespace, layers=i, out=bufs[j][None])
-                        except (NotFound, CorruptionError, StoreIOError, InvalidObject) as e:
+                        except TierstoreError as e:
                             # evicted since the match, damaged, stored with other layers: recomputed, never loaded
                             failed.add(j)
                             with self._failed_lock:
                                 self._failed.update(ld.block_ids)
+                                self._tainted.add(ld.req_id)
+                                self._step_failed = True
                             self.counters["load_errors"] += 1
                             _log.warning("tierstore: chunk %s not loaded (%s); its %d blocks are recomputed (or the "
                                          "request fails: kv_load_failure_policy)", self._key(ld.keys).hex()[:16], e,
                                          len(ld.block_ids))
-                            if not isinstance(e, (NotFound, StoreIOError)):  # damaged for good: never matched again
+                            if isinstance(e, (CorruptionError, InvalidObject)):  # damaged for good: never matched again
                                 self._forget(self._key(ld.keys))
                             continue
                         src = bufs[j].to(tensor.device, non_blocking=True) if cuda else bufs[j]
@@ -484,13 +557,18 @@ class TierstoreConnector(KVConnectorBase_V1):
         if i is None:
             return
         _, tensor, paged = self._layers[i]
-        if not self._staged and not self._staged_layers:  # the step's first layer: what this worker saves
-            keys = [self._key(sv.keys) for sv in meta.saves]
+        if meta is not self._staged_meta:  # the step's first layer (a step without wait_for_save leaves nothing)
+            self._staged, self._staged_layers, self._staged_meta = [], set(), meta
+            with self._failed_lock:
+                tainted, self._tainted = self._tainted, set()  # a step later vLLM recomputes from the failure
+            saves = [sv for sv in meta.saves if not (self._async and sv.req_id in tainted)]
+            self.counters["saves_dropped"] += len(meta.saves) - len(saves)
+            keys = [self._key(sv.keys) for sv in saves]
             have = self._store.contains_many(keys, namespace=self._namespace)
             shape = (len(self._layers), *paged.layout.chunk_shape(self._chunk))
             pin = tensor.device.type == "cuda"
             self._staged = [(sv, torch.empty(shape, dtype=tensor.dtype, pin_memory=pin))
-                            for sv, h in zip(meta.saves, have) if not h]
+                            for sv, h in zip(saves, have) if not h]
         self._staged_layers.add(i)
         for sv, buf in self._staged:
             if tensor.device.type == "cuda":  # gathered on the device, then one copy to pinned memory
@@ -509,6 +587,12 @@ class TierstoreConnector(KVConnectorBase_V1):
             self.counters["saves_dropped"] += len(staged)
             _log.warning("tierstore: %d chunks not saved: %d of %d layers were seen this step", len(staged),
                          len(layers), len(self._layers))
+            return
+        if self._load_thread is not None:
+            self._load_thread.join()  # every layer was waited for: it is done
+        if self._step_failed:  # chunks computed in this step attended to blocks whose load failed
+            self.counters["saves_dropped"] += len(staged)
+            _log.warning("tierstore: %d chunks of this step not saved: a load of the same step failed", len(staged))
             return
         copied = None
         if any(t.device.type == "cuda" for _, t, _ in self._layers):  # the writer waits for the copies, not us
