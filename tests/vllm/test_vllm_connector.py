@@ -420,12 +420,9 @@ def test_requests_sharing_a_prefix_in_one_step_save_it_once(tmp_path):
         assert len(s.keys(namespace="vllm")) == 2 + 1 + 1 + 3  # shared 2, x's 3rd, y's 3rd, z's 3
 
 
-def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
-    """With kv_load_failure_policy "recompute": the damaged chunk's blocks are recomputed (right KV),
-    the entry is deleted so it is never matched again, and the recomputed chunk is stored anew."""
-    store = tmp_path / "kv"
-    a = list(range(500, 600))
-    serve(tmp_path, store, [a])
+def damage_second_chunk(store):
+    """Flip a byte of the second chunk stored (by LSN): its last extent fails its checksum.
+    Returns the chunk's info as it was."""
     with tierstore.open(store) as s:
         victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1]
     with open(store / "segments" / f"{victim.segment:016x}.tseg", "r+b") as f:
@@ -433,6 +430,16 @@ def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
         byte = f.read(1)
         f.seek(victim.offset + victim.stored_bytes - 10)
         f.write(bytes([byte[0] ^ 0xFF]))
+    return victim
+
+
+def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
+    """With kv_load_failure_policy "recompute": the damaged chunk's blocks are recomputed (right KV),
+    the entry is deleted so it is never matched again, and the recomputed chunk is stored anew."""
+    store = tmp_path / "kv"
+    a = list(range(500, 600))
+    serve(tmp_path, store, [a])
+    victim = damage_second_chunk(store)
     e2 = Engine(tmp_path, store, policy="recompute", prefix_caching=False)
     e2.add("again", a)
     e2.run()
@@ -550,13 +557,7 @@ def test_a_failed_load_drops_the_saves_of_its_step(tmp_path):
     store = tmp_path / "kv"
     a = list(range(700, 800))
     serve(tmp_path, store, [a])
-    with tierstore.open(store) as s:
-        victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1]
-    with open(store / "segments" / f"{victim.segment:016x}.tseg", "r+b") as f:
-        f.seek(victim.offset + victim.stored_bytes - 10)
-        byte = f.read(1)
-        f.seek(victim.offset + victim.stored_bytes - 10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    victim = damage_second_chunk(store)
     e = Engine(tmp_path, store, policy="recompute", prefix_caching=False)
     e.add("longer", a + list(range(900, 964)))  # three stored chunks (the second damaged), two more computed
     first = e.step()
