@@ -390,7 +390,7 @@ def test_power_loss_states_with_eviction(fast_tmp, capsys, monkeypatch, gradual)
     evictions = []
     real_evict = capacity.Capacity._evict
     monkeypatch.setattr(capacity.Capacity, "_evict",
-                        lambda self, *a: evictions.append(real_evict(self, *a)) or evictions[-1])
+                        lambda self, *a, **kw: evictions.append(real_evict(self, *a, **kw)) or evictions[-1])
     ex.explore(["put_new", "overwrite", "delete", "compact"])
     with capsys.disabled():
         print(f"\ncrash states (eviction): {ex.stats}, evicting runs: {sum(1 for e in evictions if e)}")

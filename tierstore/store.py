@@ -196,6 +196,10 @@ class Store:
         tiers = tier_options(options)
         remote = remote_options(options)
         capacity = capacity_options(options)
+        if capacity is not None and capacity["downtier"] and remote is not None:
+            raise InvalidObject("downtier= with a remote tier is not supported: a lossy copy kept here would "
+                                "carry the version of the lossless one the server holds",
+                                hint="leave downtier= out, or the remote tier")
         trace = trace_options(options)
         self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, *CAPACITY_OPTIONS,
                                                           *TRACE_OPTIONS, "codecs"))
@@ -217,7 +221,8 @@ class Store:
         try:
             self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
             if capacity is not None and not readonly:  # a read-only handle evicts nothing
-                self._capacity = Capacity(self._engine, pinned=self._tiers.pinned, **capacity)
+                self._capacity = Capacity(self._engine, pinned=self._tiers.pinned, transcode=self._lossy_copy,
+                                          **capacity)
             if trace is not None:
                 self._trace = TraceWriter(trace["path"], max_bytes=trace["max_bytes"])
             if self._capacity is not None:  # the trace is told by the budget, in the order it decides
@@ -681,6 +686,28 @@ class Store:
         if not self.codecs:
             return None
         return self.codecs.get((namespace, name)) or self.codecs.get((None, name))
+
+    def _lossy_copy(self, ns: bytes, k: bytes, loc: Location, choice: cdc.Choice,
+                    between: Callable[[], None] | None = None) -> rec.EncodedRecord:
+        """The object at ``loc`` as a PUT record in the lossy codec ``choice``, for the SSD budget's
+        down-tiering (``downtier=``): read from the log (not through the cache tiers, which it
+        would only disturb), decoded, and encoded again with its metadata (``between`` is
+        called before each extent is encoded: what it raises stops); nothing is written.
+        NotFound when compaction moved it meanwhile (the budget then deletes it, as without a
+        down-tier)."""
+        h = loc.header
+        namespace = ns.decode("utf-8")
+        where = {"segment": loc.segment, "offset": loc.offset, "key": decode_key(k, h.flags), "namespace": namespace}
+        dicts = None if h.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
+        try:
+            obj = blk.read_object(h, self._engine.reader(loc, where), dictionaries=dicts)
+        except FileNotFoundError:
+            raise NotFound("moved by compaction while it was down-tiered", **where) from None
+        block = blk.encode_block(obj, h.meta.get("meta"), vector_extent_bytes=self.options.vector_extent_bytes)
+        if "fw" in h.meta:  # read back as numpy where torch is missing: still a torch tensor to its readers
+            block = block._replace(meta={**block.meta, "fw": h.meta["fw"]})
+        block = blk.apply_codec(block, choice, None, between)
+        return rec.encode_put(ns, k, h.flags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
 
     def flush(self) -> None:
         """Make every earlier write durable (whatever the durability mode) and visible to

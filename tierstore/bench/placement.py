@@ -1,6 +1,7 @@
 """The placement section of ``tierstore bench`` (docs/placement.md): the generated traces replayed
 by ``tierstore simulate`` at DRAM = 10 % and SSD = 50 % of their data (slow-tier bytes and
-recompute tokens per policy, against LRU and Belady), and the SSD budget on a real store: put
+recompute tokens per policy, against LRU and Belady; LRU and the cost model also with lossy
+int4 copies kept in place of evicted KV chunks), and the SSD budget on a real store: put
 latency with the budget full (evicting) against the same puts while it is empty, in one run.
 It measures and reports; it never asserts.
 """
@@ -19,21 +20,45 @@ from ..tiers import simulate as sim
 from ..tiers import workloads
 from .common import pyplot
 
+LOSSY_POLICIES = ("lru", "cost")  # also run with down-tiering to int4 (as "lru+int4", "cost+int4")
 
-def bench_simulation(*, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
-    out: dict[str, Any] = {"dram_share": 0.1, "ssd_share": 0.5, "traces": {}}
+
+def lossy_share(root: str, codec: str = "int4") -> float:
+    """The stored size of a KV chunk in ``codec`` as a share of its lossless record: a Llama-3-8B
+    shaped chunk of 4 layers (int4's codes and scales take the same share of any float16 chunk
+    of head_dim 128), put both ways into a real store."""
+    from .. import KVCache
+    from .. import open as open_store
+
+    path = os.path.join(root, "lossy-share")
+    shutil.rmtree(path, ignore_errors=True)
+    data = np.random.default_rng(2).standard_normal((4, 2, 8, 256, 128)).astype(np.float16)
+    with open_store(path) as s:
+        s.put("raw", KVCache(data))
+        s.put("lossy", KVCache(data), codec=codec)
+        share = s.info("lossy").stored_bytes / s.info("raw").stored_bytes
+    shutil.rmtree(path, ignore_errors=True)
+    return round(share, 4)
+
+
+def bench_simulation(root: str, *, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
+    share = lossy_share(root)
+    out: dict[str, Any] = {"dram_share": 0.1, "ssd_share": 0.5, "int4_share": share, "traces": {}}
     small = {"chat": {"sessions": 60}, "mixed": {"sessions": 60}, "tenants": {"requests": 800},
              "rag": {"queries": 500}, "agent": {"agents": 12}} if quick else {}
     for shape in sorted(workloads.SHAPES):
         ops = workloads.generate(shape, seed=0, **small.get(shape, {}))
         data = sim.data_bytes(ops)
         models = dict(workloads.MIXED_MODELS) if shape == "mixed" else None  # else: an 8B model
+        kv_namespaces = {o["ns"] for o in ops if o.get("tokens")}
         runs = {}
-        for p in sim.POLICY_NAMES:
+        for p in (*sim.POLICY_NAMES, *(f"{p}+int4" for p in LOSSY_POLICIES)):
             t0 = time.perf_counter()
-            r = sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=p, models=models)
+            policy, lossy = p.partition("+")[::2]
+            r = sim.simulate(ops, dram_bytes=data // 10, ssd_bytes=data // 2, policy=policy, models=models,
+                             downtier={ns: share for ns in kv_namespaces} if lossy else None)
             runs[p] = {k: r[k] for k in ("misses", "bytes_slow", "recompute_tokens", "miss_seconds", "bytes_from_ssd",
-                                         "dram_hit_rate", "ssd_hit_rate", "miss_rate")}
+                                         "dram_hit_rate", "ssd_hit_rate", "miss_rate", "downtiered", "lossy_hits")}
             runs[p]["seconds"] = round(time.perf_counter() - t0, 2)
         lru, best = runs["lru"]["bytes_slow"], runs["belady"]["bytes_slow"]
         for r in runs.values():
@@ -99,20 +124,25 @@ def bench_budget(root: str, *, quick: bool, say: Callable[..., None]) -> dict[st
 
 
 def bench_placement(root: str, *, quick: bool, say: Callable[..., None]) -> dict[str, Any]:
-    return {"simulation": bench_simulation(quick=quick, say=say), "budget": bench_budget(root, quick=quick, say=say)}
+    return {"simulation": bench_simulation(root, quick=quick, say=say),
+            "budget": bench_budget(root, quick=quick, say=say)}
 
 
 def markdown_placement(r: dict[str, Any]) -> list[str]:
     sim_r = r["simulation"]
     lines = ["", "## Placement: generated traces at DRAM 10 %, SSD 50 % of their data", "",
+             f"`+int4`: SSD victims of KV namespaces kept as int4 copies of {sim_r.get('int4_share', 0):.1%} of "
+             "their bytes (`downtier=`), evicted when chosen again; their reads are hits, counted as lossy hits.", "",
              "| trace | policy | misses | GiB from the slow tier | recompute tokens | miss seconds | "
-             "fewer slow bytes than LRU | slow bytes vs Belady |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "fewer slow bytes than LRU | slow bytes vs Belady | lossy hits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for shape, t in sim_r["traces"].items():
         for p, x in t["runs"].items():
             vs_lru = f"{x['slow_vs_lru']}x" if x["slow_vs_lru"] else "-"
             vs_best = f"{x['slow_vs_belady']}x" if x["slow_vs_belady"] else "- (Belady: 0)"
             lines.append(f"| {shape} | {p} | {x['misses']:,} | {x['bytes_slow'] / 2**30:,.1f} | "
-                         f"{x['recompute_tokens']:,} | {x['miss_seconds']:,.2f} | {vs_lru} | {vs_best} |")
+                         f"{x['recompute_tokens']:,} | {x['miss_seconds']:,.2f} | {vs_lru} | {vs_best} | "
+                         f"{x.get('lossy_hits', 0):,} |")
     lines += ["", "## The SSD budget: durable put latency, budget full (evicting) vs empty", "",
               "| chunk | budget | p50 empty / full ms | p99 empty / full ms | p99 full / empty | evictions | "
               "records copied | puts that evicted themselves |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -132,9 +162,9 @@ def plot_placement(r: dict[str, Any], path: str) -> None:
     for ax, (shape, t) in zip(axes, traces.items()):
         names = list(t["runs"])
         ax.bar(names, [t["runs"][p]["bytes_slow"] / 2**30 for p in names],
-               color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
+               color=["#999999", "#4c72b0", "#dd8452", "#55a868", "#bbbbbb", "#8172b3"][:len(names)])
         ax.set_title(shape, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=60)
     axes[0].set_ylabel("GiB from the slow tier")
     fig.suptitle("Slow-tier bytes per policy (DRAM 10 %, SSD 50 % of the data)", fontsize=10)
     fig.tight_layout()

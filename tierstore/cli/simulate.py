@@ -69,29 +69,38 @@ def run(args: Any) -> dict[str, Any]:
     retain = args.retain or []
     models = parse_models(args.models) if args.models else \
         (dict(workloads.MIXED_MODELS) if args.generate == "mixed" else None)
+    downtier = parse_pairs(args.downtier, "--downtier", "chat=0.31") if args.downtier else None
+    if downtier and args.follow:
+        raise InvalidObject("--downtier makes the simulator keep lossy copies; --follow replays the ones the "
+                            "store kept (its trace's downtier lines)")
     runs = [sim.simulate(ops, dram_bytes=dram, ssd_bytes=ssd, policy=p, follow=args.follow, retain=retain,
-                         models=models) for p in policies]
+                         models=models, downtier=downtier) for p in policies]
     best = next((r for r in runs if r["policy"] == "belady"), None)
     for r in runs:
         if best is not None and best["bytes_slow"]:
             r["slow_bytes_vs_belady"] = round(r["bytes_slow"] / best["bytes_slow"], 3)
     return {"source": source, "ops": len(ops), "data_bytes": data, "dram_bytes": dram, "ssd_bytes": ssd,
-            "models": models, "runs": runs}
+            "models": models, "downtier": downtier, "runs": runs}
+
+
+def parse_pairs(text: str, option: str, example: str) -> dict[str, float]:
+    """``NS=NUMBER,...`` -> {namespace: positive number}."""
+    out = {}
+    for part in text.split(","):
+        ns, sep, number = part.partition("=")
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if not sep or not ns.strip() or not value > 0:
+            raise InvalidObject(f"{option}: namespace=number pairs like {example}, got {part!r}")
+        out[ns.strip()] = value
+    return out
 
 
 def parse_models(text: str) -> dict[str, float]:
     """``--models m8b=8e9,m70b=70e9``: namespace -> parameter count."""
-    out = {}
-    for part in text.split(","):
-        ns, sep, params = part.partition("=")
-        try:
-            value = float(params)
-        except ValueError:
-            value = -1.0
-        if not sep or not ns.strip() or not value > 0:
-            raise InvalidObject(f"--models: namespace=parameters pairs like m8b=8e9,m70b=70e9, got {part!r}")
-        out[ns.strip()] = value
-    return out
+    return parse_pairs(text, "--models", "m8b=8e9,m70b=70e9")
 
 
 def text(result: dict[str, Any]) -> None:
@@ -104,6 +113,9 @@ def text(result: dict[str, Any]) -> None:
         print(f"{r['policy']:8} {r['dram_hit_rate'] * 100:8.1f}% {r['ssd_hit_rate'] * 100:8.1f}% "
               f"{r['misses']:8,} {r['bytes_from_ssd'] / scale:13,.1f} {r['bytes_slow'] / scale:14,.1f} "
               f"{r['recompute_tokens']:17,} {r['miss_seconds']:13,.2f}")
+        if r["downtiered"] or r["lossy_hits"]:
+            print(f"  lossy copies: {r['downtiered']:,} kept in place of evicted objects, {r['lossy_hits']:,} of the "
+                  f"hits above served lossy ({r['bytes_lossy'] / scale:,.1f} {unit})")
         if "mismatches" in r:
             bad = r["mismatches"]
             print(f"  --follow: {r['evictions_checked']:,} evictions checked, {len(bad):,} not the front of the "
@@ -151,5 +163,8 @@ def add_arguments(sp: Any) -> None:
     sp.add_argument("--models", default=None, metavar="NS=PARAMS,...",
                     help="parameter count per namespace (m8b=8e9,m70b=70e9): prices misses and configures the cost "
                          "policy (default: an 8B model everywhere; --generate mixed: its two models)")
+    sp.add_argument("--downtier", default=None, metavar="NS=SHARE,...",
+                    help="keep a lossy copy of an SSD victim of these namespaces, of this share of its bytes "
+                         "(chat=0.31: int4 KV of float16), as open(..., downtier=) does; evict it when chosen again")
     sp.add_argument("--save", default=None, metavar="FILE", help="also write the replayed ops as a trace file")
     sp.add_argument("--plot", default=None, metavar="PNG", help="a bar chart of slow-tier bytes per policy")

@@ -101,11 +101,14 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
     return Block(kind, meta, extents, align, logical, keep)
 
 
-def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | None = None) -> Block:
+def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | None = None,
+                between: Callable[[], None] | None = None) -> Block:
     """Encode the extents of ``block`` with ``choice`` (None or raw: the block as it is).
 
     A blob whose media type is already compressed stays raw whatever the choice.
-    ``dictionary``: the zstd dictionary a ``zstd:dict=N`` choice names.
+    ``dictionary``: the zstd dictionary a ``zstd:dict=N`` choice names.  ``between``: called
+    before each extent is encoded; what it raises stops the encoding (the SSD budget's
+    down-tiering gives way to a put that waits).
     """
     if choice is None or choice.codec.id == fmt.CODEC_RAW:
         return block
@@ -118,10 +121,15 @@ def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | Non
         raise InvalidObject(f"lossy codec {choice.codec.name!r} takes float16/bfloat16/float32/float64 data, "
                             f"not {fmt.DTYPES[block.meta['dtype']][0]}", hint="use zstd or shuffle+zstd")
     exts = extent_shapes(block.kind, block.meta)
-    encoded = tuple(memoryview(cdc.encode(extent_codec(choice.codec, e),
-                                          np.frombuffer(v.tobytes() if type(v) is rec.Pieces else v, np.uint8), e,
-                                          choice.params, dictionary))
-                    for v, e in zip(block.extents, exts))
+
+    def encode(v: Any, e: Any) -> memoryview:
+        if between is not None:
+            between()
+        return memoryview(cdc.encode(extent_codec(choice.codec, e),
+                                     np.frombuffer(v.tobytes() if type(v) is rec.Pieces else v, np.uint8), e,
+                                     choice.params, dictionary))
+
+    encoded = tuple(encode(v, e) for v, e in zip(block.extents, exts))
     meta = dict(block.meta)
     if choice.params:
         meta["codec_params"] = dict(choice.params)

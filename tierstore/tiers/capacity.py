@@ -4,18 +4,22 @@ bound by evicting objects in a policy's order and reclaiming their space (SPEC.m
 Eviction path:  Store.put -> Capacity.make_room(n) -> [past budget - 2 slack] the eviction thread
                 (or, past the budget with the thread idle, the put itself) -> _evict_until ->
                 _evict (DELETE groups through Engine.append_group, each object with its session
-                references) -> compaction.reclaim (the deadest sealed segments copied forward,
-                then deleted: shrunk away a step at a time by the thread, unlinked by a put)
+                references; with downtier=, _down_tier then replaces the victims of lossy-allowed
+                namespaces by lossy copies instead: the handle's transcode -> Engine.append) ->
+                compaction.reclaim (the deadest sealed segments copied forward, then deleted:
+                shrunk away a step at a time by the thread, unlinked by a put)
 
-An eviction is a delete: crash-safe because it goes through the log like any delete, and seen
-as a miss by every handle and process.  Nothing about the budget is kept apart from the log:
+An eviction is a delete (or, with ``downtier=``, a put of a smaller lossy copy of the object):
+crash-safe because it goes through the log like any delete or put, and seen as a miss (or a
+lossy object) by every handle and process.  Nothing about the budget is kept apart from the log:
 the bytes used are the files' sizes, and the eviction order after a restart starts from the
 log's order (oldest record first), refined by this handle's reads.
 
 It owns the budget's accounting, the SSD eviction policy (an instance of the classes of
 policy.py, which the cache tiers use too) and its counters.  It never reads or writes a
 segment itself and never decides what the cache tiers hold; it is given the Engine (public
-methods only) and, by the handle, a predicate saying which objects are pinned.
+methods only) and, by the handle, a predicate saying which objects are pinned and a function
+that re-encodes an object (down-tiering).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from ..codecs import registry as cdc
 from ..engine import compaction
 from ..engine.engine import Engine
 from ..engine.options import parse_size
@@ -36,7 +41,7 @@ from ..format import record as rec
 from ..names import encode_namespace
 from . import policy as pol
 
-CAPACITY_OPTIONS = ("ssd_bytes", "retain", "ssd_policy")
+CAPACITY_OPTIONS = ("ssd_bytes", "retain", "ssd_policy", "downtier")
 RETAIN = ("always",)  # what retain={namespace: ...} may say
 SSD_MIN = 1 << 20  # the smallest budget
 # slack = a segment, or 1/64 of the budget if more: the thread wakes 2 slack below the budget and
@@ -51,6 +56,11 @@ SEGMENT_AUTO_MIN = 64 << 10
 # evict-and-reclaim rounds: compact segments at least this dead (the live rest is copied
 # forward); a lower share only when evicting more did not free enough
 RECLAIM_RATIOS = (0.5, 0.5, 0.25, 0.1)
+# down-tiering (downtier=): a lossy copy is kept only if at most this share of its object's record
+# (else the object is evicted: a lossless codec already stores it small); one eviction run
+# re-encodes for at most this long (flush() waits for it) before deleting the victims left
+DOWNTIER_MAX_SHARE = 0.8
+DOWNTIER_RUN_S = 2.0
 
 
 def tokens_of(hdr: rec.RecordHeader) -> int:
@@ -65,15 +75,45 @@ def tokens_of(hdr: rec.RecordHeader) -> int:
     return 0
 
 
+DOWNTIER_KINDS = {"kv": fmt.KIND_KV, "mla": fmt.KIND_MLA, "vectors": fmt.KIND_VECTORS}  # what lossy codecs take
+
+
+def downtier_options(spec: Any) -> dict[bytes, dict[int, cdc.Choice]]:
+    """``downtier={namespace: codec}`` -> {namespace: {kind id: choice}}: the lossy codec each
+    namespace's victims are re-encoded with before they are evicted (the kinds it applies to;
+    objects of other kinds are evicted as usual).  InvalidObject on a lossless codec or one that
+    applies to no kind."""
+    if not isinstance(spec, dict):
+        raise InvalidObject(f"downtier must be a dict {{namespace: lossy codec}}, got {type(spec).__name__}")
+    out: dict[bytes, dict[int, cdc.Choice]] = {}
+    for name, codec in spec.items():
+        choices = {}
+        for kind, kind_id in DOWNTIER_KINDS.items():
+            try:
+                choice = cdc.parse(codec, kind)
+            except InvalidObject:
+                continue
+            if choice.codec.lossless:
+                raise InvalidObject(f"downtier[{name!r}] = {codec!r} is lossless: down-tiering keeps a smaller, "
+                                    "lossy copy", hint="name a lossy codec, e.g. 'int4' or 'fp8' (KV caches) or "
+                                                       "'int8' (vectors); a lossless one belongs in codecs=")
+            choices[kind_id] = choice
+        if not choices:
+            raise InvalidObject(f"downtier[{name!r}]: {codec!r} is no lossy codec of {', '.join(DOWNTIER_KINDS)}",
+                                hint="e.g. 'int4', 'int8', 'fp8' (KV caches), 'fp8' (MLA), 'int8', 'fp16' (vectors)")
+        out[encode_namespace(name)] = choices
+    return out
+
+
 def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
-    """Pop and check ``ssd_bytes``, ``retain`` and ``ssd_policy`` from ``options``; None when the
-    store has no budget.  Without ``segment_bytes``, segments of 1/16 of the budget (64 KiB to
-    1 GiB) are chosen: space comes back a segment at a time."""
+    """Pop and check ``ssd_bytes``, ``retain``, ``ssd_policy`` and ``downtier`` from ``options``;
+    None when the store has no budget.  Without ``segment_bytes``, segments of 1/16 of the budget
+    (64 KiB to 1 GiB) are chosen: space comes back a segment at a time."""
     budget, retain = options.pop("ssd_bytes", None), options.pop("retain", None)
-    policy = options.pop("ssd_policy", None)
+    policy, downtier = options.pop("ssd_policy", None), options.pop("downtier", None)
     if budget is None:
-        if retain is not None or policy is not None:
-            raise InvalidObject("retain= and ssd_policy= apply to the SSD budget: give ssd_bytes= too")
+        if retain is not None or policy is not None or downtier is not None:
+            raise InvalidObject("retain=, ssd_policy= and downtier= apply to the SSD budget: give ssd_bytes= too")
         return None
     budget = parse_size(budget, "ssd_bytes")
     if budget < SSD_MIN:
@@ -100,7 +140,12 @@ def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
         chosen = pol.make(policy)
     except InvalidObject as e:
         raise InvalidObject(f"ssd_policy: {e.message}") from None
-    return {"budget": budget, "retain": frozenset(kept), "policy": chosen}
+    return {"budget": budget, "retain": frozenset(kept), "policy": chosen,
+            "downtier": downtier_options(downtier) if downtier is not None else {}}
+
+
+class _GiveWay(Exception):
+    """Raised inside a down-tiering re-encode when a put waits for room: never leaves this module."""
 
 
 class Capacity:
@@ -108,13 +153,21 @@ class Capacity:
     time; the policy is told of puts, reads and deletes under a short lock of its own."""
 
     def __init__(self, engine: Engine, *, budget: int, retain: frozenset[bytes], policy: pol.Policy,
-                 pinned: Callable[[Hashable], bool]) -> None:
+                 pinned: Callable[[Hashable], bool], downtier: dict[bytes, dict[int, cdc.Choice]] | None = None,
+                 transcode: Callable[..., rec.EncodedRecord] | None = None) -> None:
         self.engine, self.budget, self.retain, self.policy, self.pinned = engine, budget, retain, policy, pinned
+        # down-tiering: namespace -> {kind: lossy codec}, and the handle's re-encoder
+        # transcode(ns, key, location, choice, between) -> the PUT record of the object in that
+        # codec, calling between() before each extent it encodes; nothing is written
+        self.downtier, self.transcode = downtier or {}, transcode
+        if self.downtier and transcode is None:
+            raise InvalidObject("downtier= needs a handle that re-encodes objects")
         self._room_lock = threading.Lock()  # one eviction at a time (a put's or the thread's)
         self._policy_lock = threading.Lock()
         self._cond = threading.Condition()
         self._used, self._used_at = 0, 0.0  # bytes in use as last read from the files (plus puts since), and when
         self._inflight = 0  # bytes of puts make_room let through and not yet appended
+        self._waiting = 0  # puts held up by the bound (make_room): down-tiering gives way to them
         self._est_lock = threading.Lock()
         self._due = self._stopped = False
         self._thread: threading.Thread | None = None
@@ -124,7 +177,8 @@ class Capacity:
         # eviction decides under, so its lines come in the order the decisions saw
         self.follower: Any = None
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
-                         "eviction_runs": 0, "background_runs": 0, "records_copied": 0}
+                         "eviction_runs": 0, "background_runs": 0, "records_copied": 0,
+                         "downtiered": 0, "downtiered_bytes": 0, "downtier_failures": 0, "downtier_skipped": 0}
         self._latency: deque[float] = deque(maxlen=4096)  # evictions a put waited for
         self._background_latency: deque[float] = deque(maxlen=4096)
         self._known: set[Hashable] = set()  # the objects the policy holds
@@ -261,24 +315,34 @@ class Capacity:
         # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
         # the eviction thread's deletes and copies, the index) has that slack to grow into
         stop = self.budget - self.slack
-        while True:
-            with self._est_lock:
-                used = self._used  # the files' bytes when last read, plus the puts landed since
-                if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
-                        time.monotonic() - self._used_at > USAGE_REFRESH_S:
-                    used = self._refresh()  # near the bound, or other processes may have written
-                used += self._inflight  # puts of other threads not appended yet
-                if used + nbytes > self.budget - 2 * self.slack:
-                    self._wake()
-                if used + nbytes <= stop:
-                    self._inflight += nbytes
-                    return
-            # over: the thread may be freeing room already; else evict here
-            if self._room_lock.acquire(timeout=ROOM_POLL_S):
-                try:
-                    self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True, inflight=self._inflight)
-                finally:
-                    self._room_lock.release()
+        waiting = False
+        try:
+            while True:
+                with self._est_lock:
+                    used = self._used  # the files' bytes when last read, plus the puts landed since
+                    if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
+                            time.monotonic() - self._used_at > USAGE_REFRESH_S:
+                        used = self._refresh()  # near the bound, or other processes may have written
+                    used += self._inflight  # puts of other threads not appended yet
+                    if used + nbytes > self.budget - 2 * self.slack:
+                        self._wake()
+                    if used + nbytes <= stop:
+                        self._inflight += nbytes
+                        return
+                    if not waiting:
+                        waiting = True
+                        self._waiting += 1
+                # over: the thread may be freeing room already; else evict here
+                if self._room_lock.acquire(timeout=ROOM_POLL_S):
+                    try:
+                        self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True,
+                                          inflight=self._inflight)
+                    finally:
+                        self._room_lock.release()
+        finally:
+            if waiting:
+                with self._est_lock:
+                    self._waiting -= 1
 
     def landed(self, nbytes: int) -> None:
         """A put that ``make_room`` let through was appended (or failed): no longer in flight."""
@@ -313,7 +377,7 @@ class Capacity:
         stuck = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
-            evicted = self._evict(used + inflight + nbytes - target, ratio)
+            evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
             done = compaction.reclaim(engine, lambda: engine.disk_bytes() + inflight + nbytes - target,
                                       min_dead_ratio=ratio, gradual=not strict)  # a put that evicts unlinks
             self.counters["compacted_bytes"] += done["bytes_before"]
@@ -382,7 +446,7 @@ class Capacity:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def _evict(self, deficit: int, ratio: float) -> int:
+    def _evict(self, deficit: int, ratio: float, *, lossy: bool = True) -> int:
         """Delete objects in the policy's order -- objects no session references before the
         others, skipping pinned ones and retained and reserved namespaces -- until the segments
         at least ``ratio`` dead hold ``deficit`` dead bytes (those compaction then reclaims) and
@@ -412,6 +476,7 @@ class Capacity:
             order = list(self.policy.victims())
             self._since = set()  # objects put or read from here on are not victims of this run
         gone: list[Hashable] = []
+        copies: list[tuple[Hashable, Any, cdc.Choice]] = []
         chosen: list[tuple[Hashable, Any]] = []
         freed = 0
         where = None
@@ -463,8 +528,12 @@ class Capacity:
                     if self.follower is not None and chosen:
                         self.follower.evicted([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
                 freed = sum(loc.header.record_len for _, loc in chosen)
+                # victims with a lossy copy to keep are replaced by it below (outside this lock), not deleted
+                copies = [(key, loc, choice) for key, loc in chosen
+                          if (choice := self._lossy_choice(key, loc.header)) is not None] if lossy else []
+                spared = {key for key, _, _ in copies}
                 batch: list[rec.EncodedRecord] = []
-                for _, _, unit in units:
+                for _, _, unit in (u for u in units if u[0] not in spared):
                     if len(batch) + len(unit) > fmt.GROUP_MAX:
                         where, batch = engine.append_group(batch), []
                     batch += unit
@@ -479,9 +548,115 @@ class Capacity:
                 self._since = None
         if where is not None:  # durable with the sync that compaction does before it unlinks anything
             engine.settle_later(where)
-        self.counters["evictions"] += len(chosen)
-        self.counters["evicted_bytes"] += freed
-        return freed
+        taken, kept, replaced = self._down_tier(copies) if copies else (0, 0, 0)
+        self.counters["evictions"] += len(chosen) - kept
+        self.counters["evicted_bytes"] += freed - replaced
+        return freed - taken
+
+    def _lossy_choice(self, key: Hashable, hdr: rec.RecordHeader) -> cdc.Choice | None:
+        """The lossy codec that ``key``'s victim is re-encoded with before it is evicted, or None
+        (its namespace keeps no lossy copies, the codec does not take its kind, or it is lossy
+        already: a lossy copy chosen again is evicted)."""
+        by_kind = self.downtier.get(key[0])  # type: ignore[index]
+        if by_kind is None or not cdc.BY_ID[hdr.codec].lossless:
+            return None
+        return by_kind.get(hdr.kind)
+
+    def _down_tier(self, victims: list[tuple[Hashable, Any, cdc.Choice]]) -> tuple[int, int, int]:
+        """Replace each victim by a lossy copy (``downtier=``): re-encoded outside the write lock,
+        then appended as a PUT of its key -- only while the key still holds the very record that
+        was chosen (same LSN: a put, delete or compaction in between wins, and the object stays
+        as it now is) and the object is not pinned -- one record at a time, so that no more than
+        one copy is held in memory.  The copy keeps the session references (they name the key)
+        and re-enters the policy's order as if just put, at its own size.
+
+        A victim is deleted instead, as without ``downtier``, when it cannot be re-encoded (an
+        integer dtype, values past float16's range, a damaged or unreadable payload: any error
+        of the re-encode), when its copy would not be smaller than ``DOWNTIER_MAX_SHARE`` of its
+        record (an object a lossless codec already stores small), and when the run must give
+        way: a put waits at the bound, the store is closing, or this run has re-encoded for
+        ``DOWNTIER_RUN_S`` (re-encoding runs at the codec's speed, ~40 MB/s for int4 here, slower
+        than puts can come; the copy under way stops at its next extent).  Returns the bytes the
+        copies took, their number, and the record bytes of the objects they replaced."""
+        engine = self.engine
+        taken = kept = replaced = 0
+        where = None
+        deadline = time.monotonic() + DOWNTIER_RUN_S
+
+        def between() -> None:
+            if self._waiting or self._stopped or time.monotonic() > deadline:
+                raise _GiveWay
+
+        todo = list(victims)
+        try:
+            while todo:
+                key, loc, choice = todo[0]
+                ns, k = key  # type: ignore[misc]
+                record: rec.EncodedRecord | None = None
+                try:
+                    between()
+                    record = self.transcode(ns, k, loc, choice, between)  # type: ignore[misc]
+                    if record.header.record_len > DOWNTIER_MAX_SHARE * loc.header.record_len:
+                        record = None
+                        self.counters["downtier_failures"] += 1
+                except _GiveWay:
+                    self.counters["downtier_skipped"] += 1
+                except Exception:  # noqa: BLE001 -- any failure to re-encode: evicted as without downtier
+                    self.counters["downtier_failures"] += 1
+                with engine.write_lock:
+                    cur = engine.lookup(ns, k)
+                    if cur is None or cur.header.lsn != loc.header.lsn or self.pinned(key):
+                        todo.pop(0)  # put again, deleted, moved or pinned since it was chosen: it stays as it is
+                        self._readmit(key, cur)
+                        continue
+                    if record is None:
+                        unit = engine.deletion(ns, k, loc.header.flags)
+                        if len(unit) > fmt.GROUP_MAX:  # references came meanwhile: kept, as _evict would
+                            todo.pop(0)
+                            self._readmit(key, cur)
+                            continue
+                        where = engine.append_group(unit)
+                        todo.pop(0)
+                        continue
+                    sessions = tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION) \
+                        if engine.may_have_refs else ()
+                    with self._policy_lock:  # admitted here, with its sessions (not by _on_write)
+                        self._known.add(key)
+                    try:
+                        where = engine.append(record)
+                    except BaseException:
+                        with self._policy_lock:
+                            self._known.discard(key)
+                        raise
+                    todo.pop(0)
+                    n, tokens = record.header.record_len, tokens_of(record.header)
+                    with self._policy_lock:
+                        if tokens:
+                            self.policy.cost_hint(key, tokens)
+                        self.policy.admitted(key, n, sessions)
+                        if self.follower is not None:
+                            self.follower.downtiered(ns, k, n, tokens, sessions)
+                taken += n
+                kept += 1
+                replaced += loc.header.record_len
+                self.counters["downtiered"] += 1
+                self.counters["downtiered_bytes"] += n
+        finally:
+            for key, _, _ in todo:  # an error left these neither copied nor deleted: they stay known
+                self._readmit(key, engine.lookup(*key))  # type: ignore[misc]
+            if where is not None:
+                engine.settle_later(where)
+        return taken, kept, replaced
+
+    def _readmit(self, key: Hashable, loc: Any) -> None:
+        """A victim that stays (or came back as another record): back in the policy's order, as
+        if just put, unless it is gone or already known again."""
+        if loc is None:
+            return
+        with self._policy_lock:
+            if key not in self._known:
+                self._known.add(key)
+                self.policy.admitted(key, loc.header.record_len, ())
 
     # -- figures --------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ The model, per trace op, in order (objects are keyed by namespace and key):
 - ``delete``: gone from both; ``session`` / ``drop``: the policies are told.
 A tier that must make room evicts in its policy's order, objects no session references
 before the others on the SSD (the rule of ``capacity.Capacity``); DRAM holds only what the
-SSD holds.  An object larger than a tier is not kept there.
+SSD holds.  An object larger than a tier is not kept there.  With ``downtier``, an SSD victim
+of a namespace that allows it is replaced by a lossy copy of a given share of its bytes (the
+rule of ``Capacity._down_tier``), which a later eviction removes.
 
 ``follow=True`` checks a trace recorded by a store with ``ssd_bytes`` instead: the
 simulator never evicts on its own, and at each run of ``evict`` lines it asks the policy
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidObject
@@ -94,11 +96,15 @@ def key_of(op: dict[str, Any]) -> tuple[bytes, bytes]:
 
 
 class _Tier:
-    def __init__(self, name: str, capacity: int, policy: pol.Policy) -> None:
+    def __init__(self, name: str, capacity: int, policy: pol.Policy,
+                 shrink: Callable[[Hashable], tuple[int, int, tuple[bytes, ...]] | None] | None = None) -> None:
         self.name, self.capacity, self.policy = name, capacity, policy
+        # down-tiering: a victim -> (bytes, tokens, sessions) of the lossy copy kept in its place, or None
+        self.shrink = shrink
         self.held: dict[Hashable, int] = {}
         self.used = 0
         self.evictions = 0
+        self.downtiered = 0
 
     def remove(self, key: Hashable) -> None:
         n = self.held.pop(key, None)
@@ -113,22 +119,32 @@ class _Tier:
         self.remove(key)
         if nbytes > self.capacity:
             return False
-        if self.used + nbytes > self.capacity:
+        while self.used + nbytes > self.capacity:  # (a second pass meets the copies the first one kept)
             order = list(self.policy.victims())
             if referenced is not None:
                 order = [k for k in order if not referenced.get(k)] + [k for k in order if referenced.get(k)]
+            if not order:
+                break
             for victim in order:
                 if self.used + nbytes <= self.capacity:
                     break
+                copy = self.shrink(victim) if self.shrink is not None else None
                 self.remove(victim)
-                self.evictions += 1
                 evicted.append(victim)
+                if copy is None:
+                    self.evictions += 1
+                else:  # replaced by its lossy copy, which enters the order as if just put (Capacity._down_tier)
+                    self.downtiered += 1
+                    self.hold(victim, *copy)
+        self.hold(key, nbytes, tokens, sessions)
+        return True
+
+    def hold(self, key: Hashable, nbytes: int, tokens: int, sessions: tuple[bytes, ...]) -> None:
         if tokens:
             self.policy.cost_hint(key, tokens)
         self.policy.admitted(key, nbytes, sessions)
         self.held[key] = nbytes
         self.used += nbytes
-        return True
 
 
 def next_uses(ops: list[dict[str, Any]]) -> list[float]:
@@ -137,7 +153,7 @@ def next_uses(ops: list[dict[str, Any]]) -> list[float]:
     nxt: dict[tuple[bytes, bytes], float] = {}
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
-        if op["op"] in ("put", "get", "delete", "evict"):
+        if op["op"] in ("put", "get", "delete", "evict", "downtier"):
             key = key_of(op)
             out[i] = nxt.get(key, math.inf)
             if op["op"] == "get":
@@ -146,25 +162,47 @@ def next_uses(ops: list[dict[str, Any]]) -> list[float]:
 
 
 def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, policy: str | pol.Policy,
-             follow: bool = False, retain: Iterable[str] = (), models: dict[str, float] | None = None
-             ) -> dict[str, Any]:
+             follow: bool = False, retain: Iterable[str] = (), models: dict[str, float] | None = None,
+             downtier: dict[str, float] | None = None) -> dict[str, Any]:
     """Replay ``ops`` (trace ops, e.g. from ``trace.read_trace`` or ``workloads.generate``);
     returns the figures of docs/placement.md.  ``follow``: see the module's docstring (the
     ``mismatches`` figure lists any eviction the policy would not have made).  ``models``
     (namespace -> parameter count) prices the misses (``miss_seconds``: the cost model's ``C``)
-    and configures the "cost" policy."""
+    and configures the "cost" policy.  ``downtier`` (namespace -> the size of a lossy copy as a
+    share of the object's, e.g. 0.31 for int4 KV of float16): an SSD victim of such a namespace
+    is replaced by its lossy copy, as ``open(..., downtier=)`` does, and evicted only when chosen
+    again; reads of copies count as hits and in ``lossy_hits`` (a recorded trace's ``downtier``
+    lines are what ``follow`` replays instead; Belady keeps no copies: it is the lossless bound)."""
     ops = list(ops)
     future: dict[Hashable, float] = {}
     nexts = next_uses(ops) if policy == "belady" else []
     pricing = pol.CostAware(models=models)
-    ssd = _Tier("ssd", ssd_bytes, make_policy(policy, future, models))
+    ratios = {ns.encode("utf-8"): float(r) for ns, r in (downtier or {}).items()}
+    for ns, r in ratios.items():
+        if not 0 < r < 1:
+            raise InvalidObject(f"downtier[{ns.decode()!r}]: the lossy copy's share of the bytes is in (0, 1), got {r}")
+    if ratios and follow:
+        raise InvalidObject("downtier applies to a simulation that evicts; --follow replays the trace's downtier lines")
+    lossy: set[Hashable] = set()  # objects the SSD holds as lossy copies
+
+    def shrink(key: Hashable) -> tuple[int, int, tuple[bytes, ...]] | None:
+        ratio = ratios.get(key[0])  # type: ignore[index]
+        if ratio is None or key in lossy:
+            return None
+        nbytes, tokens = sizes.get(key, (0, 0))
+        lossy.add(key)
+        return max(1, int(nbytes * ratio)), tokens, sessions.get(key, ())
+
+    # Belady is the bound of lossless caching: it keeps no copies
+    ssd = _Tier("ssd", ssd_bytes, make_policy(policy, future, models),
+                shrink if ratios and policy != "belady" else None)
     dram = _Tier("dram", dram_bytes, ssd.policy.fresh()) if dram_bytes > 0 else None
     retained = {r.encode("utf-8") for r in retain}
     sizes: dict[Hashable, tuple[int, int]] = {}  # key -> (bytes, tokens)
     sessions: dict[Hashable, tuple[bytes, ...]] = {}
     f = {"gets": 0, "dram_hits": 0, "ssd_hits": 0, "misses": 0, "bytes_requested": 0, "bytes_from_dram": 0,
          "bytes_from_ssd": 0, "bytes_slow": 0, "recompute_tokens": 0, "miss_seconds": 0.0, "bytes_written_ssd": 0,
-         "not_stored": 0,
+         "not_stored": 0, "lossy_hits": 0, "bytes_lossy": 0,
          "unknown_size_misses": 0}
     mismatches: list[dict[str, Any]] = []
     checked = [0]
@@ -174,15 +212,20 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
     def store(key: Hashable, nbytes: int, tokens: int, sess: tuple[bytes, ...]) -> None:
         if dram is not None:
             dram.remove(key)
+        lossy.discard(key)
         ssd_cap = ssd.capacity
         if follow:
             ssd.capacity = math.inf  # type: ignore[assignment]  # the trace's evict lines decide
         if not ssd.admit(key, nbytes, sess, tokens, sessions, evicted):
             f["not_stored"] += 1
         ssd.capacity = ssd_cap
-        if dram is not None:
-            for k in evicted:
-                dram.remove(k)
+        for k in evicted:
+            if dram is not None:
+                dram.remove(k)  # evicted, or replaced by a lossy copy: a DRAM copy is stale either way
+            if k in ssd.held and k in lossy:
+                f["bytes_written_ssd"] += ssd.held[k]
+            else:
+                lossy.discard(k)
         evicted.clear()
         f["bytes_written_ssd"] += nbytes
 
@@ -205,7 +248,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         kind = op["op"]
         if follow and kind != "evict":
             check_follow()
-        if kind in ("put", "get", "delete", "evict"):
+        if kind in ("put", "get", "delete", "evict", "downtier"):
             key = key_of(op)
             if nexts:
                 future[key] = nexts[i]
@@ -219,17 +262,20 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
             f["gets"] += 1
             nbytes, tokens = sizes.get(key) or (int(op.get("bytes", 0)), int(op.get("tokens", 0)))
             f["bytes_requested"] += nbytes
+            if key in lossy and key in ssd.held:  # (DRAM holds only what the SSD holds)
+                f["lossy_hits"] += 1
+                f["bytes_lossy"] += ssd.held[key]
             if dram is not None and key in dram.held:
                 f["dram_hits"] += 1
-                f["bytes_from_dram"] += nbytes
+                f["bytes_from_dram"] += dram.held[key]
                 dram.policy.touched(key)
                 ssd.policy.touched(key)
             elif key in ssd.held:
                 f["ssd_hits"] += 1
-                f["bytes_from_ssd"] += nbytes
+                f["bytes_from_ssd"] += ssd.held[key]
                 ssd.policy.touched(key)
                 if dram is not None:
-                    dram.admit(key, nbytes, sessions.get(key, ()), tokens, None, [])
+                    dram.admit(key, ssd.held[key], sessions.get(key, ()), tokens, None, [])
             else:
                 f["misses"] += 1
                 if not nbytes:
@@ -245,6 +291,13 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
             if dram is not None:
                 dram.remove(key)
             sessions.pop(key, None)
+            lossy.discard(key)
+        elif kind == "downtier" and follow:  # the store kept a lossy copy of what it just evicted
+            n, tokens = int(op.get("bytes", 0)), int(op.get("tokens", 0))
+            ssd.remove(key)  # the store admits a copy with every session that references it
+            ssd.hold(key, n, tokens, tuple(x.encode("utf-8") for x in op.get("sessions", ())))
+            lossy.add(key)
+            f["bytes_written_ssd"] += n
         elif kind in ("session", "drop"):
             sess_id = op["session"].encode("utf-8")
             for t in (ssd, dram):
@@ -260,6 +313,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
     return {"policy": name, **f, "dram_hit_rate": round(f["dram_hits"] / gets, 4),
             "ssd_hit_rate": round(f["ssd_hits"] / gets, 4), "miss_rate": round(f["misses"] / gets, 4),
             "ssd_evictions": ssd.evictions, "dram_evictions": dram.evictions if dram is not None else 0,
+            "downtiered": ssd.downtiered + (sum(op["op"] == "downtier" for op in ops) if follow else 0),
             "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
             **({"mismatches": mismatches, "evictions_checked": checked[0]} if follow else {})}
 

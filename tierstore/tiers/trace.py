@@ -10,8 +10,10 @@ the disk holds and a read moves), ``tokens`` (a KV cache's token count; 0 or abs
 objects), ``session`` (the session of a put, or of a ``session`` / ``drop`` op), ``hit``
 (``get``: whether the store held the object).  Ops: ``put``, ``get``, ``delete``, ``session``
 (``prefetch_session``: a session's next turn is coming), ``drop`` (``drop_session``), ``evict``
-(the SSD budget evicted the object: a decision, which ``simulate --follow`` checks), and
-``truncated`` (the trace reached its size bound; nothing after it was recorded).
+(the SSD budget evicted the object: a decision, which ``simulate --follow`` checks),
+``downtier`` (an evicted object came back as a lossy copy of ``bytes``, with the ``sessions``
+that reference it: ``open(..., downtier=)``), and ``truncated`` (the trace reached its size bound; nothing after it was
+recorded).
 
 It owns the format (``OPS``, ``read_trace``) and the recorder of ``open(...,
 trace_to=path)`` (``TraceWriter``: append-only, bounded by ``trace_bytes``, buffered -- a process
@@ -31,7 +33,7 @@ from typing import Any
 from ..engine.options import parse_size
 from ..errors import InvalidObject
 
-OPS = ("put", "get", "delete", "session", "drop", "evict", "truncated")
+OPS = ("put", "get", "delete", "session", "drop", "evict", "downtier", "truncated")
 TRACE_OPTIONS = ("trace_to", "trace_bytes")
 DEFAULT_TRACE_BYTES = 1 << 30  # a trace stops (with a "truncated" line) past this many bytes
 
@@ -60,7 +62,7 @@ def key_fields(k: bytes) -> dict[str, str]:
 class TraceWriter:
     """Appends one line per operation to ``path``; thread-safe.  Told what a handle does by
     the same calls as the SSD budget (``admitted``, ``touched``, ``missed``, ``removed``,
-    ``session_active``, ``session_ended``) and of each eviction (``evicted``)."""
+    ``session_active``, ``session_ended``) and of each eviction (``evicted``, ``downtiered``)."""
 
     def __init__(self, path: str, *, max_bytes: int = DEFAULT_TRACE_BYTES) -> None:
         self.path, self.max_bytes = path, max_bytes
@@ -110,6 +112,11 @@ class TraceWriter:
         for (ns, k), n in zip(keys, sizes):  # type: ignore[misc]
             self._write({"op": "evict", "ns": ns.decode("utf-8"), **key_fields(k), "bytes": n})
 
+    def downtiered(self, ns: bytes, k: bytes, nbytes: int, tokens: int, sessions: tuple[bytes, ...] = ()) -> None:
+        extra = {"sessions": [x.decode("utf-8", "replace") for x in sessions]} if sessions else {}
+        self._write({"op": "downtier", "ns": ns.decode("utf-8"), **key_fields(k), "bytes": nbytes, "tokens": tokens,
+                     **extra})
+
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
@@ -138,13 +145,16 @@ def read_trace(path: str) -> Iterator[dict[str, Any]]:
 def check_op(op: Any, where: str) -> dict[str, Any]:
     if not isinstance(op, dict) or op.get("op") not in OPS:
         raise InvalidObject(f"{where}: a trace line is a JSON object with op one of {', '.join(OPS)}")
-    if op["op"] in ("put", "get", "delete", "evict"):
+    if op["op"] in ("put", "get", "delete", "evict", "downtier"):
         keyed = isinstance(op.get("key"), str) or isinstance(op.get("key_hex"), str)
         if not isinstance(op.get("ns"), str) or not keyed:
             raise InvalidObject(f"{where}: a {op['op']} needs ns and key (or key_hex)")
         for f in ("bytes", "tokens"):
             if f in op and (not isinstance(op[f], int) or isinstance(op[f], bool) or op[f] < 0):
                 raise InvalidObject(f"{where}: {f} must be a non-negative int, got {op[f]!r}")
+    if op["op"] == "downtier" and not (isinstance(op.get("sessions", []), list) and
+                                       all(isinstance(x, str) for x in op.get("sessions", []))):
+        raise InvalidObject(f"{where}: a downtier's sessions are a list of session ids")
     if op["op"] in ("session", "drop") and not isinstance(op.get("session"), str):
         raise InvalidObject(f"{where}: a {op['op']} needs session")
     return op
