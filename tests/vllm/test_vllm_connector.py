@@ -627,3 +627,20 @@ def test_ranks_come_from_vllm_and_unknown_ones_are_refused(tmp_path):
     cfg.parallel_config.tensor_parallel_size = 2
     w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
     assert w._worker == 1 and w.requires_kv_delivery is False
+
+
+def test_one_step_stages_at_most_max_pending_bytes(tmp_path):
+    """Three full chunks complete in one step, room for one (a chunk here: 2 layers x 2 x 2 heads
+    x 32 tokens x 16 dims x 2 bytes = 8 KiB): one is saved, two are counted as dropped -- a later
+    miss, never pinned memory past the bound.  The twin with the default bound saves all three."""
+    results = {}
+    for name, extra in (("bounded", {"max_pending_bytes": 12_000}), ("default", None)):
+        store = tmp_path / name
+        e = Engine(tmp_path, store, extra=extra)
+        e.add("a", list(range(100, 200)))
+        e.run()
+        e.close()
+        assert e.errors == []
+        with tierstore.open(store, readonly=True) as s:
+            results[name] = (len(s.keys(namespace="vllm")), e.worker.counters["saves_dropped"])
+    assert results == {"bounded": (1, 2), "default": (3, 0)}

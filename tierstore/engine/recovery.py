@@ -37,6 +37,13 @@ class IndexAhead(TierstoreError):
     """The index names log positions the log does not have: it must be rebuilt."""
 
 
+# a rebuild reads a sealed segment whose header fails its checksum with the header a repair would
+# write (SPEC.md §7.4) only when the damaged header differs from that one in at most this many bytes
+# of the fields that name the segment (§3.1 offsets; not format_minor, created_ns, creator or crc)
+IMPLIED_HEADER_FIELDS = ((0, 10), (12, 72))
+IMPLIED_HEADER_SLACK = 2
+
+
 @dataclass
 class Damage:
     segment: int
@@ -61,6 +68,7 @@ class LogScan:
     damage: list[Damage] = field(default_factory=list)
     removed_segments: list[int] = field(default_factory=list)
     bytes_scanned: int = 0
+    store_uuid: bytes | None = None  # the store's, from the segment headers read
 
 
 @dataclass
@@ -189,6 +197,7 @@ class _LogScanner:
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
         self.seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
+        self._next_seg: int | None = None  # the segment after the one being scanned
         self.result = LogScan()
 
     def _verify(self, is_last: bool) -> bool:
@@ -209,11 +218,13 @@ class _LogScanner:
         for n, seg in enumerate(segs):
             first = resume and n == 0
             offset = rec.align_up(start.end, fmt.RECORD_ALIGN) if first and start is not None else None
+            self._next_seg = segs[n + 1] if n + 1 < len(segs) else None
             expect = self._segment(seg, is_first=n == 0, is_last=n == len(segs) - 1, offset=offset, expect=expect)
             if expect is None:
                 break  # the last segment was never durably created
         r = self.result
         r.next_lsn = max(r.last.lsn + 1, expect or 1)
+        r.store_uuid = self.store_uuid
         return r
 
     def _segment(self, seg: int, *, is_first: bool, is_last: bool, offset: int | None,
@@ -233,9 +244,17 @@ class _LogScanner:
                         quarantine_file(io, self.root, path)
                         r.removed_segments.append(seg)
                     return None
-                if not (self.repair and self.writable and _damaged_v1_header(io, fd)):
+                if not _damaged_v1_header(io, fd):
                     raise
-                header = self._salvage_header(fd, seg, path, e)
+                if self.repair and self.writable:
+                    header = self._salvage_header(fd, seg, path, e, expect)
+                else:
+                    # (resuming inside this segment, its base LSN is not used: no bound on it)
+                    implied = None if is_last else self._implied_header(fd, seg, path, e,
+                                                                        expect if offset is None else None)
+                    if implied is None:
+                        raise
+                    header = implied
             if self.store_uuid is not None and header.store_uuid != self.store_uuid:
                 raise CorruptionError("segment belongs to another store (store uuid differs)", path=path, segment=seg)
             self.store_uuid = header.store_uuid
@@ -327,6 +346,13 @@ class _LogScanner:
                     scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=stop.offset, expect_lsn=expected,
                                                     verify_payload=True, size=size)
                     continue
+                elif not self.repair and bad is None and group is None and \
+                        (nxt := self._nothing_lost(fd, seg, path, scanner, stop.offset, expected, size)) is not None:
+                    # a sealed segment's damaged bytes that held no record (padding, a PAD record):
+                    # the log goes on with the LSN expected here; reported, nothing to repair for
+                    resume_lsn = expected
+                    r.damage.append(Damage(seg, stop.offset, f"{why}; no record in these bytes (the log goes on "
+                                           f"with LSN {expected})", 0))
                 else:
                     nxt = scanner.next_valid(stop.offset)
                     end = size if nxt is None else nxt
@@ -365,6 +391,79 @@ class _LogScanner:
         finally:
             if fd >= 0:
                 io.close(fd)
+
+    def _implied_header(self, fd: int, seg: int, path: str, error: TierstoreError,
+                        expect: int | None) -> seglib.SegmentHeader | None:
+        """Not repairing: the header a sealed segment whose own header fails its checksum is read
+        with -- the one a repair writes (``_rebuilt_header``) -- when a valid record starts right
+        after it, the log's LSNs do not go back there, and the damaged header differs from it in
+        at most ``IMPLIED_HEADER_SLACK`` bytes of the fields that name the segment (magic,
+        version, sizes, feature bits, store uuid, id, base LSN: one flipped byte, not another
+        store's segment or a newer format's); reported as damage.  None otherwise (the caller
+        raises)."""
+        io = self.io
+        scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
+        if not scanner.header_at(fmt.SEGMENT_HEADER_SIZE):
+            return None
+        header = self._rebuilt_header(fd, seg, path, fmt.SEGMENT_HEADER_SIZE, expect)
+        if header is None or (expect is not None and header.base_lsn < expect):
+            return None
+        old, new = io.pread(fd, fmt.SEGMENT_HEADER.size, 0), header.encode()
+        differ = sum(x != y for a, b in IMPLIED_HEADER_FIELDS for x, y in zip(old[a:b], new[a:b]))
+        if differ > IMPLIED_HEADER_SLACK:
+            return None
+        self.result.damage.append(Damage(seg, 0, f"damaged segment header ({error.message}); read as this store's "
+                                         f"segment {seg} from LSN {header.base_lsn}: `tierstore recover` rewrites "
+                                         "it", 0))
+        return header
+
+    def _rebuilt_header(self, fd: int, seg: int, path: str, first: int | None,
+                        expect: int | None) -> seglib.SegmentHeader | None:
+        """The header a damaged segment header is rewritten as (repair) or read as (a rebuild):
+        the store's uuid (this scan's, else another segment's), the id in the file name, and as
+        base LSN the LSN of the first record that has one from ``first`` on (PAD records have
+        none), else ``expect``.  None when no other segment names the store."""
+        uuid = self.store_uuid or _store_uuid_of_others(self.io, self.seg_dir, seg)
+        if uuid is None:
+            return None
+        base = _next_lsn(self.io, fd, seg, path, first, self.io.size(fd)) if first is not None else None
+        return seglib.new_segment_header(uuid, seg, base if base is not None else max(1, expect or 1))
+
+    def _nothing_lost(self, fd: int, seg: int, path: str, scanner: seglib.SegmentScanner, offset: int,
+                      expected: int | None, size: int) -> int | None:
+        """Not repairing, in a sealed segment (or synced damage of the last one): where the log
+        goes on after bytes at ``offset`` that are not a valid record, when they provably held
+        none -- they are zero past their first 48 bytes, and the next valid record carries the
+        LSN expected here, or none follows in this segment and the next one (its own header)
+        begins with it: a damaged byte of padding or of a PAD record.  None when LSNs were lost,
+        or may have been (across a gap that compaction left between two segments, for one)."""
+        if expected is None:
+            return None
+        nxt = scanner.next_valid(offset)
+        # what a damaged PAD record or gap looks like: zeros past its first 48 bytes (a record with
+        # an LSN has its namespace, key or metadata there -- and a record header inside a damaged
+        # record's payload is not the log going on)
+        if self._nonzero(fd, min(offset + fmt.RECORD_HEADER_SIZE, size), size if nxt is None else nxt):
+            return None
+        after = _next_lsn(self.io, fd, seg, path, nxt, size) if nxt is not None else None  # PAD records: none
+        if after == expected:
+            return nxt
+        if after is None and self._next_base() == expected:
+            return size if nxt is None else nxt
+        return None
+
+    def _next_base(self) -> int | None:
+        """The base LSN of the segment after the one being scanned (its header's), or None."""
+        if self._next_seg is None:
+            return None
+        path = os.path.join(self.seg_dir, seglib.segment_name(self._next_seg))
+        fd = seglib.open_segment(self.io, path)
+        try:
+            return seglib.read_segment_header(self.io, fd, path=path, seg_id=self._next_seg).base_lsn
+        except TierstoreError:
+            return None
+        finally:
+            self.io.close(fd)
 
     def _proven(self, fd: int, seg: int, path: str, lsn: int | None, offset: int, size: int) -> bool:
         """Whether the record with ``lsn`` at ``offset`` of the last segment was synced: the
@@ -450,24 +549,20 @@ class _LogScanner:
         write_all(self.io, fd, [data], start)
         self.io.fdatasync(fd)
 
-    def _salvage_header(self, fd: int, seg: int, path: str, error: TierstoreError) -> seglib.SegmentHeader:
+    def _salvage_header(self, fd: int, seg: int, path: str, error: TierstoreError,
+                        expect: int | None) -> seglib.SegmentHeader:
         """Repair: rewrite a damaged segment header from what the rest of the store says (the
         store uuid, the id in the file name, the LSN of the first valid record).  The old header
         page goes to quarantine/ first."""
         io = self.io
         quarantine_bytes(io, self.root, fd, seg, 0, fmt.SEGMENT_HEADER_SIZE, f"damaged segment header: {error}")
-        uuid = self.store_uuid or _store_uuid_of_others(io, self.seg_dir, seg)
-        if uuid is None:
-            raise CorruptionError("segment header damaged and no other segment names the store", path=path,
-                                  segment=seg) from None
         scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
         first = fmt.SEGMENT_HEADER_SIZE if scanner.header_at(fmt.SEGMENT_HEADER_SIZE) \
             else scanner.next_valid(fmt.SEGMENT_HEADER_SIZE)
-        base_lsn = 1
-        if first is not None:
-            hdr = rec.decode_header(io.pread(fd, fmt.HEADER_MAX_BYTES, first))
-            base_lsn = max(1, hdr.lsn)
-        header = seglib.new_segment_header(uuid, seg, base_lsn)
+        header = self._rebuilt_header(fd, seg, path, first, expect)
+        if header is None:
+            raise CorruptionError("segment header damaged and no other segment names the store", path=path,
+                                  segment=seg) from None
         write_all(io, fd, [header.encode()], 0)
         io.fdatasync(fd)
         self.result.damage.append(Damage(seg, 0, f"segment header rewritten ({error.message})", fmt.SEGMENT_HEADER_SIZE,
@@ -575,13 +670,9 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
     ``witness``: repairing, the previous index's header copies (see ``_restore_header``)."""
     scan = scan_log(io, root, None, None, writable=True, repair=repair, verify_sealed=verify_payloads,
                     progress=progress, proven_lsn=proven_lsn, witness=witness)
-    seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
-    first = seglib.list_segments(io, seg_dir)[0]
-    fd = seglib.open_segment(io, os.path.join(seg_dir, seglib.segment_name(first)))
-    try:
-        store_uuid = seglib.read_segment_header(io, fd, path=seg_dir, seg_id=first).store_uuid
-    finally:
-        io.close(fd)
+    store_uuid = scan.store_uuid
+    if store_uuid is None:  # (a scan that read no segment header raised already)
+        raise CorruptionError("no segment header names the store", path=root)
     tmp = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
     if os.path.exists(tmp):
         shutil.rmtree(tmp)

@@ -10,7 +10,8 @@ of the block size), ``namespace`` ("vllm"), ``codec`` (None: lossless raw; e.g. 
 ``durability`` ("group": saves become durable within ``group_commit_ms``), ``model_id`` (a
 string that names the weights, e.g. a checkpoint digest, added to the fingerprint),
 ``max_pending_bytes`` ("2GiB": host memory of saves handed to the writer thread before a step
-waits for the disk), ``tp_rank`` / ``pp_rank`` (this worker's ranks, when vLLM's process groups
+waits for the disk; one step also stages at most this much, and chunks past it are not saved:
+at most twice this much host memory in all), ``tp_rank`` / ``pp_rank`` (this worker's ranks, when vLLM's process groups
 cannot say), and any other ``tierstore.open`` option under ``store_options`` (e.g.
 ``{"ssd_bytes": "500GiB"}``).  ``kv_role``: "kv_both" loads and saves, "kv_consumer" only
 loads, "kv_producer" only saves.
@@ -49,6 +50,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -242,6 +244,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-vllm-save")
         self._pending: list[tuple[Future, int]] = []  # saves handed to the writer, and their pinned bytes
         self._max_pending = int(tierstore.parse_size(extra.get("max_pending_bytes", "2GiB"), "max_pending_bytes"))
+        self._warned_staging = False
         self.last_loads: list[ChunkLoad] = []  # the loads of the last step with any (for checks)
         self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0,
                          "saves_dropped": 0}
@@ -567,8 +570,17 @@ class TierstoreConnector(KVConnectorBase_V1):
             have = self._store.contains_many(keys, namespace=self._namespace)
             shape = (len(self._layers), *paged.layout.chunk_shape(self._chunk))
             pin = tensor.device.type == "cuda"
-            self._staged = [(sv, torch.empty(shape, dtype=tensor.dtype, pin_memory=pin))
-                            for sv, h in zip(saves, have) if not h]
+            todo = [sv for sv, h in zip(saves, have) if not h]
+            fit = self._max_pending // max(1, math.prod(shape) * tensor.element_size())
+            if len(todo) > fit:  # one step stages at most max_pending_bytes: the rest is a later miss
+                self.counters["saves_dropped"] += len(todo) - fit
+                if not self._warned_staging:
+                    self._warned_staging = True
+                    _log.warning("tierstore: a step completed %d chunks to save, %d fit in max_pending_bytes=%d; "
+                                 "the others are not saved (raise max_pending_bytes to keep them)",
+                                 len(todo), fit, self._max_pending)
+                todo = todo[:fit]
+            self._staged = [(sv, torch.empty(shape, dtype=tensor.dtype, pin_memory=pin)) for sv in todo]
         self._staged_layers.add(i)
         for sv, buf in self._staged:
             if tensor.device.type == "cuda":  # gathered on the device, then one copy to pinned memory
