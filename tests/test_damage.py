@@ -419,3 +419,18 @@ def test_recover_rewrites_a_header_whose_segment_begins_with_a_pad_record(store_
     assert _all(store_path) == data  # the rebuild reads it (rule of SPEC.md §7.4)
     repair.recover(store_path)
     assert _all(store_path) == data and repair.fsck(store_path, deep=True).ok
+
+
+def test_damage_met_while_reading_other_writers_records_is_reported_once(store_path, caplog):
+    """What a writer's scan of other processes' records met goes to ``recovery["damage"]`` and the
+    log once per place (it used to be dropped, or called a torn append whatever it was)."""
+    from tierstore.engine import recovery as rcv
+
+    with tierstore.open(store_path) as s:
+        engine = s._engine
+        scan = rcv.LogScan(damage=[rcv.Damage(1, 0, "damaged segment header (x); read as ...", 0)])
+        with caplog.at_level("WARNING", logger="tierstore"):
+            engine._report_damage(scan, "reading other writers' records")
+            engine._report_damage(scan, "reading other writers' records")
+        assert [d["reason"] for d in s.recovery["damage"]] == ["damaged segment header (x); read as ..."]
+        assert len([r for r in caplog.records if "damaged segment header" in r.getMessage()]) == 1

@@ -253,7 +253,8 @@ def test_simulate_cli_downtier(capsys):
     assert cli(["simulate", "--generate", "tenants", "--seed", "1", "--policy", "lru", "--ssd", "20%"]) == 0
     assert "lossy copies" not in capsys.readouterr().out  # the twin: no copies, no line about them
     assert cli(["simulate", "--generate", "tenants", "--policy", "lru", "--downtier", "tenants=oops"]) == 2
-    assert cli(["simulate", "--generate", "tenants", "--policy", "lru", "--downtier", "tenants=1.5"]) == 2
+    for bad in ("tenants=1.5", "tenants=0", "tenants=int4", "tenants=0.3,tenants=0.4"):
+        assert cli(["simulate", "--generate", "tenants", "--policy", "lru", "--downtier", bad]) == 2, bad
     capsys.readouterr()
 
 
@@ -438,3 +439,37 @@ def test_a_torch_tensor_stays_a_torch_tensor(tmp_path):
         got = s.get("t", namespace="chat")
         assert not s.info("t", namespace="chat").lossless and isinstance(got.data, torch.Tensor)
         assert got.meta == {"m": 1}
+
+
+def test_a_put_that_evicts_by_itself_deletes_and_counts_what_it_could_have_copied(tmp_path):
+    """4 MiB budget, 512 KiB objects, auto segments of 256 KiB: puts pass the bound before the
+    thread runs and evict by themselves, which never re-encode -- counted, not silent."""
+    with tierstore.open(str(tmp_path / "s"), ssd_bytes=4 * MiB, downtier={"chat": "int4"}) as s:
+        for i in range(16):
+            s.put(f"c{i}", kv(i), namespace="chat")
+        ssd = s.stats()["tiers"]["ssd"]
+    assert ssd["eviction_runs"] > 0 and ssd["downtier_skipped"] > 0
+    assert ssd["downtier"] == {"chat": "int4:group=32"}
+
+
+def test_info_and_pin_of_a_missing_key_are_not_read_misses(tmp_path):
+    log = str(tmp_path / "t.jsonl")
+    with tierstore.open(str(tmp_path / "s"), ssd_bytes=8 * MiB, trace_to=log) as s:
+        for _ in range(3):
+            with pytest.raises(tierstore.NotFound):
+                s.info("zz")
+        with pytest.raises(tierstore.NotFound):
+            s.pin("zz")
+        assert s.stats()["tiers"]["ssd"]["misses"] == 0
+        with pytest.raises(tierstore.NotFound):
+            s.get("zz")  # the twin: a read's miss is one
+        assert s.stats()["tiers"]["ssd"]["misses"] == 1
+    assert [o["op"] for o in tr.read_trace(log)] == ["get"]
+
+
+def test_retained_and_down_tiered_at_once_is_refused(tmp_path):
+    with pytest.raises(tierstore.InvalidObject, match="both retained"):
+        tierstore.open(str(tmp_path / "s"), ssd_bytes=8 * MiB, retain={"chat": "always"}, downtier={"chat": "int4"})
+    with tierstore.open(str(tmp_path / "s"), ssd_bytes=8 * MiB, retain={"rag": "always"},
+                        downtier={"chat": "int4"}) as s:  # the twin: two namespaces
+        assert s.stats()["tiers"]["ssd"]["retained"] == ["rag"]

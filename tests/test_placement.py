@@ -163,6 +163,26 @@ def test_the_live_store_and_the_simulator_make_the_same_evictions(tmp_path, poli
     assert sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy=policy, follow=True)["mismatches"]
 
 
+def test_the_session_policy_of_the_live_store_and_of_the_simulator_decide_alike(tmp_path):
+    """Puts in five sessions under the session-aware policy.  Two regressions (a new user's try):
+    the store told the policy of each of its own puts twice (once as another writer's record, once
+    with its session), which moved the session policy's clock; and a put that landed while the
+    eviction thread decided joined the order before the decision in the trace, after it in the
+    store.  Both made --follow report evictions the policy would not have made."""
+    path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
+    with tierstore.open(path, ssd_bytes=8 * MiB, ssd_policy="session", trace_to=log, durability="none") as s:
+        for i in range(90):
+            s.put(f"k{i}", Blob(os.urandom(150_000 + (i % 7) * 10_000)), session=f"s{i % 5}")
+            s.flush()
+            for j in (i // 2, i // 3, 0):
+                if s.contains(f"k{j}"):
+                    s.get(f"k{j}")
+            s.flush()
+    ops = list(tr.read_trace(log))
+    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy="session", follow=True)
+    assert r["evictions_checked"] > 50 and r["mismatches"] == []
+
+
 def test_reads_racing_the_eviction_thread_never_make_the_trace_disagree(tmp_path):
     """Regression (a new user's try): without flush() between calls, a read that raced the
     eviction thread's decision could show in the trace before the eviction of the same object."""

@@ -490,13 +490,17 @@ class Store:
             raise InvalidObject(f"a batch of {len(puts)} puts makes {len(records)} records; one atomic group "
                                 f"holds at most {fmt.GROUP_MAX}",
                                 hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
+        own = self._capacity.own_puts(ns, [k for k, _, _ in puts]) if self._capacity is not None \
+            else contextlib.nullcontext()
         if not records:  # every object already stored and referenced: make sure they are durable
             locs = [engine.lookup(ns, k) for k, _, _ in puts]
             where = max((engine.appended_at(loc) for loc in locs if loc is not None), key=lambda a: a.lsn)
         elif len(records) == 1:
-            where = engine.append(records[0])
+            with own:
+                where = engine.append(records[0])
         else:
-            where = engine.append_group(records)
+            with own:
+                where = engine.append_group(records)
         for w in self._watchers:
             for k, _, record in puts:
                 w.admitted(ns, k, record.header.record_len, (sess,) if sess is not None else (),
@@ -840,13 +844,15 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def _locate(self, key: Any, namespace: Any) -> tuple[bytes, bytes, Location]:
+    def _locate(self, key: Any, namespace: Any, *, read: bool = True) -> tuple[bytes, bytes, Location]:
+        """Where ``key`` is; NotFound if nowhere.  ``read``: a miss of a read, which the SSD
+        budget's policy and a trace are told of (``info`` and ``pin`` are not reads)."""
         self._check_open()
         ns = encode_namespace(namespace)
         k, _ = encode_key(key)
         loc = self._engine.lookup(ns, k)
         if loc is None:
-            for w in self._watchers:
+            for w in self._watchers if read else ():
                 w.missed(ns, [k])
             raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace,
                            hint_from=functools.partial(self._elsewhere, k, ns))
@@ -1261,7 +1267,7 @@ class Store:
         ``("remote",)``, ``segment`` and ``offset`` are None)."""
         tiers: tuple[str, ...] | None = None
         try:
-            ns, k, loc = self._locate(key, namespace)
+            ns, k, loc = self._locate(key, namespace, read=False)
         except NotFound:
             if self._remote is None:
                 raise
@@ -1397,7 +1403,7 @@ class Store:
         t = self._cache_tier(tier)
         # with a budget, an eviction decides under the write lock: it sees the pin, or the key is gone
         with self._engine.write_lock if self._capacity is not None else contextlib.nullcontext():
-            ns, k, loc = self._locate(key, namespace)
+            ns, k, loc = self._locate(key, namespace, read=False)
             t.pin((ns, k))
         try:
             self._promote(tier, key, namespace, ns, k, loc, layers)

@@ -69,7 +69,7 @@ def run(args: Any) -> dict[str, Any]:
     retain = args.retain or []
     models = parse_models(args.models) if args.models else \
         (dict(workloads.MIXED_MODELS) if args.generate == "mixed" else None)
-    downtier = parse_pairs(args.downtier, "--downtier", "chat=0.31") if args.downtier else None
+    downtier = parse_shares(args.downtier) if args.downtier else None
     if downtier and args.follow:
         raise InvalidObject("--downtier makes the simulator keep lossy copies; --follow replays the ones the "
                             "store kept (its trace's downtier lines)")
@@ -94,6 +94,24 @@ def parse_pairs(text: str, option: str, example: str) -> dict[str, float]:
             value = -1.0
         if not sep or not ns.strip() or not value > 0:
             raise InvalidObject(f"{option}: namespace=number pairs like {example}, got {part!r}")
+        out[ns.strip()] = value
+    return out
+
+
+def parse_shares(text: str) -> dict[str, float]:
+    """``--downtier chat=0.313,...``: namespace -> the share of its bytes a lossy copy keeps."""
+    out = {}
+    for part in text.split(","):
+        ns, sep, number = part.partition("=")
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if not sep or not ns.strip() or not 0 < value < 1 or ns.strip() in out:
+            raise InvalidObject(f"--downtier: namespace=share pairs, each namespace once, a share between 0 and 1 "
+                                f"(the lossy copy's bytes over the object's), got {part!r}",
+                                hint="0.313 for int4 of float16 KV with head_dim 128 (docs/guide.md's codec "
+                                     "table gives each codec's ratio)")
         out[ns.strip()] = value
     return out
 

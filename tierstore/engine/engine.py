@@ -651,10 +651,7 @@ class Engine:
             self._entered_at = self._hold_start = published
             return
         scan = self._scan_from(published, verify=True)  # a writer died mid-append
-        if scan.damage:
-            self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
-            _log.warning("tierstore: %s: a writer process died mid-append; its torn bytes were cut (%s)",
-                         self.path, "; ".join(d.reason for d in scan.damage))
+        self._report_damage(scan, "a writer process died mid-append")
         log.adopt(scan.active, scan.tail, scan.next_lsn, scan.next_lsn - 1)
         self._entered_at = None  # say where the log ends now, at release
         self._hold_start = log.position()
@@ -696,9 +693,20 @@ class Engine:
         except recovery.IndexAhead:  # compaction retired the segment: go on from the index's position
             scan = recovery.scan_log(self.io, self.path, self.store_uuid, self.index.applied(), writable=False,
                                      repair=False, verify_tail=False)
+        self._report_damage(scan, "reading other writers' records")
         foreign = [op for op in scan.ops if applied.lsn < op.lsn < end[2]]
         if foreign:
             self._took_many(foreign)
+
+    def _report_damage(self, scan: recovery.LogScan, when: str) -> None:
+        """Damage a scan of other writers' records met (a torn append it cut; a damaged segment
+        header or padding it read past, SPEC.md §7.3/§7.4): in ``recovery["damage"]`` and
+        warned about, each place once."""
+        seen = {(d["segment"], d["offset"], d["reason"]) for d in self.recovery.get("damage", [])}
+        new = [d for d in scan.damage if (d.segment, d.offset, d.reason) not in seen]
+        if new:
+            self.recovery.setdefault("damage", []).extend(d.__dict__ for d in new)
+            _log.warning("tierstore: %s: %s: %s", self.path, when, "; ".join(d.reason for d in new))
 
     def _took_many(self, ops: list[Op]) -> None:
         """Other processes' records, in LSN order, merged into the memtable and the pending list

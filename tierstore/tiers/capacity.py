@@ -24,11 +24,12 @@ that re-encodes an object (down-tiering).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from ..codecs import registry as cdc
@@ -126,6 +127,10 @@ def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
             if how not in RETAIN:
                 raise InvalidObject(f"retain[{name!r}] must be one of {', '.join(map(repr, RETAIN))}, got {how!r}")
             kept.add(encode_namespace(name))
+    both = kept & set(downtier_options(downtier)) if downtier is not None else set()
+    if both:
+        raise InvalidObject(f"namespace {sorted(both)[0].decode('utf-8')!r} is both retained (never evicted) and "
+                            "down-tiered (kept as a lossy copy when evicted)", hint="name it in one of the two")
     if "segment_bytes" not in options:
         auto = min(1 << 30, max(SEGMENT_AUTO_MIN, budget // SEGMENTS_PER_BUDGET))
         options["segment_bytes"] = auto - auto % fmt.PAGE
@@ -173,6 +178,7 @@ class Capacity:
         self._thread: threading.Thread | None = None
         self.background_error: str | None = None
         self._since: set[Hashable] | None = None  # during an eviction: objects put or read since its order was taken
+        self._joining: list[tuple[Any, ...]] = []  # puts that landed during a decision: admitted after it
         # a trace: told of what this handle does and of each eviction under the lock the
         # eviction decides under, so its lines come in the order the decisions saw
         self.follower: Any = None
@@ -182,6 +188,7 @@ class Capacity:
         self._latency: deque[float] = deque(maxlen=4096)  # evictions a put waited for
         self._background_latency: deque[float] = deque(maxlen=4096)
         self._known: set[Hashable] = set()  # the objects the policy holds
+        self._local = threading.local()  # .own: keys this thread is appending for the handle (own_puts)
         engine.subscribe(self._on_write)  # other handles' and other processes' records too
         self._seed()
 
@@ -237,8 +244,8 @@ class Capacity:
         LSN order): an object the policy does not know yet joins it (another handle's or another
         writer process's put), a deleted one leaves it."""
         ns = key[0]  # type: ignore[index]
-        if ns.startswith(b"\x00"):
-            return
+        if ns.startswith(b"\x00") or (hdr is not None and key in getattr(self._local, "own", ())):
+            return  # (a put of this handle: ``admitted`` tells the policy once, with its session)
         with self._policy_lock:
             if hdr is None:
                 if key in self._known:
@@ -251,16 +258,42 @@ class Capacity:
                     self.policy.cost_hint(key, tokens)
                 self.policy.admitted(key, hdr.record_len, ())
 
+    @contextlib.contextmanager
+    def own_puts(self, ns: bytes, keys: list[bytes]) -> Iterator[None]:
+        """Around the handle's append of puts of ``keys``: ``_on_write`` leaves them to
+        ``admitted``, which the handle calls next, so that the policy is told of each put once (a
+        second admission moves a session policy's clock: the simulator would decide otherwise)."""
+        self._local.own = {(ns, k) for k in keys}
+        try:
+            yield
+        finally:
+            self._local.own = ()
+
     def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
         with self._policy_lock:
-            if self._since is not None:
-                self._since.add((ns, k))
-            if tokens:
-                self.policy.cost_hint((ns, k), tokens)
-            self.policy.admitted((ns, k), nbytes, sessions)
             self._known.add((ns, k))
-            if self.follower is not None:
-                self.follower.admitted(ns, k, nbytes, sessions, tokens)
+            if self._since is not None:  # an eviction is deciding: it joins the order (and the trace) after
+                self._since.add((ns, k))
+                self._joining.append((ns, k, nbytes, sessions, tokens))
+                return
+            self._admit(ns, k, nbytes, sessions, tokens)
+
+    def _admit(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int) -> None:
+        if tokens:
+            self.policy.cost_hint((ns, k), tokens)
+        self.policy.admitted((ns, k), nbytes, sessions)
+        if self.follower is not None:
+            self.follower.admitted(ns, k, nbytes, sessions, tokens)
+
+    def _decided(self) -> None:
+        """The end of an eviction's decision (under the policy lock): puts that landed while it
+        decided join the order now, so that the policy -- and a trace's replay -- sees them after
+        it (a session policy may rank a new object first)."""
+        self._since = None
+        joining, self._joining = self._joining, []
+        for item in joining:
+            if (item[0], item[1]) in self._known:  # (not deleted meanwhile)
+                self._admit(*item)
 
     def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
         with self._policy_lock:
@@ -523,14 +556,17 @@ class Capacity:
                 units = [(key, loc, engine.deletion(*key, loc.header.flags)) for key, loc in chosen]  # type: ignore[misc]
                 with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
                     units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]
-                    self._since = None
                     chosen = [(key, loc) for key, loc, _ in units]
                     if self.follower is not None and chosen:
                         self.follower.evicted([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
+                    self._decided()
                 freed = sum(loc.header.record_len for _, loc in chosen)
                 # victims with a lossy copy to keep are replaced by it below (outside this lock), not deleted
                 copies = [(key, loc, choice) for key, loc in chosen
-                          if (choice := self._lossy_choice(key, loc.header)) is not None] if lossy else []
+                          if (choice := self._lossy_choice(key, loc.header)) is not None]
+                if not lossy:  # a put evicting by itself does not wait for re-encodes: deleted, counted
+                    self.counters["downtier_skipped"] += len(copies)
+                    copies = []
                 spared = {key for key, _, _ in copies}
                 batch: list[rec.EncodedRecord] = []
                 for _, _, unit in (u for u in units if u[0] not in spared):
@@ -545,7 +581,7 @@ class Capacity:
                         self.policy.removed(key)
         finally:
             with self._policy_lock:
-                self._since = None
+                self._decided()
         if where is not None:  # durable with the sync that compaction does before it unlinks anything
             engine.settle_later(where)
         taken, kept, replaced = self._down_tier(copies) if copies else (0, 0, 0)
@@ -667,6 +703,8 @@ class Capacity:
 
         return {"capacity_bytes": self.budget, "bytes_used": self.engine.disk_bytes(), **self.counters,
                 "policy": self.policy.name, "retained": sorted(n.decode("utf-8") for n in self.retain),
+                "downtier": {ns.decode("utf-8"): next(iter(by_kind.values())).spec
+                             for ns, by_kind in sorted(self.downtier.items())},
                 "eviction_p99_ms": pct(self._latency, 0.99),
                 "background_p99_ms": pct(self._background_latency, 0.99),
                 "background_error": self.background_error}
