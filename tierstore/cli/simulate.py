@@ -83,37 +83,31 @@ def run(args: Any) -> dict[str, Any]:
             "models": models, "downtier": downtier, "runs": runs}
 
 
-def parse_pairs(text: str, option: str, example: str) -> dict[str, float]:
-    """``NS=NUMBER,...`` -> {namespace: positive number}."""
-    out = {}
+def parse_pairs(text: str, option: str, example: str, *, below: float | None = None,
+                hint: str | None = None) -> dict[str, float]:
+    """``NS=NUMBER,...`` -> {namespace: number}: each namespace once, each number positive (and
+    under ``below`` when given)."""
+    out: dict[str, float] = {}
     for part in text.split(","):
         ns, sep, number = part.partition("=")
         try:
             value = float(number)
         except ValueError:
             value = -1.0
-        if not sep or not ns.strip() or not value > 0:
-            raise InvalidObject(f"{option}: namespace=number pairs like {example}, got {part!r}")
+        if not sep or not ns.strip() or not value > 0 or (below is not None and not value < below) \
+                or ns.strip() in out:
+            bound = f" under {below:g}" if below is not None else ""
+            raise InvalidObject(f"{option}: namespace=number pairs like {example} (each namespace once, each number "
+                                f"above 0{bound}), got {part!r}", hint=hint)
         out[ns.strip()] = value
     return out
 
 
 def parse_shares(text: str) -> dict[str, float]:
     """``--downtier chat=0.313,...``: namespace -> the share of its bytes a lossy copy keeps."""
-    out = {}
-    for part in text.split(","):
-        ns, sep, number = part.partition("=")
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if not sep or not ns.strip() or not 0 < value < 1 or ns.strip() in out:
-            raise InvalidObject(f"--downtier: namespace=share pairs, each namespace once, a share between 0 and 1 "
-                                f"(the lossy copy's bytes over the object's), got {part!r}",
-                                hint="0.313 for int4 of float16 KV with head_dim 128 (docs/guide.md's codec "
-                                     "table gives each codec's ratio)")
-        out[ns.strip()] = value
-    return out
+    return parse_pairs(text, "--downtier", "chat=0.313", below=1.0,
+                       hint="the lossy copy's bytes over the object's: 0.313 for int4 of float16 KV with head_dim "
+                            "128 (docs/guide.md's codec table gives each codec's ratio)")
 
 
 def parse_models(text: str) -> dict[str, float]:
