@@ -702,6 +702,8 @@ class Engine:
         """Damage a scan of other writers' records met (a torn append it cut; a damaged segment
         header or padding it read past, SPEC.md §7.3/§7.4): in ``recovery["damage"]`` and
         warned about, each place once."""
+        if not scan.damage:  # (the common case, on every catch-up with other writers)
+            return
         seen = {(d["segment"], d["offset"], d["reason"]) for d in self.recovery.get("damage", [])}
         new = [d for d in scan.damage if (d.segment, d.offset, d.reason) not in seen]
         if new:
