@@ -320,6 +320,163 @@ def test_get_into_a_torch_tensor(store_path, dtype):
                   torch.zeros(3, 2, 2, 8, 4, dtype=kv.dtype, requires_grad=True))
 
 
+# -- get(out=[per-layer pieces]): scattered gets ------------------------------------------------
+
+
+@pytest.mark.parametrize("tiers", [{"dram_bytes": 0}, {"dram_bytes": "64MiB", "dram_admit": "first"},
+                                   {}])  # no tier; the DRAM tier's extents; the default (probation)
+@pytest.mark.parametrize("codec", [None, "zstd", "int8"])
+def test_get_into_per_layer_views_of_bigger_tensors(store_path, tiers, codec):
+    """Each layer's K and V land in strided views of the caller's own tensors (a model cache's
+    token range), the rest of those tensors untouched; a second read (from memory) too."""
+    kv = _kv((5, 2, 3, 16, 8), seed=4)
+    with tierstore.open(store_path, **tiers) as s:
+        s.put("kv", KVCache(kv, layer_start=2), codec=codec)
+        want = s.get("kv").data  # the stored values (decoded: int8 is lossy)
+        for _ in range(2):
+            ks = [np.full((3, 40, 8), 7.0, np.float32) for _ in range(5)]
+            vs = [np.full((3, 40, 8), 7.0, np.float32) for _ in range(5)]
+            got = s.get("kv", out=[(k[:, 10:26], v[:, 10:26]) for k, v in zip(ks, vs)])
+            assert isinstance(got, KVCache) and got.layer_start == 2 and got.pieces is not None
+            for i in range(5):
+                assert np.array_equal(ks[i][:, 10:26], want[i, 0]) and np.array_equal(vs[i][:, 10:26], want[i, 1])
+                assert (ks[i][:, :10] == 7).all() and (vs[i][:, 26:] == 7).all()
+            assert np.array_equal(got.data, want)
+        part = [np.zeros((2, 3, 16, 8), np.float32) for _ in range(2)]  # layers= with [2, ...] pieces
+        assert s.get("kv", layers=[4, 5], out=part).layer_start == 4
+        assert np.array_equal(np.stack(part), want[2:4])
+
+
+def test_get_into_per_layer_pieces_reads_large_chunks_in_groups(store_path, monkeypatch):
+    """Without a DRAM tier the layers are read into a reused scratch buffer a few at a time."""
+    import tierstore.format.block as block
+
+    monkeypatch.setattr(block, "LAYER_SCRATCH_BYTES", 3 * 2 * 3 * 16 * 8 * 4)  # three layers at a time
+    kv = _kv((7, 2, 3, 16, 8), seed=5)
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        s.put("kv", KVCache(kv))
+        out = [(np.empty((3, 16, 8), np.float32), np.empty((3, 16, 8), np.float32)) for _ in range(7)]
+        s.get("kv", out=out)
+        assert all(np.array_equal(k, kv[i, 0]) and np.array_equal(v, kv[i, 1]) for i, (k, v) in enumerate(out))
+
+
+@pytest.mark.parametrize("out, why", [
+    ([(np.empty((2, 16, 8), np.float32),) * 2] * 3, "3 layers"),
+    ([(np.empty((2, 16, 8), np.float16),) * 2] * 4, "dtype float16"),
+    ([(np.empty((2, 8, 8), np.float32),) * 2] * 4, r"layers of \[2, 2, 8, 8\]"),
+    ([(np.empty((2, 16, 8), np.float32), np.empty((2, 16, 4), np.float32))] * 4, "different shapes"),
+    ([np.empty((2, 2, 16, 8), np.float32)] * 3 + [np.empty((2, 2, 16, 8), np.float64)], "layer 3"),
+    ([(np.empty((2, 16, 8), np.float32),) * 2] * 3 + [(np.empty((2, 16, 8), np.float32), "v")], "numpy arrays"),
+    ([], "non-empty"),
+])
+def test_get_into_per_layer_pieces_refuses_mismatches_before_any_io(store_path, out, why):
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(_kv()))
+        s.put("v", Vectors(np.zeros((4, 8), np.float32)))
+        before = s.stats()["counters"]
+        with pytest.raises(InvalidObject, match=why):
+            s.get("kv", out=out)
+        after = s.stats()["counters"]
+        assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
+        with pytest.raises(InvalidObject, match="applies to a KVCache"):
+            s.get("v", out=[np.zeros((2, 2, 16, 8), np.float32)])
+        ro = np.empty((2, 16, 8), np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(InvalidObject, match="not writable"):
+            s.get("kv", out=[(np.empty((2, 16, 8), np.float32), ro)] * 4)
+        # the twin: the same store answers a well-formed request
+        good = [(np.empty((2, 16, 8), np.float32), np.empty((2, 16, 8), np.float32)) for _ in range(4)]
+        s.get("kv", out=good)
+        assert np.array_equal(good[3][1], _kv()[3, 1])
+
+
+def test_get_into_per_layer_pieces_of_a_damaged_chunk_raises(store_path):
+    kv = _kv(seed=6)
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        s.put("kv", KVCache(kv))
+    path = segment_files(store_path)[0]
+    with open(path, "r+b") as f:
+        at = f.read().find(kv[2].tobytes()[:64])
+        assert at > 0
+        f.seek(at + 5)
+        byte = f.read(1)[0]
+        f.seek(at + 5)
+        f.write(bytes([byte ^ 0x10]))
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        out = [np.empty((2, 2, 16, 8), np.float32) for _ in range(4)]
+        with pytest.raises(tierstore.CorruptionError):
+            s.get("kv", out=out)
+        assert np.array_equal(s.get("kv", layers=1).data[0], kv[1])  # the other layers still read
+
+
+def _shared_pieces():
+    """Destinations that would each get two values: refused.  Their twin below: pieces whose
+    byte ranges overlap without sharing memory (K and V interleaved in one array) are fine."""
+    base = np.zeros((2, 16, 8), np.float32)
+    one = [(np.zeros((2, 16, 8), np.float32), np.zeros((2, 16, 8), np.float32)) for _ in range(3)]
+    return {
+        "the same pair twice": one + [one[0]],
+        "k is v": one + [(base, base)],
+        "a stride of 0": one + [(np.lib.stride_tricks.as_strided(np.zeros((16, 8), np.float32), (2, 16, 8),
+                                                                    (0, 32, 4), writeable=True), base)],
+        "overlapping slices": one + [(np.zeros((3, 16, 8), np.float32)[:2], base)],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_shared_pieces()))
+def test_get_into_per_layer_pieces_that_share_memory_is_refused(store_path, case):
+    out = _shared_pieces()[case]
+    if case == "overlapping slices":  # layer 3's k overlaps layer 0's v
+        big = np.zeros((3, 16, 8), np.float32)
+        out = [(np.zeros((2, 16, 8), np.float32), big[:2])] + out[1:3] + [(big[1:], np.zeros((2, 16, 8), np.float32))]
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(_kv()))
+        with pytest.raises(InvalidObject, match="share memory|repeats memory"):
+            s.get("kv", out=out)
+        # the twin: K and V of each layer interleaved in one array ([heads, tokens, 2, dim])
+        inter = [np.zeros((2, 16, 2, 8), np.float32) for _ in range(4)]
+        s.get("kv", out=[(x[:, :, 0], x[:, :, 1]) for x in inter])
+        kv = _kv()
+        assert all(np.array_equal(x[:, :, 0], kv[i, 0]) and np.array_equal(x[:, :, 1], kv[i, 1])
+                   for i, x in enumerate(inter))
+
+
+@needs_torch
+def test_get_into_per_layer_pieces_refuses_tensors_it_cannot_fill(store_path):
+    import torch
+
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(torch.randn(2, 2, 2, 4, 3)))
+        dense = [(torch.zeros(2, 4, 3), torch.zeros(2, 4, 3)) for _ in range(2)]
+        for bad, why in (((torch.zeros(2, 4, 3).to_sparse(), torch.zeros(2, 4, 3)), "sparse"),
+                         ((torch.zeros(2, 4, 3, device="meta"), torch.zeros(2, 4, 3, device="meta")), "meta"),
+                         ((torch.zeros(4, 3).expand(2, 4, 3), torch.zeros(2, 4, 3)), "repeats memory")):
+            before = s.stats()["counters"]["bytes_read"]
+            with pytest.raises(InvalidObject, match=why):
+                s.get("kv", out=[dense[0], bad])
+            assert s.stats()["counters"]["bytes_read"] == before
+        s.get("kv", out=dense)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_get_into_per_layer_torch_views(store_path, dtype):
+    """LMCache's layout: one [2, layers, tokens, hidden] tensor; each stored layer's K and V are
+    two slabs of it."""
+    import torch
+
+    kv = torch.randn(4, 2, 1, 8, 12).to(getattr(torch, dtype))
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(kv))
+        for _ in range(3):  # cold (probation), then from the DRAM tier
+            t = torch.zeros(2, 4, 1, 8, 12, dtype=kv.dtype)
+            s.get("kv", out=[(t[0, i], t[1, i]) for i in range(4)])
+            assert torch.equal(t.transpose(0, 1), kv)
+        with pytest.raises(InvalidObject, match="not writable"):
+            s.get("kv", out=[(torch.zeros(1, 8, 12, dtype=kv.dtype, requires_grad=True),
+                              torch.zeros(1, 8, 12, dtype=kv.dtype))] * 4)
+
+
 # -- scattered puts: KVCache.from_layers --------------------------------------------------------
 
 

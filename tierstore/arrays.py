@@ -178,6 +178,27 @@ def host_bytes(out: Any) -> np.ndarray | None:
     return out.reshape(-1).view(np.uint8)
 
 
+def itemsize(x: Any) -> int:
+    """Bytes per element of a numpy array or torch tensor."""
+    return int(x.element_size()) if is_torch_tensor(x) else int(x.itemsize)
+
+
+def host_view(x: Any) -> np.ndarray | None:
+    """A numpy view sharing ``x``'s memory, any strides, in the storage dtype of SPEC.md §5.2
+    (bfloat16 and fp8 as unsigned integers): ``x`` itself for numpy, a view of a CPU or pinned
+    tensor; None for a tensor on a GPU."""
+    if not is_torch_tensor(x):
+        return x
+    if x.device.type != "cpu":
+        return None
+    t = x.detach()
+    name = dtype_name(t)
+    if name not in _NUMPY_NATIVE:
+        torch = torch_module()
+        t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+    return t.numpy()
+
+
 def copy_into(out: Any, data: Any) -> None:
     """Copy ``data`` (an array of the same shape and dtype) into ``out``."""
     if is_torch_tensor(out):

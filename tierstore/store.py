@@ -165,6 +165,20 @@ _EXIT_HOOKED = False
 _EXITING = False  # set at interpreter exit, before weakref runs the finalizers still pending
 
 
+def _destination(hdr: rec.RecordHeader, layers: Any, rows: Any, out: Any, device: str | None) -> tuple[Any, Any]:
+    """``get``'s ``out`` checked against the record before any I/O, as ``read_object`` takes it
+    (one array, or per-layer pieces as a KVCache), and the device a CUDA array is read on."""
+    if out is None:
+        return None, device
+    if isinstance(out, (list, tuple)):
+        return blk.layer_destination(hdr, layers, out), None
+    name, shape = blk.result_shape(hdr, layers, rows)
+    arrays.check_out(out, name, shape)
+    if arrays.host_bytes(out) is None:
+        device = str(out.device)  # a CUDA destination: read there, then copy
+    return out, device
+
+
 def _exiting() -> None:
     global _EXITING
     _EXITING = True
@@ -882,8 +896,14 @@ class Store:
         the shape this read returns (``info(key).shape``, or its selected layers / rows):
         the data is read (and decoded) into it, and the returned object's ``data`` is ``out``.
         Host memory is filled in place, with no staging copy; a CUDA tensor is filled from
-        host memory (or the GPU tier).  A mismatch is InvalidObject, raised before any I/O.
-        ``device`` and ``out`` exclude each other (``out`` says where).
+        host memory (or the GPU tier).  For a KVCache, ``out`` may instead be a list with one
+        destination per layer read, as ``KVCache.from_layers`` takes them (a pair ``(k, v)`` of
+        ``[kv_heads, tokens, head_dim]`` arrays, or one ``[2, kv_heads, tokens, head_dim]``),
+        with any strides (no two sharing memory): views into a model's own cache tensors are
+        filled layer by layer, with no whole-chunk staging buffer, and a KVCache over them is
+        returned (``layer_start``: the first layer read).  A mismatch is InvalidObject,
+        raised before any I/O.  ``device`` and ``out`` exclude
+        each other (``out`` says where).
 
         Every byte returned was checked against its CRC-32C: a mismatch raises
         CorruptionError naming the segment and offset, never wrong data.  NotFound if the
@@ -901,13 +921,9 @@ class Store:
                 return self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=out)
         if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
             return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
-        if out is not None:
-            name, shape = blk.result_shape(loc.header, layers, rows)
-            arrays.check_out(out, name, shape)
-            if arrays.host_bytes(out) is None:
-                device = str(out.device)  # a CUDA destination: read there, then copy
+        out, device = _destination(loc.header, layers, rows, out, device)
         obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device, out=out)
-        if out is not None and obj.data is not out:
+        if out is not None and obj is not out and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
         return self._delivered(obj, loc, layers, rows)
@@ -1065,14 +1081,10 @@ class Store:
                       out: Any) -> Any:
         """An object (or its layers / rows) from a fetched record (checksums verified at fetch)."""
         hdr = reader.hdr
-        if out is not None:
-            name, shape = blk.result_shape(hdr, layers, rows)
-            arrays.check_out(out, name, shape)
-            if arrays.host_bytes(out) is None:
-                device = str(out.device)
+        out, device = _destination(hdr, layers, rows, out, device)
         dicts = None if hdr.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
         obj = blk.read_object(hdr, reader, layers=layers, rows=rows, device=device, dictionaries=dicts, out=out)
-        if out is not None and obj.data is not out:
+        if out is not None and obj is not out and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
         return self._delivered(obj, Location(0, 0, hdr), layers, rows)

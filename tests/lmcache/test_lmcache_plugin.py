@@ -188,6 +188,65 @@ def test_a_damaged_chunk_is_a_miss_never_returned(path, caplog):
     close(eng)
 
 
+def test_batched_get_keeps_the_order_of_keys_from_disk_and_memory(path):
+    """Chunks read on the reader threads (these small ones always come from the log: the DRAM
+    tier leaves them to the page cache) come back in the order of the keys, a missing key as
+    None, each bit-exact, round after round."""
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    tokens = torch.arange(300, 364)
+    eng = engine(path, src.clone())
+    eng.store(tokens)
+    wait_stored(eng, tokens, 64)
+    b = backend_of(eng)
+    keys = _keys(eng, tokens)
+    b.store.flush()
+    b.store.drop_cached()
+    assert b.remove(keys[2])
+    for rnd in range(3):
+        objs = b.batched_get_blocking(keys)
+        assert objs[2] is None and all(o is not None for n, o in enumerate(objs) if n != 2)
+        for n in (0, 1, 3):
+            want = src[:, :, n * CHUNK:(n + 1) * CHUNK].transpose(0, 1).reshape(objs[n].tensor.shape)
+            assert torch.equal(objs[n].tensor, want), (rnd, n)
+            objs[n].ref_count_down()
+        assert b.store.info(key_of(keys[0]), namespace=namespace_of(keys[0])).tiers == ("ssd",)
+    close(eng)
+
+
+def test_batched_get_gives_memory_back_when_a_read_fails_unexpectedly(path, monkeypatch):
+    """An error that is not the store's (a bug, an interrupt) reaches LMCache, but only after every
+    memory object the batch took has been given back."""
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    tokens = torch.arange(400, 464)
+    eng = engine(path, src.clone())
+    eng.store(tokens)
+    wait_stored(eng, tokens, 64)
+    b = backend_of(eng)
+    keys = _keys(eng, tokens)
+    taken = []
+    allocate = b.local_cpu_backend.allocate
+    monkeypatch.setattr(b.local_cpu_backend, "allocate", lambda *a, **kw: taken.append(allocate(*a, **kw)) or taken[-1])
+    get = b.store.get
+    bad = key_of(keys[2])
+
+    def failing(k, **kw):  # type: ignore[no-untyped-def]
+        if k == bad:
+            raise RuntimeError("injected")
+        return get(k, **kw)
+
+    monkeypatch.setattr(b.store, "get", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        b.batched_get_blocking(keys)
+    assert len(taken) == 4 and all(o.get_ref_count() == 0 for o in taken), [o.get_ref_count() for o in taken]
+    monkeypatch.setattr(b.store, "get", get)
+    taken.clear()
+    objs = b.batched_get_blocking(keys)  # the twin: the same batch reads whole
+    assert all(o is not None and o.get_ref_count() == 1 for o in objs)
+    for o in objs:
+        o.ref_count_down()
+    close(eng)
+
+
 def _keys(eng, tokens):  # type: ignore[no-untyped-def]
     return [k for _, _, k in eng.token_database.process_tokens(tokens)]
 

@@ -11,6 +11,7 @@ This module does no I/O: reading is delegated to an ``ExtentReader``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -240,6 +241,10 @@ class _Decoding:
                 raise CorruptionError(f"extent {i} decodes to {out.nbytes} bytes, expected {dest.nbytes}")
             dest[:] = memoryview(out).cast("B")
 
+    def extent_view(self, i: int) -> np.ndarray:
+        """Extent ``i`` decoded, as its bytes (a new array)."""
+        return self.read_array(i).reshape(-1).view(np.uint8)
+
     def read_array(self, i: int) -> np.ndarray:
         ext = self.exts[i]
         return cdc.decode(extent_codec(self.codec, ext), self.reader.read_bytes(i), ext, self.params, self.dictionary)
@@ -312,6 +317,126 @@ def result_shape(hdr: rec.RecordHeader, layers: Any, rows: Any) -> tuple[str, tu
                         hint="a Blob's bytes come back as bytes")
 
 
+def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> KVCache:
+    """``get(out=[...])`` with per-layer destinations, checked before any I/O: ``out`` is a
+    sequence with, per layer read, a pair ``(k, v)`` shaped ``[kv_heads, tokens, head_dim]`` or
+    one array shaped ``[2, kv_heads, tokens, head_dim]`` (what ``KVCache.from_layers`` takes),
+    of the stored dtype, writable, any strides (views into a model's cache or a paged pool).
+    Returns them as a ``KVCache.from_layers`` object, which ``read_object`` fills."""
+    if hdr.kind != fmt.KIND_KV:
+        kind = fmt.KIND_NAMES.get(hdr.kind, hdr.kind)
+        raise InvalidObject(f"out= as per-layer pieces applies to a KVCache, not a {kind}",
+                            hint="out= takes one array for Vectors and MLA caches; a blob comes back as bytes")
+    dest = KVCache.from_layers(out)
+    name, shape = result_shape(hdr, layers, None)
+    if dest.shape != shape:
+        raise InvalidObject(f"out= holds {dest.shape[0]} layers of {list(dest.shape[1:])}; this read returns "
+                            f"{shape[0]} layers of {list(shape[1:])}",
+                            hint="info(key).shape is the stored shape; layers= selects part of it")
+    got = arrays.dtype_name(dest.pieces[0][0])
+    if got != name:
+        raise InvalidObject(f"out= has dtype {got}; the object holds {name}",
+                            hint="allocate out with the stored dtype (info(key).dtype)")
+    spans = []  # (first byte, end, the piece's host view or None, layer) of every piece
+    for i, layer in enumerate(dest.pieces):
+        for p in layer:
+            if arrays.is_torch_tensor(p):
+                import torch
+
+                if p.layout != torch.strided or p.device.type not in ("cpu", "cuda"):
+                    raise InvalidObject(f"out= layer {i} is a {p.layout} tensor on {p.device}: tierstore fills "
+                                        "dense tensors in CPU, pinned or CUDA memory")
+                unwritable, start, strides = p.requires_grad, p.data_ptr(), [st * p.element_size()
+                                                                           for st in p.stride()]
+            else:
+                unwritable, start, strides = not p.flags.writeable, p.ctypes.data, list(p.strides)
+            if unwritable:
+                raise InvalidObject(f"out= layer {i} is not writable (a read-only array, or a tensor that "
+                                    "requires grad)")
+            if any(st == 0 and n > 1 for st, n in zip(strides, p.shape)):
+                raise InvalidObject(f"out= layer {i} repeats memory (a stride of 0, e.g. an expanded tensor): "
+                                    "it cannot hold distinct values")
+            lo = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st < 0)
+            hi = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st > 0) + arrays.itemsize(p)
+            spans.append((lo, hi, arrays.host_view(p), i))
+    _check_disjoint(spans)
+    return dest
+
+
+def _shares(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays share memory (exactly; a case too costly to decide counts as shared)."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 20))
+    except getattr(np, "exceptions", np).TooHardError:
+        return True
+
+
+def _check_disjoint(spans: list[tuple[int, int, Any, int]]) -> None:
+    """No two destination pieces share memory (each would get one of two values): pieces
+    whose byte ranges overlap are compared exactly (K and V interleaved in one tensor do not
+    share memory, though their ranges overlap); CUDA pieces by their ranges only."""
+    spans = sorted(spans, key=lambda x: x[0])
+    for n, (_, hi, view, layer) in enumerate(spans):
+        for lo2, _, view2, layer2 in spans[n + 1 :]:
+            if lo2 >= hi:
+                break
+            if view is None or view2 is None or _shares(view, view2):
+                raise InvalidObject(f"out= pieces of layers {min(layer, layer2)} and {max(layer, layer2)} share "
+                                    "memory: every destination must be its own")
+
+
+LAYER_SCRATCH_BYTES = 8 << 20  # read_object into per-layer pieces: layers read per request, at most
+_scratch = threading.local()
+
+
+def _scratch_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer of this thread, kept for the next call (warm memory)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch.buf = aligned_empty(nbytes)
+    return buf[:nbytes]
+
+
+def _fill_layers(hdr: rec.RecordHeader, reader: Any, idx: list[int], dest: KVCache) -> None:
+    """The layers ``idx`` of the record, each copied into its destination pieces: straight
+    from the reader's verified extents when it holds them in memory (the DRAM tier, a
+    decoder), else read into a reused scratch buffer a few MiB at a time first."""
+    meta = hdr.meta
+    name, layer_shape = _dtype_name(meta), tuple(meta["shape"][1:])
+    lb = math.prod(layer_shape) * fmt.DTYPES[meta["dtype"]][1]
+    host = [tuple(arrays.host_view(p) for p in parts) for parts in dest.pieces]  # None for a CUDA piece
+
+    def put(j: int, src: np.ndarray) -> None:
+        # host pieces: numpy copies (one thread each: torch's copies of many small pieces each
+        # start its thread pool, which stalls whenever another thread holds a core); CUDA: torch
+        parts, views = dest.pieces[j], host[j]
+        if len(parts) == 1:
+            parts, views = (parts[0][0], parts[0][1]), ((views[0][0], views[0][1]) if views[0] is not None else
+                                                        (None, None))
+        for half, (p, v) in enumerate(zip(parts, views)):
+            if v is not None:  # (the bytes as the piece's numpy dtype: bfloat16 is int16 there)
+                np.copyto(v, src.view(v.dtype).reshape(layer_shape)[half])
+            else:  # (torch wants writable memory to wrap: a decoder's output may not be)
+                p.copy_(arrays.wrap(src if src.flags.writeable else src.copy(), name, layer_shape,
+                                    arrays.FRAMEWORK_TORCH, None)[half])
+
+    views = getattr(reader, "extent_view", None)
+    if views is not None:
+        for j, i in enumerate(idx):
+            src = views(i)
+            if src.nbytes != lb:
+                raise CorruptionError(f"extent {i} holds {src.nbytes} bytes, expected {lb}")
+            put(j, src)
+        return
+    per = max(1, LAYER_SCRATCH_BYTES // lb) if lb else len(idx)
+    scratch = _scratch_buffer(min(per, len(idx)) * lb)
+    for g in range(0, len(idx), per):
+        group = idx[g : g + per]
+        reader.read_into([(i, memoryview(scratch[j * lb : (j + 1) * lb])) for j, i in enumerate(group)])
+        for j in range(len(group)):
+            put(g + j, scratch[j * lb : (j + 1) * lb])
+
+
 def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = None, rows: Any = None,
                 device: str | None = None, dictionaries: Callable[[int], bytes] | None = None,
                 out: Any = None) -> Any:
@@ -319,7 +444,8 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
     ``dictionaries(id)`` gives the zstd dictionary a record may name.  ``out`` (checked
     against ``result_shape`` by the caller): host memory that the extents are read (or
     decoded) into directly, returned as the object's data; the caller copies other reads
-    into it."""
+    into it.  Or per-layer destinations (``layer_destination``): each layer is copied into
+    its pieces, and that KVCache is returned."""
     meta = hdr.meta
     if hdr.codec != fmt.CODEC_RAW:
         reader = _Decoding(hdr, reader, dictionaries)
@@ -330,6 +456,10 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
+        if isinstance(out, KVCache):
+            _fill_layers(hdr, reader, idx, out)
+            out.layer_start = meta["layer_start"] + idx[0]
+            return out
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
         host = None if out is None else arrays.host_bytes(out)
         buf = host if host is not None else aligned_empty(lb * len(idx))

@@ -128,7 +128,8 @@ class PrefixCache:
 
     def load(self, input_ids: Any) -> tuple[DynamicCache, int]:
         """A fresh ``DynamicCache`` holding the longest stored prefix of ``input_ids`` (one row),
-        on the model's device and dtype, and its length in tokens (0: nothing stored; the cache
+        on the model's device, in the dtype its chunks were saved in (the cache's: the model's
+        unless it ran under autocast), and its length in tokens (0: nothing stored; the cache
         is then empty).  A chunk that is missing or damaged ends the prefix there, with one logged
         warning: the rest is recomputed, never loaded wrong."""
         ids = self._rows(input_ids)
@@ -138,19 +139,22 @@ class PrefixCache:
         n = self.cached_tokens(ids)
         chunks = self.hashes(ids[0, :n])
         config = self.model.config
-        device, dtype = self.model.device, self.model.dtype
+        device = self.model.device
         dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
-        buf = None  # one chunk, read into the same (warm) memory each time
         got = 0
         for i, h in enumerate(chunks):
+            s = i * self.chunk_tokens
             try:
-                if buf is None:
+                if not dest:
                     info = self.store.info(h, namespace=self.namespace)
-                    buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype))
                     heads, t, hd = info.shape[2:]
+                    dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
                              torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
-                self.store.get(h, namespace=self.namespace, out=buf)
+                # each layer's K and V straight into their place in the cache's own tensors
+                self.store.get(h, namespace=self.namespace,
+                               out=[(k[0, :, s : s + self.chunk_tokens], v[0, :, s : s + self.chunk_tokens])
+                                    for k, v in dest])
             except CorruptionError as e:
                 _log.warning("tierstore: chunk %d of a stored prefix is damaged (%s); recomputing from token %d",
                              i, e, i * self.chunk_tokens)
@@ -163,10 +167,6 @@ class PrefixCache:
                 _log.warning("tierstore: chunk %d of a stored prefix does not fit this model (%s); recomputing "
                              "from token %d", i, e, i * self.chunk_tokens)
                 break
-            s = i * self.chunk_tokens
-            for lid, (k, v) in enumerate(dest):
-                k[0, :, s : s + self.chunk_tokens].copy_(buf[lid, 0])
-                v[0, :, s : s + self.chunk_tokens].copy_(buf[lid, 1])
             got += 1
         cache = DynamicCache(config=config)
         if not got:

@@ -103,6 +103,10 @@ class _HostReader:
     def read_bytes(self, index: int) -> bytes:
         return self.extents[index].tobytes()
 
+    def extent_view(self, index: int) -> np.ndarray:
+        """The cached extent itself (uint8; the caller copies out of it, never into it)."""
+        return self.extents[index]
+
 
 class _DeviceReader:
     """The reader ``block.read_on_device`` takes, over decoded extents in the GPU tier."""
