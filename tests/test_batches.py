@@ -360,14 +360,19 @@ def test_get_into_per_layer_pieces_reads_large_chunks_in_groups(store_path, monk
         assert all(np.array_equal(k, kv[i, 0]) and np.array_equal(v, kv[i, 1]) for i, (k, v) in enumerate(out))
 
 
+def _f32(*shape):
+    return np.empty(shape, np.float32)
+
+
 @pytest.mark.parametrize("out, why", [
-    ([(np.empty((2, 16, 8), np.float32),) * 2] * 3, "3 layers"),
-    ([(np.empty((2, 16, 8), np.float16),) * 2] * 4, "dtype float16"),
-    ([(np.empty((2, 8, 8), np.float32),) * 2] * 4, r"layers of \[2, 2, 8, 8\]"),
-    ([(np.empty((2, 16, 8), np.float32), np.empty((2, 16, 4), np.float32))] * 4, "different shapes"),
-    ([np.empty((2, 2, 16, 8), np.float32)] * 3 + [np.empty((2, 2, 16, 8), np.float64)], "layer 3"),
-    ([(np.empty((2, 16, 8), np.float32),) * 2] * 3 + [(np.empty((2, 16, 8), np.float32), "v")], "numpy arrays"),
-    ([], "non-empty"),
+    ([(_f32(2, 16, 8), _f32(2, 16, 8)) for _ in range(3)], "holds 3 layers; this read returns 4"),
+    ([(np.empty((2, 16, 8), np.float16),) * 2] * 4, r"layer 0: K is float16 \[2, 16, 8\]; this read needs float32"),
+    ([(_f32(2, 8, 8), _f32(2, 8, 8)) for _ in range(4)], r"layer 0: K is float32 \[2, 8, 8\]"),
+    ([(_f32(2, 16, 8), _f32(2, 16, 4)) for _ in range(4)], r"layer 0: V is float32 \[2, 16, 4\]"),
+    ([_f32(2, 2, 16, 8) for _ in range(3)] + [np.empty((2, 2, 16, 8), np.float64)], "layer 3: the array is float64"),
+    ([(_f32(2, 16, 8), _f32(2, 16, 8)) for _ in range(3)] + [(_f32(2, 16, 8), "v")], "numpy arrays"),
+    ([_f32(2, 16, 8) for _ in range(4)], r"layer 0: the array is float32 \[2, 16, 8\]; this read needs float32 \[2, 2"),
+    ([], "empty list"),
 ])
 def test_get_into_per_layer_pieces_refuses_mismatches_before_any_io(store_path, out, why):
     with tierstore.open(store_path) as s:
@@ -378,8 +383,10 @@ def test_get_into_per_layer_pieces_refuses_mismatches_before_any_io(store_path, 
             s.get("kv", out=out)
         after = s.stats()["counters"]
         assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
-        with pytest.raises(InvalidObject, match="applies to a KVCache"):
+        with pytest.raises(InvalidObject, match="applies to a KVCache; this object is of kind 'vectors'"):
             s.get("v", out=[np.zeros((2, 2, 16, 8), np.float32)])
+        with pytest.raises(InvalidObject, match=r"got generator \(hint: for a KVCache, also a list"):
+            s.get("kv", out=(x for x in [_f32(2, 2, 16, 8)] * 4))
         ro = np.empty((2, 16, 8), np.float32)
         ro.flags.writeable = False
         with pytest.raises(InvalidObject, match="not writable"):
@@ -431,7 +438,8 @@ def test_get_into_per_layer_pieces_that_share_memory_is_refused(store_path, case
         out = [(np.zeros((2, 16, 8), np.float32), big[:2])] + out[1:3] + [(big[1:], np.zeros((2, 16, 8), np.float32))]
     with tierstore.open(store_path) as s:
         s.put("kv", KVCache(_kv()))
-        with pytest.raises(InvalidObject, match="share memory|repeats memory"):
+        with pytest.raises(InvalidObject, match="K and V of layer 3 share memory" if case == "k is v" else
+                           "share memory|repeats memory"):
             s.get("kv", out=out)
         # the twin: K and V of each layer interleaved in one array ([heads, tokens, 2, dim])
         inter = [np.zeros((2, 16, 2, 8), np.float32) for _ in range(4)]

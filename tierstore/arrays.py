@@ -154,7 +154,8 @@ def check_out(out: Any, name: str, shape: tuple[int, ...]) -> None:
     elif isinstance(out, np.ndarray):
         ok_layout, writable, shape_of = out.flags.c_contiguous, out.flags.writeable, out.shape
     else:
-        raise InvalidObject(f"out= takes a numpy array or a torch tensor, got {type(out).__name__}")
+        raise InvalidObject(f"out= takes a numpy array or a torch tensor, got {type(out).__name__}",
+                            hint="for a KVCache, also a list of per-layer destinations: [(k0, v0), (k1, v1), ...]")
     got = dtype_name(out)
     if got != name:
         raise InvalidObject(f"out= has dtype {got}; the object holds {name}", hint="allocate out with the stored dtype "

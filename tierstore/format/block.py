@@ -325,18 +325,29 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> KVCache:
     Returns them as a ``KVCache.from_layers`` object, which ``read_object`` fills."""
     if hdr.kind != fmt.KIND_KV:
         kind = fmt.KIND_NAMES.get(hdr.kind, hdr.kind)
-        raise InvalidObject(f"out= as per-layer pieces applies to a KVCache, not a {kind}",
+        raise InvalidObject(f"out= as per-layer pieces applies to a KVCache; this object is of kind {kind!r}",
                             hint="out= takes one array for Vectors and MLA caches; a blob comes back as bytes")
-    dest = KVCache.from_layers(out)
     name, shape = result_shape(hdr, layers, None)
-    if dest.shape != shape:
-        raise InvalidObject(f"out= holds {dest.shape[0]} layers of {list(dest.shape[1:])}; this read returns "
-                            f"{shape[0]} layers of {list(shape[1:])}",
-                            hint="info(key).shape is the stored shape; layers= selects part of it")
-    got = arrays.dtype_name(dest.pieces[0][0])
-    if got != name:
-        raise InvalidObject(f"out= has dtype {got}; the object holds {name}",
-                            hint="allocate out with the stored dtype (info(key).dtype)")
+    layer_shape = tuple(shape[1:])
+    form = (f"per layer, a (k, v) pair of {list(layer_shape[1:])} arrays or one {list(layer_shape)} array, "
+            f"dtype {name}")
+    if not len(out):
+        raise InvalidObject(f"out= is an empty list; this read returns {shape[0]} layers", hint=form)
+    if len(out) != shape[0]:
+        raise InvalidObject(f"out= holds {len(out)} layers; this read returns {shape[0]} layers of "
+                            f"{list(layer_shape)}", hint="info(key).shape is the stored shape; layers= selects part "
+                                                         "of it")
+    for i, layer in enumerate(out):  # each piece against what is stored, before the pieces against each other
+        parts = tuple(layer) if isinstance(layer, (tuple, list)) else (layer,)
+        want = layer_shape[1:] if len(parts) == 2 else layer_shape
+        for which, p in zip(("K", "V") if len(parts) == 2 else ("the array",), parts):
+            if not hasattr(p, "shape") or not hasattr(p, "dtype"):
+                continue  # (from_layers names it)
+            got = arrays.dtype_name(p)
+            if tuple(int(d) for d in p.shape) != want or got != name:
+                raise InvalidObject(f"out= layer {i}: {which} is {got} {list(p.shape)}; this read needs {name} "
+                                    f"{list(want)}", hint=form + " (info(key) has the stored shape and dtype)")
+    dest = KVCache.from_layers(out)
     spans = []  # (first byte, end, the piece's host view or None, layer) of every piece
     for i, layer in enumerate(dest.pieces):
         for p in layer:
@@ -381,8 +392,9 @@ def _check_disjoint(spans: list[tuple[int, int, Any, int]]) -> None:
             if lo2 >= hi:
                 break
             if view is None or view2 is None or _shares(view, view2):
-                raise InvalidObject(f"out= pieces of layers {min(layer, layer2)} and {max(layer, layer2)} share "
-                                    "memory: every destination must be its own")
+                what = f"K and V of layer {layer}" if layer == layer2 else \
+                    f"pieces of layers {min(layer, layer2)} and {max(layer, layer2)}"
+                raise InvalidObject(f"out= {what} share memory: every destination must be its own")
 
 
 LAYER_SCRATCH_BYTES = 8 << 20  # read_object into per-layer pieces: layers read per request, at most
