@@ -416,6 +416,70 @@ def test_get_into_per_layer_pieces_of_a_damaged_chunk_raises(store_path):
         assert np.array_equal(s.get("kv", layers=1).data[0], kv[1])  # the other layers still read
 
 
+@pytest.mark.parametrize("tiers", [{"dram_bytes": 0}, {}])
+def test_get_many_into_destinations(store_path, tiers):
+    """get_many(out=): one destination per key (an array, per-layer pieces or None); the
+    objects only the log holds are read side by side; a missing key's destination is untouched."""
+    kvs = [_kv((3, 2, 2, 64, 8), seed=10 + i) for i in range(5)]
+    with tierstore.open(store_path, **tiers) as s:
+        for i, kv in enumerate(kvs):
+            s.put(f"c{i}", KVCache(kv))
+        s.put("v", Vectors(np.arange(24, dtype=np.float32).reshape(3, 8)))
+        for _ in range(2):  # from the log (side by side), then (default open) from the DRAM tier
+            flat = np.zeros_like(kvs[0])
+            pairs = [(np.zeros((2, 64, 8), np.float32), np.zeros((2, 64, 8), np.float32)) for _ in range(3)]
+            untouched = np.full_like(kvs[0], 5.0)
+            vec = np.zeros((3, 8), np.float32)
+            keys = ["c0", "c1", "gone", "c3", "c4", "v"]
+            got = s.get_many(keys, out=[flat, pairs, untouched, None, None, vec])
+            assert got[2] is None and (untouched == 5).all()
+            assert got[0].data is flat and np.array_equal(flat, kvs[0])
+            assert all(np.array_equal(k, kvs[1][i, 0]) and np.array_equal(v, kvs[1][i, 1])
+                       for i, (k, v) in enumerate(pairs))
+            assert np.array_equal(got[3].data, kvs[3]) and np.array_equal(got[4].data, kvs[4])
+            assert got[5].data is vec and vec[2, 7] == 23
+        assert s.stats()["counters"]["gets"] == 10
+
+
+def test_get_many_out_mismatch_is_refused_before_any_io(store_path):
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        s.put("a", KVCache(_kv()))
+        s.put("b", KVCache(_kv(seed=1)))
+        before = s.stats()["counters"]
+        with pytest.raises(InvalidObject, match="one destination .* per key: 2 keys, got list of 1"):
+            s.get_many(["a", "b"], out=[None])
+        with pytest.raises(InvalidObject, match="dtype float16"):  # the second key's: nothing read for the first
+            s.get_many(["a", "b"], out=[np.empty((4, 2, 2, 16, 8), np.float32), np.empty((4, 2, 2, 16, 8), np.float16)])
+        with pytest.raises(InvalidObject, match="out= already says"):
+            s.get_many(["a"], out=[None], device="cpu")
+        after = s.stats()["counters"]
+        assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
+        assert np.array_equal(s.get_many(["a", "b"], out=[None, None])[1].data, _kv(seed=1))  # the twin
+
+
+def test_get_many_raises_the_first_damaged_key_after_every_read_ended(store_path):
+    kvs = [_kv((3, 2, 2, 64, 8), seed=20 + i) for i in range(4)]
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        for i, kv in enumerate(kvs):
+            s.put(f"c{i}", KVCache(kv))
+    path = segment_files(store_path)[0]
+    with open(path, "r+b") as f:
+        data = f.read()
+        for i in (1, 3):  # two damaged chunks: the error names the first in the order of the keys
+            at = data.find(kvs[i][2].tobytes()[:64])
+            assert at > 0
+            f.seek(at + 9)
+            f.write(bytes([data[at + 9] ^ 0x04]))
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        outs = [np.zeros_like(kv) for kv in kvs]
+        for order in (["c0", "c1", "c2", "c3"], ["c3", "c2", "c1", "c0"]):
+            with pytest.raises(CorruptionError) as e:
+                s.get_many(order, out=[outs[int(k[1])] for k in order])
+            assert e.value.key == order[0 if order[0] == "c3" else 1]
+        assert np.array_equal(outs[0], kvs[0]) and np.array_equal(outs[2], kvs[2])  # read whole meanwhile
+        assert np.array_equal(s.get_many(["c0", "c2"])[1].data, kvs[2])
+
+
 def _shared_pieces():
     """Destinations that would each get two values: refused.  Their twin below: pieces whose
     byte ranges overlap without sharing memory (K and V interleaved in one array) are fine."""

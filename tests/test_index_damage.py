@@ -140,3 +140,29 @@ def test_a_value_damaged_while_open_is_index_damage_and_is_rebuilt(base, tmp_pat
     with tierstore.open(work) as s:
         assert len(s.keys()) == N and s.recovery["rebuilt_index"] == "index missing"
     assert repair.fsck(work, deep=True).ok
+
+
+@pytest.mark.parametrize("objects", [0, 3])
+def test_an_index_without_its_store_identity_is_rebuilt(tmp_path, objects):
+    """A writer killed while it created the store (after the first segment, before the index
+    got the store's identity), or such damage later: the next writable open rebuilds the index
+    from the segments, as for any damaged index (found by the SIGKILL test; it refused to open).
+    A read-only open says what to do.  The twin: the same store with its index opens as is."""
+    from tierstore.engine.index import Index
+
+    path = str(tmp_path / "store")
+    with tierstore.open(path) as s:
+        for i in range(objects):
+            s.put(f"k{i}", Blob(bytes([i]) * 50))
+    with tierstore.open(path) as s:  # the twin
+        assert "rebuilt_index" not in s.recovery and len(s.keys()) == objects
+    index_dir = os.path.join(path, "index")
+    shutil.rmtree(index_dir)
+    Index.open(index_dir, writable=True, map_size=1 << 24).close()  # made, never given the identity
+    with pytest.raises(tierstore.CorruptionError, match="no store identity"):
+        tierstore.open(path, readonly=True)
+    with tierstore.open(path) as s:
+        assert "no store identity" in s.recovery["rebuilt_index"]
+        assert [s.get(f"k{i}").data for i in range(objects)] == [bytes([i]) * 50 for i in range(objects)]
+        s.put("after", Blob(b"x"))
+    assert repair.fsck(path, deep=True).ok

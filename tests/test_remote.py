@@ -422,14 +422,14 @@ def test_auth_and_credentials_never_shown(tmp_path, caplog, monkeypatch):
     s = RedisServer(tmp_path, "--requirepass", "s3cret-pw").start()
     try:
         url = f"redis://:s3cret-pw@127.0.0.1:{s.port}/0"
-        a = node(tmp_path, "a", url)
+        a = node(tmp_path, "a", url, remote_timeout=10)  # a loaded machine is not what this test is about
         a.put(b"k", tierstore.Blob(b"v"), namespace="m")
         assert remote_of(a)["puts"] == 1
         shown = json.dumps(a.stats(), default=str) + repr(a)
         assert "s3cret" not in shown
         a.close()
         monkeypatch.setenv("TIERSTORE_REMOTE_PASSWORD", "s3cret-pw")  # from the environment
-        b = node(tmp_path, "b", f"redis://127.0.0.1:{s.port}/0")
+        b = node(tmp_path, "b", f"redis://127.0.0.1:{s.port}/0", remote_timeout=10)
         assert b.get(b"k", namespace="m").data == b"v"
         b.close()
         monkeypatch.delenv("TIERSTORE_REMOTE_PASSWORD")

@@ -1119,24 +1119,41 @@ class Store:
         return obj
 
     def get_many(self, keys: Any, *, namespace: str = "default", layers: Any = None, rows: Any = None,
-                 device: str | None = None) -> list[KVCache | MLACache | Vectors | Blob | None]:
+                 device: str | None = None, out: Any = None) -> list[KVCache | MLACache | Vectors | Blob | None]:
         """``get`` of many keys of ``namespace``: a list in the order of ``keys``, None where a
         key does not exist (a miss is an answer here, as in Redis' MGET).  The keys are looked
         up in one index snapshot; small blobs stored near each other are read with one system
-        call per run.  ``layers`` / ``rows`` / ``device`` apply to every key.  Any other error
-        (CorruptionError, bad arguments) raises, as ``get`` does: never wrong data."""
+        call per run; larger objects that no memory tier holds are read side by side on a few
+        threads (one object's device read overlaps another's checksum and copy).
+        ``layers`` / ``rows`` / ``device`` apply to every key.  ``out``: a list with one
+        destination per key, as ``get`` takes it (None: a new array), all checked before any
+        I/O; a missing key's destination is left as it was.  Any other error (CorruptionError,
+        bad arguments) raises, as ``get`` does, once every read has ended: the error of the
+        first key (in the order of ``keys``) that failed; the objects of the keys before it were
+        read whole.  Never wrong data."""
         self._check_open()
         if device is not None:
+            if out is not None:
+                raise InvalidObject("get_many(device=..., out=...): out= already says where the data goes")
             arrays.validate_device(device)
         if isinstance(keys, (str, bytes, bytearray, memoryview)):
             raise InvalidObject("get_many takes a sequence of keys, got one key", hint="get(key) reads one")
         keys = list(keys)
+        if out is not None and (not isinstance(out, (list, tuple)) or len(out) != len(keys)):
+            raise InvalidObject(f"get_many: out= must be a list with one destination (or None) per key: "
+                                f"{len(keys)} keys, got {type(out).__name__}"
+                                + (f" of {len(out)}" if isinstance(out, (list, tuple)) else ""))
         ns = encode_namespace(namespace)
         ks = [encode_key(key)[0] for key in keys]
         locs = self._engine.lookup_many(ns, ks)
         result: list[Any] = [None] * len(keys)
         for w in self._watchers:
             w.missed(ns, [k for k, loc in zip(ks, locs) if loc is None])
+        dests: list[Any] = [None] * len(keys)
+        if out is not None:  # every destination checked before anything is read
+            for n, loc in enumerate(locs):
+                if loc is not None and out[n] is not None:
+                    dests[n] = _destination(loc.header, layers, rows, out[n], None)
         if self._remote is not None:  # one pipeline of versions, then the rule of _reconcile per key
             try:
                 states = self._remote.states(ns, ks)
@@ -1145,23 +1162,60 @@ class Store:
             for n, st in enumerate(states):
                 locs[n], fetched = self._reconcile(ns, ks[n], locs[n], st, layers, rows)
                 if fetched is not None:
-                    result[n] = self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=None)
+                    result[n] = self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device,
+                                                   out=None if out is None else out[n])
                     locs[n] = None
         batch = []  # small raw blobs the tiers leave to the log: read together
+        aside = []  # larger objects only the log holds: read side by side
         plain = layers is None and rows is None and device is None
+        tiers = self._tiers
         for n, loc in enumerate(locs):
             if loc is None:
                 continue
             if plain and self._small_blob(ns, ks[n], loc.header):
                 batch.append(n)
-            else:
-                obj = self._read(keys[n], namespace, ns, ks[n], loc, layers=layers, rows=rows, device=device)
-                result[n] = self._delivered(obj, loc, layers, rows)
-        if batch:
-            blobs = self._read_small_blobs([keys[n] for n in batch], namespace, ns, [ks[n] for n in batch],
-                                           [locs[n] for n in batch])  # type: ignore[misc]
-            for n, blob in zip(batch, blobs):
-                result[n] = blob
+            elif not tiers.active or not tiers.where((ns, ks[n]), loc.header):
+                aside.append(n)
+        errors: dict[int, BaseException] = {}
+
+        def read(n: int) -> Any:
+            dest, dev = dests[n] if dests[n] is not None else (None, device)
+            obj = self._read(keys[n], namespace, ns, ks[n], locs[n], layers=layers, rows=rows, device=dev, out=dest)
+            if dest is not None and obj is not dest and obj.data is not dest:
+                arrays.copy_into(dest, obj.data)
+                obj.data = dest
+            return obj
+
+        futures = {n: tiers.readers().submit(read, n) for n in aside} if len(aside) > 1 else {}
+        try:
+            for n, loc in enumerate(locs):
+                if loc is None or n in futures or n in batch:
+                    continue
+                try:
+                    result[n] = read(n)
+                except TierstoreError as e:
+                    errors[n] = e
+                    break  # (the first failure in key order is below every later one)
+            if batch and not errors:
+                try:
+                    blobs = self._read_small_blobs([keys[n] for n in batch], namespace, ns, [ks[n] for n in batch],
+                                                   [locs[n] for n in batch])  # type: ignore[misc]
+                except TierstoreError as e:  # (named by its key)
+                    errors[next((n for n in batch if keys[n] == e.key), batch[0])] = e
+                else:
+                    for n, blob in zip(batch, blobs):
+                        result[n] = blob
+        finally:
+            for n, f in futures.items():  # every read ends before the call returns or raises
+                try:
+                    result[n] = f.result()
+                except TierstoreError as e:
+                    errors[n] = e
+        if errors:
+            raise errors[min(errors)]
+        for n, loc in enumerate(locs):
+            if result[n] is not None and loc is not None and n not in batch:
+                result[n] = self._delivered(result[n], loc, layers, rows)
         return result
 
     def _small_blob(self, ns: bytes, k: bytes, h: rec.RecordHeader) -> bool:

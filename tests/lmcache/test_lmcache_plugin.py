@@ -226,19 +226,17 @@ def test_batched_get_gives_memory_back_when_a_read_fails_unexpectedly(path, monk
     taken = []
     allocate = b.local_cpu_backend.allocate
     monkeypatch.setattr(b.local_cpu_backend, "allocate", lambda *a, **kw: taken.append(allocate(*a, **kw)) or taken[-1])
-    get = b.store.get
-    bad = key_of(keys[2])
+    get_many = b.store.get_many
 
-    def failing(k, **kw):  # type: ignore[no-untyped-def]
-        if k == bad:
-            raise RuntimeError("injected")
-        return get(k, **kw)
+    def failing(*a, **kw):  # type: ignore[no-untyped-def]
+        get_many(*a, **kw)  # every chunk read into LMCache's memory, then something else goes wrong
+        raise RuntimeError("injected")
 
-    monkeypatch.setattr(b.store, "get", failing)
+    monkeypatch.setattr(b.store, "get_many", failing)
     with pytest.raises(RuntimeError, match="injected"):
         b.batched_get_blocking(keys)
     assert len(taken) == 4 and all(o.get_ref_count() == 0 for o in taken), [o.get_ref_count() for o in taken]
-    monkeypatch.setattr(b.store, "get", get)
+    monkeypatch.setattr(b.store, "get_many", get_many)
     taken.clear()
     objs = b.batched_get_blocking(keys)  # the twin: the same batch reads whole
     assert all(o is not None and o.get_ref_count() == 1 for o in objs)

@@ -45,6 +45,7 @@ from . import recovery
 from . import segment as seglib
 from .fileio import DEFAULT_IO, PosixIO, io_error
 from .index import Applied, Index, Location, Op
+from .index import damaged as index_damaged
 from .index import stamp as index_stamp
 from .lock import (
     AppendLock,
@@ -371,8 +372,8 @@ class Engine:
         t0 = time.perf_counter()
         uuid = self.index.store_uuid()
         version = self.index.format_version()
-        if uuid is None or version is None:
-            raise CorruptionError("index has no store identity", path=self.index.path)
+        if uuid is None or version is None:  # a kill while the store was created, or damage: derived, rebuilt
+            raise index_damaged("index has no store identity", self.index.path)
         if version[0] != fmt.FORMAT_MAJOR:
             raise FormatVersionError(f"index written by format {version[0]}.{version[1]}", path=self.index.path)
         self.store_uuid = uuid

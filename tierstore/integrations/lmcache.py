@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ from .. import open as open_store
 _log = logging.getLogger("tierstore")
 CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
-READERS = 4  # threads reading the chunks of one batched_get_blocking
 
 
 def _setting(config: Any, name: str, default: Any = None) -> Any:
@@ -92,7 +91,6 @@ class TierstoreBackend(StoragePluginInterface):
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # (ns, key) -> stored bytes, oldest first
         self._loaded: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lmcache")
-        self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierstore-lmcache-read")
 
     def __str__(self) -> str:
         return "TierstoreBackend"
@@ -239,8 +237,7 @@ class TierstoreBackend(StoragePluginInterface):
         return hits
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
-        got = self._allocated(key)
-        return None if got is None else self._filled(key, *got)
+        return self.batched_get_blocking([key])[0]
 
     def _allocated(self, key: CacheEngineKey) -> tuple[Any, MemoryObj] | None:
         """The stored chunk's description and a memory object of LMCache's to read it into;
@@ -260,59 +257,72 @@ class TierstoreBackend(StoragePluginInterface):
         obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
         return None if obj is None else (info, obj)
 
-    def _filled(self, key: CacheEngineKey, info: Any, obj: MemoryObj) -> MemoryObj | None:
-        """``obj`` with the chunk read into it; None (the object released) for a miss."""
-        ns, k = namespace_of(key), key_of(key)
-        try:
-            if info.kind == "kv":
-                # stored [layers, 2, 1, tokens, hidden]; LMCache's object is [2, layers, tokens, hidden]:
-                # each layer's K and V go straight to their two places in it
-                t = obj.tensor.view(2, info.shape[0], 1, info.shape[3], info.shape[4])
-                self.store.get(k, namespace=ns, out=[(t[0, i], t[1, i]) for i in range(info.shape[0])])
-            else:
-                data = self.store.get(k, namespace=ns).data
-                memoryview(obj.byte_array).cast("B")[: len(data)] = data
-        except NotFound:
-            obj.ref_count_down()
+    @staticmethod
+    def _destination(info: Any, obj: MemoryObj) -> Any:
+        """Where ``get`` puts a chunk: stored ``[layers, 2, 1, tokens, hidden]``, LMCache's object
+        is ``[2, layers, tokens, hidden]``: each layer's K and V go straight to their two places
+        in it.  None for a blob (its bytes are copied in after)."""
+        if info.kind != "kv":
             return None
-        except TierstoreError as e:  # damaged: never returned; removed so the next put replaces it
-            obj.ref_count_down()
-            _log.warning("tierstore: LMCache chunk %r in namespace %r is unreadable (%s): a miss, removed", k, ns, e)
-            self.remove(key)
-            return None
-        except BaseException:  # anything else reaches LMCache, its memory given back first
-            obj.ref_count_down()
-            raise
-        with self._lock:
-            if (ns, k) in self._lru:
-                self._lru.move_to_end((ns, k))
-        return obj
+        t = obj.tensor.view(2, info.shape[0], 1, info.shape[3], info.shape[4])
+        return [(t[0, i], t[1, i]) for i in range(info.shape[0])]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """The chunks of ``keys`` (None for a miss).  LMCache's memory is allocated on the calling
-        thread, key by key.  A chunk to be read from the disk (or a remote tier) is read on one
-        of READERS threads, so one chunk's device read overlaps another's checksum and copy; a
-        chunk held in memory is copied on the calling thread at once (copies on several
-        threads only contend for this machine's memory bandwidth and the GIL: measured slower)."""
-        out: list[Any] = [None] * len(keys)
-        slow = len(keys) > 1
+        """The chunks of ``keys``, None for a miss.  LMCache's memory is allocated first, key by
+        key; then one ``get_many`` per namespace reads the chunks straight into it (the store
+        reads chunks that only its disk holds side by side).  A chunk that fails its checksum is
+        logged, removed and a miss, and so is every key after it (LMCache uses the hits up to
+        the first miss); their memory is given back, on any error too."""
+        plans: list[tuple[Any, MemoryObj] | None] = []
         try:
-            for n, key in enumerate(keys):
-                plan = self._allocated(key)
-                if plan is None:
+            for key in keys:
+                plans.append(self._allocated(key))
+            got: list[Any] = [None] * len(keys)
+            end = len(keys)  # keys from here on are misses
+            by_ns: dict[str, list[int]] = {}
+            for n, plan in enumerate(plans):
+                if plan is not None:
+                    by_ns.setdefault(namespace_of(keys[n]), []).append(n)
+            for ns, idx in by_ns.items():
+                while idx:
+                    ks = [key_of(keys[n]) for n in idx]
+                    try:
+                        objs = self.store.get_many(ks, namespace=ns,
+                                                   out=[self._destination(*plans[n]) for n in idx])  # type: ignore[misc]
+                    except TierstoreError as e:  # damaged: never returned; removed so the next put replaces it
+                        bad = next((n for n, k in zip(idx, ks) if k == e.key), idx[0])
+                        _log.warning("tierstore: LMCache chunk %r in namespace %r is unreadable (%s): a miss, "
+                                     "removed", e.key, ns, e)
+                        if e.key is not None:
+                            self.remove(keys[bad])
+                        end = min(end, bad)
+                        idx = [n for n in idx if n < bad]  # the keys before it, again (the call returned none)
+                        continue
+                    for n, obj in zip(idx, objs):
+                        got[n] = obj
+                    break
+            out: list[MemoryObj | None] = [None] * len(keys)
+            for n, plan in enumerate(plans):
+                if plan is None or n >= end or got[n] is None:
                     continue
-                if slow and plan[0].tiers[0] in ("ssd", "remote"):
-                    out[n] = self._readers.submit(self._filled, key, *plan)
-                else:
-                    out[n] = self._filled(key, *plan)
-            return [o.result() if isinstance(o, Future) else o for o in out]
-        except BaseException:  # the chunks already read are given back before the error goes on
-            wait([o for o in out if isinstance(o, Future)])
-            for o in out:
-                got = (o.result() if o.exception() is None else None) if isinstance(o, Future) else o
-                if got is not None:
-                    got.ref_count_down()
+                info, mem = plan
+                if info.kind != "kv":
+                    data = got[n].data
+                    memoryview(mem.byte_array).cast("B")[: len(data)] = data
+                out[n] = mem
+                with self._lock:
+                    nk = (namespace_of(keys[n]), key_of(keys[n]))
+                    if nk in self._lru:
+                        self._lru.move_to_end(nk)
+        except BaseException:  # LMCache's memory given back before the error goes on
+            for plan in plans:
+                if plan is not None:
+                    plan[1].ref_count_down()
             raise
+        for n, plan in enumerate(plans):  # the memory of misses goes back
+            if plan is not None and out[n] is None:
+                plan[1].ref_count_down()
+        return out
 
     # -- pins, removal, the rest ------------------------------------------------------------------------
 
@@ -348,5 +358,4 @@ class TierstoreBackend(StoragePluginInterface):
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
         self.store.close()

@@ -141,33 +141,34 @@ class PrefixCache:
         config = self.model.config
         device = self.model.device
         dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
-        got = 0
-        for i, h in enumerate(chunks):
-            s = i * self.chunk_tokens
+        got, todo, tc = 0, len(chunks), self.chunk_tokens
+        while todo:
             try:
                 if not dest:
-                    info = self.store.info(h, namespace=self.namespace)
-                    heads, t, hd = info.shape[2:]
+                    info = self.store.info(chunks[0], namespace=self.namespace)
+                    heads, _, hd = info.shape[2:]
                     dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
                              torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
-                # each layer's K and V straight into their place in the cache's own tensors
-                self.store.get(h, namespace=self.namespace,
-                               out=[(k[0, :, s : s + self.chunk_tokens], v[0, :, s : s + self.chunk_tokens])
-                                    for k, v in dest])
-            except CorruptionError as e:
-                _log.warning("tierstore: chunk %d of a stored prefix is damaged (%s); recomputing from token %d",
-                             i, e, i * self.chunk_tokens)
-                break
-            except TierstoreError as e:  # deleted or evicted since match_prefix: a shorter prefix
-                _log.warning("tierstore: chunk %d of a stored prefix could not be read (%s); recomputing from "
-                             "token %d", i, e, i * self.chunk_tokens)
-                break
-            except (InvalidObject, AttributeError, TypeError) as e:  # a chunk of another shape: not ours
-                _log.warning("tierstore: chunk %d of a stored prefix does not fit this model (%s); recomputing "
-                             "from token %d", i, e, i * self.chunk_tokens)
-                break
-            got += 1
+                # each layer's K and V straight into their place in the cache's own tensors; the chunks
+                # only the disk holds are read side by side
+                objs = self.store.get_many(chunks[:todo], namespace=self.namespace,
+                                           out=[[(k[0, :, i * tc : (i + 1) * tc], v[0, :, i * tc : (i + 1) * tc])
+                                                 for k, v in dest] for i in range(todo)])
+            except (TierstoreError, AttributeError, TypeError, ValueError) as e:
+                i = chunks.index(e.key) if isinstance(e, TierstoreError) and e.key in chunks[:todo] else 0
+                why = "is damaged" if isinstance(e, CorruptionError) else \
+                    "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
+                    else "could not be read"
+                _log.warning("tierstore: chunk %d of a stored prefix %s (%s); recomputing from token %d",
+                             i, why, e, i * tc)
+                todo = i  # the chunks before it, again (the call returned none of them)
+                continue
+            got = next((i for i, obj in enumerate(objs) if obj is None), todo)
+            if got < todo:  # deleted or evicted since match_prefix: a shorter prefix
+                _log.warning("tierstore: chunk %d of a stored prefix is gone; recomputing from token %d",
+                             got, got * tc)
+            break
         cache = DynamicCache(config=config)
         if not got:
             return cache, 0

@@ -18,6 +18,7 @@ to it: the segments are the durable home of every object and a tier only ever ho
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,7 @@ from .devio import DeviceIO
 from .tier import Entry, Tier
 
 CACHE_TIERS = ("dram", "gpu")
+READERS = 4  # threads reading one get_many's objects from the log side by side
 
 
 def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
@@ -141,6 +143,8 @@ class Hierarchy:
         self.gpu = Tier("gpu", gpu_bytes, policy.fresh(), self.devio.io_path, on_evict=self._demote) \
             if gpu_bytes else None
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-tiers")
+        self._readers: ThreadPoolExecutor | None = None
+        self._readers_lock = threading.Lock()
 
     @property
     def active(self) -> bool:
@@ -159,6 +163,17 @@ class Hierarchy:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        with self._readers_lock:
+            if self._readers is not None:
+                self._readers.shutdown(wait=True, cancel_futures=True)
+
+    def readers(self) -> ThreadPoolExecutor:
+        """The threads that read a batch's objects from the log side by side (``get_many``):
+        one object's device read overlaps another's checksum and copy.  Made on first use."""
+        with self._readers_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierstore-read")
+            return self._readers
 
     # -- reading ------------------------------------------------------------------------------
 
