@@ -923,7 +923,7 @@ class Store:
             return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
         out, device = _destination(loc.header, layers, rows, out, device)
         obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device, out=out)
-        if out is not None and obj is not out and obj.data is not out:
+        if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
         return self._delivered(obj, loc, layers, rows)
@@ -1084,7 +1084,7 @@ class Store:
         out, device = _destination(hdr, layers, rows, out, device)
         dicts = None if hdr.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
         obj = blk.read_object(hdr, reader, layers=layers, rows=rows, device=device, dictionaries=dicts, out=out)
-        if out is not None and obj is not out and obj.data is not out:
+        if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
         return self._delivered(obj, Location(0, 0, hdr), layers, rows)
@@ -1181,7 +1181,7 @@ class Store:
         def read(n: int) -> Any:
             dest, dev = dests[n] if dests[n] is not None else (None, device)
             obj = self._read(keys[n], namespace, ns, ks[n], locs[n], layers=layers, rows=rows, device=dev, out=dest)
-            if dest is not None and obj is not dest and obj.data is not dest:
+            if dest is not None and not isinstance(dest, blk.LayerDest) and obj.data is not dest:
                 arrays.copy_into(dest, obj.data)
                 obj.data = dest
             return obj

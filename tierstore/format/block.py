@@ -317,12 +317,20 @@ def result_shape(hdr: rec.RecordHeader, layers: Any, rows: Any) -> tuple[str, tu
                         hint="a Blob's bytes come back as bytes")
 
 
-def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> KVCache:
+class LayerDest(NamedTuple):
+    """Per-layer destinations of a read (``layer_destination``): the KVCache over them that the
+    read returns, and per layer the (K, V) numpy views of host pieces (None for CUDA ones)."""
+
+    kv: KVCache
+    views: list[tuple[Any, Any]]
+
+
+def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> LayerDest:
     """``get(out=[...])`` with per-layer destinations, checked before any I/O: ``out`` is a
     sequence with, per layer read, a pair ``(k, v)`` shaped ``[kv_heads, tokens, head_dim]`` or
     one array shaped ``[2, kv_heads, tokens, head_dim]`` (what ``KVCache.from_layers`` takes),
     of the stored dtype, writable, any strides (views into a model's cache or a paged pool).
-    Returns them as a ``KVCache.from_layers`` object, which ``read_object`` fills."""
+    Returns them as a ``LayerDest``, which ``read_object`` fills."""
     if hdr.kind != fmt.KIND_KV:
         kind = fmt.KIND_NAMES.get(hdr.kind, hdr.kind)
         raise InvalidObject(f"out= as per-layer pieces applies to a KVCache; this object is of kind {kind!r}",
@@ -349,7 +357,9 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> KVCache:
                                     f"{list(want)}", hint=form + " (info(key) has the stored shape and dtype)")
     dest = KVCache.from_layers(out)
     spans = []  # (first byte, end, the piece's host view or None, layer) of every piece
+    views = []  # per layer: (K, V) host views
     for i, layer in enumerate(dest.pieces):
+        mine = []
         for p in layer:
             if arrays.is_torch_tensor(p):
                 import torch
@@ -369,9 +379,13 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> KVCache:
                                     "it cannot hold distinct values")
             lo = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st < 0)
             hi = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st > 0) + arrays.itemsize(p)
-            spans.append((lo, hi, arrays.host_view(p), i))
+            mine.append(arrays.host_view(p))
+            spans.append((lo, hi, mine[-1], i))
+        if len(mine) == 1:  # one [2, ...] piece: its two halves
+            mine = [None, None] if mine[0] is None else [mine[0][0], mine[0][1]]
+        views.append((mine[0], mine[1]))
     _check_disjoint(spans)
-    return dest
+    return LayerDest(dest, views)
 
 
 def _shares(a: np.ndarray, b: np.ndarray) -> bool:
@@ -409,23 +423,21 @@ def _scratch_buffer(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _fill_layers(hdr: rec.RecordHeader, reader: Any, idx: list[int], dest: KVCache) -> None:
+def _fill_layers(hdr: rec.RecordHeader, reader: Any, idx: list[int], dest: LayerDest) -> None:
     """The layers ``idx`` of the record, each copied into its destination pieces: straight
     from the reader's verified extents when it holds them in memory (the DRAM tier, a
     decoder), else read into a reused scratch buffer a few MiB at a time first."""
     meta = hdr.meta
     name, layer_shape = _dtype_name(meta), tuple(meta["shape"][1:])
     lb = math.prod(layer_shape) * fmt.DTYPES[meta["dtype"]][1]
-    host = [tuple(arrays.host_view(p) for p in parts) for parts in dest.pieces]  # None for a CUDA piece
 
     def put(j: int, src: np.ndarray) -> None:
         # host pieces: numpy copies (one thread each: torch's copies of many small pieces each
         # start its thread pool, which stalls whenever another thread holds a core); CUDA: torch
-        parts, views = dest.pieces[j], host[j]
+        parts = dest.kv.pieces[j]
         if len(parts) == 1:
-            parts, views = (parts[0][0], parts[0][1]), ((views[0][0], views[0][1]) if views[0] is not None else
-                                                        (None, None))
-        for half, (p, v) in enumerate(zip(parts, views)):
+            parts = (parts[0][0], parts[0][1])
+        for half, (p, v) in enumerate(zip(parts, dest.views[j])):
             if v is not None:  # (the bytes as the piece's numpy dtype: bfloat16 is int16 there)
                 np.copyto(v, src.view(v.dtype).reshape(layer_shape)[half])
             else:  # (torch wants writable memory to wrap: a decoder's output may not be)
@@ -468,10 +480,10 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
             raise InvalidObject("rows= applies to Vectors; use layers= for a KVCache or an MLACache")
         count = meta["shape"][0]
         idx = list(range(count)) if layers is None else select_layers(layers, meta["layer_start"], count)
-        if isinstance(out, KVCache):
+        if isinstance(out, LayerDest):
             _fill_layers(hdr, reader, idx, out)
-            out.layer_start = meta["layer_start"] + idx[0]
-            return out
+            out.kv.layer_start = meta["layer_start"] + idx[0]
+            return out.kv
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
         host = None if out is None else arrays.host_bytes(out)
         buf = host if host is not None else aligned_empty(lb * len(idx))
