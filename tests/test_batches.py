@@ -448,13 +448,38 @@ def test_get_many_out_mismatch_is_refused_before_any_io(store_path):
         before = s.stats()["counters"]
         with pytest.raises(InvalidObject, match="one destination .* per key: 2 keys, got list of 1"):
             s.get_many(["a", "b"], out=[None])
-        with pytest.raises(InvalidObject, match="dtype float16"):  # the second key's: nothing read for the first
+        with pytest.raises(InvalidObject, match="dtype float16") as e:  # the second key's: nothing read for the first
             s.get_many(["a", "b"], out=[np.empty((4, 2, 2, 16, 8), np.float32), np.empty((4, 2, 2, 16, 8), np.float16)])
+        assert e.value.key == "b"  # named: a caller keeps the keys before it
         with pytest.raises(InvalidObject, match="out= already says"):
             s.get_many(["a"], out=[None], device="cpu")
         after = s.stats()["counters"]
         assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
         assert np.array_equal(s.get_many(["a", "b"], out=[None, None])[1].data, _kv(seed=1))  # the twin
+
+
+def test_get_many_writes_no_destination_after_it_raised(store_path, monkeypatch):
+    """Any error (not only the store's) ends the call only once every read on the reader threads
+    has ended: no destination is written after get_many raised."""
+    import time
+
+    kvs = [_kv((3, 2, 2, 64, 8), seed=30 + i) for i in range(4)]
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        for i, kv in enumerate(kvs):
+            s.put(f"c{i}", KVCache(kv))
+        read = tierstore.Store._read
+
+        def slow(self, key, *a, **kw):  # type: ignore[no-untyped-def]
+            if key == "c0":
+                raise RuntimeError("injected")
+            time.sleep(0.3)
+            return read(self, key, *a, **kw)
+
+        monkeypatch.setattr(tierstore.Store, "_read", slow)
+        outs = [np.zeros_like(kv) for kv in kvs]
+        with pytest.raises(RuntimeError, match="injected"):
+            s.get_many(["c0", "c1", "c2", "c3"], out=outs)
+        assert all(np.array_equal(outs[i], kvs[i]) for i in (1, 2, 3))  # ended before the call raised
 
 
 def test_get_many_raises_the_first_damaged_key_after_every_read_ended(store_path):

@@ -27,7 +27,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -922,7 +922,8 @@ class Store:
         if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
             return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
         out, device = _destination(loc.header, layers, rows, out, device)
-        obj = self._read(key, namespace, ns, k, loc, layers=layers, rows=rows, device=device, out=out)
+        obj = self._read(key, namespace, ns, k, loc, same=out is not None, layers=layers, rows=rows, device=device,
+                         out=out)  # (out was checked against this very object: a replaced one is NotFound)
         if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
@@ -1153,7 +1154,15 @@ class Store:
         if out is not None:  # every destination checked before anything is read
             for n, loc in enumerate(locs):
                 if loc is not None and out[n] is not None:
-                    dests[n] = _destination(loc.header, layers, rows, out[n], None)
+                    try:
+                        dests[n] = _destination(loc.header, layers, rows, out[n], None)
+                    except TierstoreError as e:
+                        e.key = keys[n] if e.key is None else e.key
+                        raise
+        if device is not None and device.split(":")[0] == "cuda" and ":" not in device:
+            torch = arrays.torch_module()  # the caller's current device, not the reader threads'
+            if torch.cuda.is_available():
+                device = f"cuda:{torch.cuda.current_device()}"
         if self._remote is not None:  # one pipeline of versions, then the rule of _reconcile per key
             try:
                 states = self._remote.states(ns, ks)
@@ -1180,14 +1189,26 @@ class Store:
 
         def read(n: int) -> Any:
             dest, dev = dests[n] if dests[n] is not None else (None, device)
-            obj = self._read(keys[n], namespace, ns, ks[n], locs[n], layers=layers, rows=rows, device=dev, out=dest)
+            try:  # (a destination was checked against this very object: a replaced one is a miss)
+                obj = self._read(keys[n], namespace, ns, ks[n], locs[n], same=dest is not None, layers=layers,
+                                 rows=rows, device=dev, out=dest)
+            except NotFound:
+                locs[n] = None
+                return None
             if dest is not None and not isinstance(dest, blk.LayerDest) and obj.data is not dest:
                 arrays.copy_into(dest, obj.data)
                 obj.data = dest
             return obj
 
-        futures = {n: tiers.readers().submit(read, n) for n in aside} if len(aside) > 1 else {}
+        futures: dict[int, Future] = {}
         try:
+            if len(aside) > 1:
+                pool = tiers.readers()
+                for n in aside:
+                    try:
+                        futures[n] = pool.submit(read, n)
+                    except RuntimeError:  # (the pool was shut down: closed meanwhile)
+                        raise StoreClosed("the store was closed during get_many", path=self.path) from None
             for n, loc in enumerate(locs):
                 if loc is None or n in futures or n in batch:
                     continue
@@ -1206,11 +1227,14 @@ class Store:
                     for n, blob in zip(batch, blobs):
                         result[n] = blob
         finally:
-            for n, f in futures.items():  # every read ends before the call returns or raises
-                try:
-                    result[n] = f.result()
-                except TierstoreError as e:
-                    errors[n] = e
+            wait(futures.values())  # every read ends before the call returns or raises
+        for n, f in futures.items():
+            try:
+                result[n] = f.result()
+            except TierstoreError as e:
+                errors[n] = e
+            except CancelledError:  # the store was closed meanwhile
+                raise StoreClosed("the store was closed during get_many", path=self.path) from None
         if errors:
             raise errors[min(errors)]
         for n, loc in enumerate(locs):

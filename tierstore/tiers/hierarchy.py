@@ -30,7 +30,7 @@ from .. import arrays
 from .. import codecs as cdc
 from ..engine.engine import Engine
 from ..engine.index import Location
-from ..errors import InvalidObject
+from ..errors import InvalidObject, StoreClosed
 from ..format import block as blk
 from ..format import constants as fmt
 from ..format import record as rec
@@ -145,6 +145,7 @@ class Hierarchy:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-tiers")
         self._readers: ThreadPoolExecutor | None = None
         self._readers_lock = threading.Lock()
+        self._closed = False
 
     @property
     def active(self) -> bool:
@@ -164,6 +165,7 @@ class Hierarchy:
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
         with self._readers_lock:
+            self._closed = True
             if self._readers is not None:
                 self._readers.shutdown(wait=True, cancel_futures=True)
 
@@ -171,6 +173,8 @@ class Hierarchy:
         """The threads that read a batch's objects from the log side by side (``get_many``):
         one object's device read overlaps another's checksum and copy.  Made on first use."""
         with self._readers_lock:
+            if self._closed:
+                raise StoreClosed("the store is closed")
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierstore-read")
             return self._readers
