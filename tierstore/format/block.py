@@ -153,6 +153,9 @@ class ExtentReader(Protocol):
     def read_bytes(self, index: int) -> bytes:
         """One extent as bytes, checksum verified."""
 
+    # optional: ``extent_view(index) -> np.ndarray`` (uint8, checksum verified), the extent as the
+    # reader already holds it in memory; reads into per-layer destinations copy straight from it
+
 
 def _dtype_name(meta: dict[str, Any]) -> str:
     return fmt.DTYPES[meta["dtype"]][0]
