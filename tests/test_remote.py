@@ -168,29 +168,37 @@ def test_two_processes_share_a_server(tmp_path, server):
     script = """
 import sys, numpy as np, tierstore
 path, url, op = sys.argv[1:4]
-s = tierstore.open(path, remote=url, remote_timeout=10)  # a slow machine is not what this test is about
-if op == "put":
+s = tierstore.open(path, remote=url, remote_timeout=10, remote_connect_timeout=10)  # a slow machine is not
+if op == "put":                                                                     # what this test is about
     s.put(b"chunk", tierstore.KVCache(np.full((2, 2, 1, 4, 8), float(sys.argv[4]), np.float16)), namespace="m")
 else:
     try:
         print(float(s.get(b"chunk", namespace="m").data.ravel()[0]))
     except tierstore.NotFound:
         print("missing")
+print(s.stats()["tiers"]["remote"], file=sys.stderr)  # shown when an answer is not the one expected
 s.close()
 """
+    said: list[str] = []  # each process's remote counters and warnings, shown when an answer is wrong
+
     def run(*argv: str) -> str:
         out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
+        said.append(f"{argv[2]}: {out.stderr}")
         return out.stdout.strip()
 
+    def get() -> str:
+        answer = run(str(tmp_path / "p2"), server.url, "get")
+        return answer if answer != "missing" else "missing\n" + "\n".join(said)
+
     run(str(tmp_path / "p1"), server.url, "put", "1")
-    assert run(str(tmp_path / "p2"), server.url, "get") == "1.0"
+    assert get() == "1.0"
     run(str(tmp_path / "p1"), server.url, "put", "2")  # p1 overwrites; p2 notices on its next read
-    assert run(str(tmp_path / "p2"), server.url, "get") == "2.0"
+    assert get() == "2.0"
     s = node(tmp_path, "p1", server.url)
     s.delete(b"chunk", namespace="m")
     s.close()
-    assert run(str(tmp_path / "p2"), server.url, "get") == "missing"
+    assert get().startswith("missing")
 
 
 # -- damage ---------------------------------------------------------------------------------------------
