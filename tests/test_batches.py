@@ -574,6 +574,34 @@ def test_get_into_per_layer_torch_views(store_path, dtype):
                               torch.zeros(1, 8, 12, dtype=kv.dtype))] * 4)
 
 
+@needs_torch
+def test_get_into_per_layer_torch_pieces_that_share_memory_is_refused(store_path):
+    """The host fast path (CPU tensors, checked by address) refuses what the general checks
+    refuse; its twins (K and V interleaved in one tensor, one [2, ...] tensor per layer) read."""
+    import torch
+
+    kv = torch.randn(3, 2, 2, 16, 8)
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(kv))
+        pairs = [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)) for _ in range(3)]
+        big = torch.zeros(3, 16, 8)
+        for bad, why in ((pairs[:2] + [pairs[0]], "pieces of layers 0 and 2 share memory"),
+                         (pairs[:2] + [(big[:2], big[:2])], "K and V of layer 2 share memory"),
+                         ([(big[:2], pairs[0][1])] + pairs[1:2] + [(big[1:], pairs[2][1])],
+                          "pieces of layers 0 and 2 share memory")):
+            before = s.stats()["counters"]["bytes_read"]
+            with pytest.raises(InvalidObject, match=why):
+                s.get("kv", out=bad)
+            assert s.stats()["counters"]["bytes_read"] == before
+            assert all((p == 0).all() for layer in pairs for p in layer)
+        inter = [torch.zeros(2, 16, 2, 8) for _ in range(3)]
+        s.get("kv", out=[(x[:, :, 0], x[:, :, 1]) for x in inter])
+        assert all(torch.equal(x[:, :, 0], kv[i, 0]) and torch.equal(x[:, :, 1], kv[i, 1]) for i, x in enumerate(inter))
+        whole = [torch.zeros(2, 2, 16, 8) for _ in range(3)]
+        got = s.get("kv", out=whole)
+        assert torch.equal(torch.stack(whole), kv) and torch.equal(got.data, kv)
+
+
 # -- scattered puts: KVCache.from_layers --------------------------------------------------------
 
 

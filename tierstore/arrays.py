@@ -40,7 +40,10 @@ def _ml_dtypes_module() -> Any:
 
 
 def is_torch_tensor(x: Any) -> bool:
-    torch = torch_module() if type(x).__module__.startswith("torch") else None
+    cls = type(x)
+    if cls is np.ndarray:  # (the common case, answered without importing anything)
+        return False
+    torch = torch_module() if cls.__module__.startswith("torch") else None
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -57,7 +60,7 @@ _TORCH_NAMES = {
     "int32": "int32",
     "int64": "int64",
 }
-_NUMPY_NATIVE = {"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"}
+NUMPY_NATIVE = {"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"}
 
 
 def torch_dtype(name: str) -> Any:
@@ -100,7 +103,7 @@ def as_bytes_view(x: Any) -> np.ndarray:
             t = t.to("cpu")
         if not t.is_contiguous():
             t = t.contiguous()
-        if name in _NUMPY_NATIVE:
+        if name in NUMPY_NATIVE:
             return t.numpy()
         view_as = torch.int16 if storage.itemsize == 2 else torch.uint8
         return t.view(view_as).numpy().view(storage)
@@ -123,7 +126,7 @@ def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, dev
                 f"device={device!r} needs torch", hint="pip install 'tierstore[torch]'"
             )
         t = torch.from_numpy(flat)
-        if name not in _NUMPY_NATIVE:
+        if name not in NUMPY_NATIVE:
             t = t.view(getattr(torch, _TORCH_NAMES[name]))
         t = t.reshape(shape)
         if device is not None and device != "cpu":
@@ -135,7 +138,7 @@ def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, dev
             if dev.type != "cpu":
                 t = t.to(dev, non_blocking=False)
         return t
-    if name in _NUMPY_NATIVE:
+    if name in NUMPY_NATIVE:
         return flat.reshape(shape)
     ml = _ml_dtypes_module()
     if ml is None:
@@ -194,7 +197,7 @@ def host_view(x: Any) -> np.ndarray | None:
         return None
     t = x.detach()
     name = dtype_name(t)
-    if name not in _NUMPY_NATIVE:
+    if name not in NUMPY_NATIVE:
         torch = torch_module()
         t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
     return t.numpy()

@@ -109,6 +109,14 @@ class KVCache:
         obj.meta = {}
         return obj
 
+    @classmethod
+    def over_layers(cls, pieces: tuple[tuple[Any, ...], ...], shape: tuple[int, ...]) -> "KVCache":
+        """``from_layers`` for pieces the caller has already checked (same dtype, framework and
+        shape; ``shape`` the stacked one): no checks, for hot read paths."""
+        obj = cls.__new__(cls)
+        obj._data, obj.pieces, obj.shape, obj.layer_start, obj.meta = None, pieces, shape, 0, {}
+        return obj
+
     @property
     def data(self) -> Any:
         """The ``[layers, 2, kv_heads, tokens, head_dim]`` array (stacked on first use after

@@ -265,7 +265,7 @@ class TierstoreBackend(StoragePluginInterface):
         if info.kind != "kv":
             return None
         t = obj.tensor.view(2, info.shape[0], 1, info.shape[3], info.shape[4])
-        return [(t[0, i], t[1, i]) for i in range(info.shape[0])]
+        return list(zip(t[0].unbind(0), t[1].unbind(0)))  # (t[0, i], t[1, i]) per layer, made at once
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """The chunks of ``keys``, None for a miss.  LMCache's memory is allocated first, key by

@@ -150,11 +150,12 @@ class PrefixCache:
                     dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
                              torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
-                # each layer's K and V straight into their place in the cache's own tensors; the chunks
-                # only the disk holds are read side by side
+                # each layer's K and V straight into their place in the cache's own tensors (one view
+                # per chunk: split makes them all at once); the chunks only the disk holds are read
+                # side by side
+                per_layer = [(k[0].split(tc, dim=1), v[0].split(tc, dim=1)) for k, v in dest]
                 objs = self.store.get_many(chunks[:todo], namespace=self.namespace,
-                                           out=[[(k[0, :, i * tc : (i + 1) * tc], v[0, :, i * tc : (i + 1) * tc])
-                                                 for k, v in dest] for i in range(todo)])
+                                           out=[[(ks[i], vs[i]) for ks, vs in per_layer] for i in range(todo)])
             except (TierstoreError, AttributeError, TypeError, ValueError) as e:
                 i = chunks.index(e.key) if isinstance(e, TierstoreError) and e.key in chunks[:todo] else 0
                 why = "is damaged" if isinstance(e, CorruptionError) else \
