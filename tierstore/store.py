@@ -1185,6 +1185,7 @@ class Store:
                 batch.append(n)
             elif not tiers.active or not tiers.where((ns, ks[n]), loc.header):
                 aside.append(n)
+        in_batch = set(batch)
         errors: dict[int, BaseException] = {}
 
         def read(n: int) -> Any:
@@ -1210,7 +1211,7 @@ class Store:
                     except RuntimeError:  # (the pool was shut down: closed meanwhile)
                         raise StoreClosed("the store was closed during get_many", path=self.path) from None
             for n, loc in enumerate(locs):
-                if loc is None or n in futures or n in batch:
+                if loc is None or n in futures or n in in_batch:
                     continue
                 try:
                     result[n] = read(n)
@@ -1238,7 +1239,7 @@ class Store:
         if errors:
             raise errors[min(errors)]
         for n, loc in enumerate(locs):
-            if result[n] is not None and loc is not None and n not in batch:
+            if result[n] is not None and loc is not None and n not in in_batch:
                 result[n] = self._delivered(result[n], loc, layers, rows)
         return result
 
@@ -1283,10 +1284,10 @@ class Store:
 
     def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
               **sel: Any) -> Any:
+        """Read the object at ``loc`` (through the tiers when the store has them)."""
         sel.setdefault("layers", None)
         sel.setdefault("rows", None)
         sel.setdefault("device", None)
-        """Read the object at ``loc`` (through the tiers when the store has them)."""
         dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
 
         def read(at: Location, where: dict[str, Any]) -> Any:
