@@ -22,8 +22,9 @@ try:
 except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds
 
-from .. import arrays
+from .. import arrays, buffers
 from .. import codecs as cdc
+from ..buffers import aligned_empty
 from ..errors import CorruptionError, InvalidObject
 from ..objects import Blob, KVCache, MLACache, Vectors, stored_blob, stored_kv, stored_mla
 from . import constants as fmt
@@ -142,13 +143,6 @@ def apply_codec(block: Block, choice: cdc.Choice | None, dictionary: bytes | Non
     align = block.align_log2 if block.kind != fmt.KIND_BLOB or encoded[0].nbytes >= fmt.INLINE_BLOB_MAX \
         else fmt.ALIGN_INLINE_LOG2
     return Block(block.kind, meta, encoded, align, block.logical_bytes, encoded, choice.codec.id)
-
-
-def aligned_empty(nbytes: int, align: int = fmt.PAGE) -> np.ndarray:
-    """An uninitialised uint8 buffer whose address is a multiple of ``align`` (for O_DIRECT/GDS)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
 
 
 class ExtentReader(Protocol):
@@ -551,7 +545,7 @@ def read_object(hdr: rec.RecordHeader, reader: ExtentReader, *, layers: Any = No
             return out.kv
         lb = math.prod(meta["shape"][1:]) * fmt.DTYPES[meta["dtype"]][1]
         host = None if out is None else arrays.host_bytes(out)
-        buf = host if host is not None else aligned_empty(lb * len(idx))
+        buf = host if host is not None else buffers.take(lb * len(idx))
         reader.read_into([(i, memoryview(buf[j * lb : (j + 1) * lb])) for j, i in enumerate(idx)])
         shape = (len(idx), *meta["shape"][1:])
         data = out if host is not None else arrays.wrap(buf, _dtype_name(meta), shape, meta.get("fw", "numpy"), device)
@@ -579,7 +573,7 @@ def _read_vectors(hdr: rec.RecordHeader, reader: ExtentReader, rows: Any, device
     n_ext = -(-n // rpe)
     host = None if out is None or rows is not None else arrays.host_bytes(out)
     if rows is None:
-        data = host if host is not None else aligned_empty(n * row_bytes)
+        data = host if host is not None else buffers.take(n * row_bytes)
         ids = np.empty(n, dtype="<i8") if has_ids else None
         wanted = [(e, memoryview(data[e * rpe * row_bytes : min(n, (e + 1) * rpe) * row_bytes])) for e in range(n_ext)]
         if ids is not None:
