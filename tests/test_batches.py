@@ -602,6 +602,32 @@ def test_get_into_per_layer_torch_pieces_that_share_memory_is_refused(store_path
         assert torch.equal(torch.stack(whole), kv) and torch.equal(got.data, kv)
 
 
+def test_get_into_numpy_pieces_never_imports_torch(store_path):
+    """numpy callers of get(out=[pieces]) do not pay torch's import; an empty layer is named."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, numpy as np, tierstore
+from tierstore.errors import InvalidObject
+with tierstore.open({str(store_path)!r}) as s:
+    s.put("kv", tierstore.KVCache(np.ones((2, 2, 2, 4, 3), np.float32)))
+    pieces = [(np.zeros((2, 4, 3), np.float32), np.zeros((2, 4, 3), np.float32)) for _ in range(2)]
+    s.get("kv", out=pieces)
+    assert all((k == 1).all() and (v == 1).all() for k, v in pieces)
+    try:
+        s.get("kv", out=[(), ()])
+    except InvalidObject as e:
+        assert "layer 0" in str(e), e
+    else:
+        raise AssertionError("an empty layer was accepted")
+print("torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 # -- scattered puts: KVCache.from_layers --------------------------------------------------------
 
 

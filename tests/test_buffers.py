@@ -78,3 +78,53 @@ def test_gets_in_reused_buffers_return_their_own_bytes(store_path, dram_bytes):
                 del got
         assert np.array_equal(kept, kvs[0])
         assert buffers.pool().counters["reused"] > reused
+
+
+def test_buffers_of_a_size_no_longer_read_give_way_to_new_ones():
+    pool = buffers.ReadBuffers(idle_max=8 * MIB)
+    old = [pool.take(2 * MIB) for _ in range(4)]
+    del old
+    gc.collect()
+    assert pool.idle_bytes == 8 * MIB  # the pool is full of 2 MiB buffers ...
+    for _ in range(3):  # ... and the workload now reads 4 MiB: the oldest idle ones are unmapped
+        pool.take(4 * MIB)
+        gc.collect()
+    assert pool.counters["reused"] == 2 and pool.counters["unmapped"] == 2 and pool.idle_bytes == 8 * MIB
+
+
+def test_a_forked_child_takes_buffers_while_a_parent_thread_held_the_pool(tmp_path):
+    """A fork while another thread holds the pool's lock: the child gets a fresh lock (and no
+    idle buffers), so its reads do not hang."""
+    import os
+    import threading
+
+    pool = buffers.pool()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with pool._lock:  # noqa: SLF001 (the lock a reader thread holds at the fork)
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: a get-sized take, then exit with its answer
+        try:
+            ok = buffers.pool().idle_bytes == 0 and buffers.take(2 * MIB).nbytes == 2 * MIB
+        finally:
+            os._exit(0 if ok else 1)
+    release.set()
+    t.join()
+    deadline = __import__("time").monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if __import__("time").monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung taking a buffer")
+        __import__("time").sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

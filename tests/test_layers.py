@@ -19,7 +19,7 @@ PKG = pathlib.Path(tierstore.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("tierstore.errors",)),
     ("constants", ("tierstore.format.constants",)),
-    ("values", ("tierstore.arrays", "tierstore.objects", "tierstore.names", "tierstore.prefix")),
+    ("values", ("tierstore.arrays", "tierstore.buffers", "tierstore.objects", "tierstore.names", "tierstore.prefix")),
     ("codecs", ("tierstore.codecs",)),
     ("format", ("tierstore.format",)),
     ("engine", ("tierstore.engine",)),

@@ -7,13 +7,15 @@ the read itself), a reused one costs nothing.  It never hands out memory that an
 references: each buffer is given out through a *lease* object that every array made from it
 holds (numpy's ``base`` chain, and torch's ``from_numpy``); the buffer comes back only when
 the last of them is garbage (a ``weakref.finalize`` on the lease).  It keeps at most
-``IDLE_MAX_BYTES`` of idle buffers per process.  It does no I/O and knows nothing of records.
+``IDLE_MAX_BYTES`` of idle buffers per process, the most recently returned (a forked child
+starts with none).  It does no I/O and knows nothing of records.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 import weakref
 
@@ -40,12 +42,22 @@ class ReadBuffers:
 
     def __init__(self, idle_max: int = IDLE_MAX_BYTES) -> None:
         self.idle_max = idle_max
-        self._idle: dict[int, list[mmap.mmap]] = {}  # size -> idle regions of that size
+        self._idle: list[tuple[int, mmap.mmap]] = []  # (size, region), oldest returned first
         self._idle_bytes = 0
+        self._reset_lock()
+        self.counters = {"taken": 0, "reused": 0, "unmapped": 0}
+
+    def _reset_lock(self) -> None:
         # reentrant: a finalizer (``_returned``) may run in this thread while it holds the lock,
         # when an allocation under it starts a garbage collection that frees another lease
         self._lock = threading.RLock()
-        self.counters = {"taken": 0, "reused": 0}
+
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (another thread of the parent may have held it at the
+        fork) and no idle buffers."""
+        self._reset_lock()
+        self._idle = []
+        self._idle_bytes = 0
 
     def take(self, nbytes: int) -> np.ndarray:
         """A page-aligned uint8 array of ``nbytes`` (uninitialised: old bytes of an earlier read
@@ -56,11 +68,12 @@ class ReadBuffers:
         region = None
         with self._lock:
             self.counters["taken"] += 1
-            free = self._idle.get(size)
-            if free:
-                region = free.pop()
-                self._idle_bytes -= size
-                self.counters["reused"] += 1
+            for i in range(len(self._idle) - 1, -1, -1):  # the most recently returned of this size
+                if self._idle[i][0] == size:
+                    region = self._idle.pop(i)[1]
+                    self._idle_bytes -= size
+                    self.counters["reused"] += 1
+                    break
         if region is None:  # (private: a forked child never shares it)
             region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         lease = (ctypes.c_ubyte * size).from_buffer(region)
@@ -69,16 +82,22 @@ class ReadBuffers:
 
     def _returned(self, size: int, region: mmap.mmap) -> None:
         """The lease died (no array references the buffer any more): keep it for the next read,
-        unless the pool holds enough idle memory already (then it is unmapped with ``region``)."""
+        unmapping the oldest idle buffers when the pool would hold more than ``idle_max`` (a
+        workload whose sizes change does not keep the old sizes for good)."""
+        if size > self.idle_max:
+            return
         with self._lock:
-            if self._idle_bytes + size <= self.idle_max:
-                self._idle.setdefault(size, []).append(region)
-                self._idle_bytes += size
+            while self._idle and self._idle_bytes + size > self.idle_max:
+                old, _ = self._idle.pop(0)
+                self._idle_bytes -= old
+                self.counters["unmapped"] += 1
+            self._idle.append((size, region))
+            self._idle_bytes += size
 
     def trim(self) -> None:
         """Unmap every idle buffer."""
         with self._lock:
-            self._idle.clear()
+            self._idle = []
             self._idle_bytes = 0
 
     @property
@@ -87,6 +106,7 @@ class ReadBuffers:
 
 
 _POOL = ReadBuffers()
+os.register_at_fork(after_in_child=_POOL.after_fork)
 
 
 def take(nbytes: int) -> np.ndarray:

@@ -398,11 +398,7 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
     host array of the right shape and dtype (all numpy, or all CPU torch tensors), writable, no
     repeated memory.  None for anything else: the general checks then run, and name what is
     wrong."""
-    torch = arrays.torch_module()
-    tensor = torch.Tensor if torch is not None else ()
-    want_dtype = arrays.torch_dtype(name) if torch is not None else None
-    same = None if torch is None or name in arrays.NUMPY_NATIVE else \
-        (torch.int16 if fmt.DTYPES[fmt.DTYPE_IDS[name]][1] == 2 else torch.uint8)  # bfloat16, fp8 on the host
+    torch: Any = None  # imported when a piece is not a numpy array (numpy-only callers never load it)
     pair, whole = layer_shape[1:], layer_shape
     first = None
     views: list[tuple[Any, Any]] = []
@@ -410,7 +406,7 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
     spans = []
     for i, layer in enumerate(out):
         parts = tuple(layer) if type(layer) in (tuple, list) else (layer,)
-        if len(parts) > 2:
+        if not parts or len(parts) > 2:
             return None
         shape = pair if len(parts) == 2 else whole
         mine = []
@@ -426,7 +422,12 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
                     return None
                 v = p
                 lo, hi = byte_bounds(p)
-            elif isinstance(p, tensor):
+            elif arrays.is_torch_tensor(p):
+                if torch is None:
+                    torch = arrays.torch_module()
+                    want_dtype = arrays.torch_dtype(name)
+                    same = None if name in arrays.NUMPY_NATIVE else \
+                        (torch.int16 if fmt.DTYPES[fmt.DTYPE_IDS[name]][1] == 2 else torch.uint8)  # bfloat16, fp8
                 if p.dtype != want_dtype or p.requires_grad or not p.is_cpu or p.layout != torch.strided \
                         or p.shape != shape:
                     return None
