@@ -458,6 +458,35 @@ def test_get_many_out_mismatch_is_refused_before_any_io(store_path):
         assert np.array_equal(s.get_many(["a", "b"], out=[None, None])[1].data, _kv(seed=1))  # the twin
 
 
+@pytest.mark.parametrize("dram_bytes", [0, "64MiB"])
+def test_get_many_refuses_destinations_shared_between_keys(store_path, dram_bytes):
+    """Two keys' destinations in the same memory (one array twice, overlapping slices, the same
+    per-layer pieces): refused before any read, naming both (found by a new user: the shared
+    array got whichever key was written last, or a read raised a false CorruptionError).  The
+    twins, disjoint or interleaved views of one array, read."""
+    kvs = [_kv(seed=40 + i) for i in range(3)]  # [4, 2, 2, 16, 8]
+    with tierstore.open(store_path, dram_bytes=dram_bytes) as s:
+        for i, kv in enumerate(kvs):
+            s.put(f"c{i}", KVCache(kv))
+        base = np.zeros((12, 2, 2, 16, 8), np.float32)
+        pieces = [(np.zeros((2, 16, 8), np.float32), np.zeros((2, 16, 8), np.float32)) for _ in range(4)]
+        for out in ([None, base[:4], base[:4]], [base[0:4], None, base[3:7]], [pieces, None, pieces]):
+            before = s.stats()["counters"]["bytes_read"]
+            with pytest.raises(InvalidObject, match=r"out\[0\] and out\[2\] \(keys 'c0' and 'c2'\) share memory|"
+                                                    r"out\[1\] and out\[2\] \(keys 'c1' and 'c2'\) share memory") as e:
+                s.get_many(["c0", "c1", "c2"], out=out)
+            assert e.value.key == "c2"
+            assert s.stats()["counters"]["bytes_read"] == before
+            assert not base.any() and not any(p.any() for layer in pieces for p in layer)
+        got = s.get_many(["c0", "c1", "c2"], out=[base[0:4], base[4:8], None])
+        assert np.array_equal(base[0:4], kvs[0]) and np.array_equal(base[4:8], kvs[1])
+        assert np.array_equal(got[2].data, kvs[2])
+        inter = np.zeros((4, 2, 16, 2, 8), np.float32)  # two keys' K interleaved on one axis
+        s.get_many(["c0", "c1"], out=[[(inter[i, :, :, 0], np.zeros((2, 16, 8), np.float32)) for i in range(4)],
+                                      [(inter[i, :, :, 1], np.zeros((2, 16, 8), np.float32)) for i in range(4)]])
+        assert np.array_equal(inter[..., 0, :], kvs[0][:, 0]) and np.array_equal(inter[..., 1, :], kvs[1][:, 0])
+
+
 def test_get_many_writes_no_destination_after_it_raised(store_path, monkeypatch):
     """Any error (not only the store's) ends the call only once every read on the reader threads
     has ended: no destination is written after get_many raised."""

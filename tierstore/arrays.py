@@ -167,7 +167,9 @@ def check_out(out: Any, name: str, shape: tuple[int, ...]) -> None:
         raise InvalidObject(f"out= has shape {shape_of}; this read returns {shape}",
                             hint="info(key).shape is the stored shape; layers=/rows= select part of it")
     if not ok_layout:
-        raise InvalidObject("out= must be C-contiguous (a strided view cannot be filled in place)")
+        raise InvalidObject("out= must be C-contiguous (a strided view cannot be filled in place)",
+                            hint="for a KVCache, per-layer pieces take any strides: out=[(k, v), ...], one "
+                                 "pair of [kv_heads, tokens, head_dim] views per layer")
     if not writable:
         raise InvalidObject("out= is not writable (a read-only array, or a tensor that requires grad)")
 

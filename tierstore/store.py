@@ -1128,10 +1128,11 @@ class Store:
         threads (one object's device read overlaps another's checksum and copy).
         ``layers`` / ``rows`` / ``device`` apply to every key.  ``out``: a list with one
         destination per key, as ``get`` takes it (None: a new array), all checked before any
-        I/O; a missing key's destination is left as it was.  Any other error (CorruptionError,
-        bad arguments) raises, as ``get`` does, once every read has ended: the error of the
-        first key (in the order of ``keys``) that failed; the objects of the keys before it were
-        read whole.  Never wrong data."""
+        I/O, each against its object and against the others (two keys' destinations that share
+        memory are refused); a missing key's destination is neither checked nor written.  Any
+        other error (CorruptionError, bad arguments) raises, as ``get`` does, once every read
+        has ended: the error of the first key (in the order of ``keys``) that failed; the
+        objects of the keys before it were read whole.  Never wrong data."""
         self._check_open()
         if device is not None:
             if out is not None:
@@ -1142,7 +1143,7 @@ class Store:
         keys = list(keys)
         if out is not None and (not isinstance(out, (list, tuple)) or len(out) != len(keys)):
             raise InvalidObject(f"get_many: out= must be a list with one destination (or None) per key: "
-                                f"{len(keys)} keys, got {type(out).__name__}"
+                                f"{len(keys)} key{'s' * (len(keys) != 1)}, got {type(out).__name__}"
                                 + (f" of {len(out)}" if isinstance(out, (list, tuple)) else ""))
         ns = encode_namespace(namespace)
         ks = [encode_key(key)[0] for key in keys]
@@ -1151,7 +1152,7 @@ class Store:
         for w in self._watchers:
             w.missed(ns, [k for k, loc in zip(ks, locs) if loc is None])
         dests: list[Any] = [None] * len(keys)
-        if out is not None:  # every destination checked before anything is read
+        if out is not None:  # every destination checked before anything is read, and apart from the others
             for n, loc in enumerate(locs):
                 if loc is not None and out[n] is not None:
                     try:
@@ -1159,6 +1160,9 @@ class Store:
                     except TierstoreError as e:
                         e.key = keys[n] if e.key is None else e.key
                         raise
+            given = [(n, keys[n], d[0]) for n, d in enumerate(dests) if d is not None]
+            if len(given) > 1:
+                blk.check_apart(given)
         if device is not None and device.split(":")[0] == "cuda" and ":" not in device:
             torch = arrays.torch_module()  # the caller's current device, not the reader threads'
             if torch.cuda.is_available():

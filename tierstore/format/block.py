@@ -321,10 +321,12 @@ def result_shape(hdr: rec.RecordHeader, layers: Any, rows: Any) -> tuple[str, tu
 
 class LayerDest(NamedTuple):
     """Per-layer destinations of a read (``layer_destination``): the KVCache over them that the
-    read returns, and per layer the (K, V) numpy views of host pieces (None for CUDA ones)."""
+    read returns, per layer the (K, V) numpy views of host pieces (None for CUDA ones), and the
+    pieces' memory as (first byte, end, host view or None, layer)."""
 
     kv: KVCache
     views: list[tuple[Any, Any]]
+    spans: list[tuple[int, int, Any, int]]
 
 
 def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> LayerDest:
@@ -390,7 +392,7 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> LayerDest
             mine = [None, None] if mine[0] is None else [mine[0][0], mine[0][1]]
         views.append((mine[0], mine[1]))
     _check_disjoint(spans)
-    return LayerDest(dest, views)
+    return LayerDest(dest, views, spans)
 
 
 def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> LayerDest | None:
@@ -445,7 +447,7 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
         pieces.append(parts)
         views.append((mine[0], mine[1]) if len(mine) == 2 else (mine[0][0], mine[0][1]))
     _check_disjoint(spans)
-    return LayerDest(KVCache.over_layers(tuple(pieces), (len(pieces), *whole)), views)
+    return LayerDest(KVCache.over_layers(tuple(pieces), (len(pieces), *whole)), views, spans)
 
 
 def _shares(a: np.ndarray, b: np.ndarray) -> bool:
@@ -456,19 +458,60 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
-def _check_disjoint(spans: list[tuple[int, int, Any, int]]) -> None:
-    """No two destination pieces share memory (each would get one of two values): pieces
-    whose byte ranges overlap are compared exactly (K and V interleaved in one tensor do not
-    share memory, though their ranges overlap); CUDA pieces by their ranges only."""
+def _first_shared(spans: list[tuple[int, int, Any, Any]],
+                  apart: Callable[[Any, Any], bool] | None = None) -> tuple[Any, Any] | None:
+    """The tags of two spans (first byte, end, host view or None, tag) whose memory is shared,
+    or None: pieces whose byte ranges overlap are compared exactly (K and V interleaved in one
+    tensor do not share memory, though their ranges overlap); CUDA pieces by their ranges
+    only.  Pairs for which ``apart(tag, tag2)`` is false are not compared."""
     spans = sorted(spans, key=lambda x: x[0])
-    for n, (_, hi, view, layer) in enumerate(spans):
-        for lo2, _, view2, layer2 in spans[n + 1 :]:
+    for n in range(len(spans)):
+        _, hi, view, tag = spans[n]
+        for m in range(n + 1, len(spans)):
+            lo2, _, view2, tag2 = spans[m]
             if lo2 >= hi:
                 break
+            if apart is not None and not apart(tag, tag2):
+                continue
             if view is None or view2 is None or _shares(view, view2):
-                what = f"K and V of layer {layer}" if layer == layer2 else \
-                    f"pieces of layers {min(layer, layer2)} and {max(layer, layer2)}"
-                raise InvalidObject(f"out= {what} share memory: every destination must be its own")
+                return tag, tag2
+    return None
+
+
+def _check_disjoint(spans: list[tuple[int, int, Any, int]]) -> None:
+    """No two destination pieces of one read share memory (each would get one of two values)."""
+    shared = _first_shared(spans)
+    if shared is not None:
+        layer, layer2 = shared
+        what = f"K and V of layer {layer}" if layer == layer2 else \
+            f"pieces of layers {min(layer, layer2)} and {max(layer, layer2)}"
+        raise InvalidObject(f"out= {what} share memory: every destination must be its own")
+
+
+def _spans_of(dest: Any) -> list[tuple[int, int, Any, int]]:
+    """The memory of a read's destination (``LayerDest``, or one array or tensor) as spans."""
+    if isinstance(dest, LayerDest):
+        return dest.spans
+    if arrays.is_torch_tensor(dest):
+        size = dest.element_size()
+        lo = dest.data_ptr()
+        hi = lo + sum((n - 1) * st for n, st in zip(dest.shape, dest.stride())) * size + size
+        return [(lo, hi, arrays.host_view(dest), 0)]
+    lo, hi = byte_bounds(dest)
+    return [(lo, hi, dest, 0)]
+
+
+def check_apart(dests: list[tuple[int, Any, Any]]) -> None:
+    """The destinations of several reads (``get_many``: (position in ``out``, key, the
+    destination ``get`` checked)) share no memory; InvalidObject naming two whose destinations
+    do.  Each read would write its object into the shared bytes, in an order nobody chose."""
+    spans = [(lo, hi, view, (n, key)) for n, key, dest in dests for lo, hi, view, _ in _spans_of(dest)]
+    shared = _first_shared(spans, apart=lambda a, b: a[0] != b[0])
+    if shared is not None:
+        (n, key), (m, key2) = sorted(shared, key=lambda t: t[0])
+        raise InvalidObject(f"out[{n}] and out[{m}] (keys {key!r} and {key2!r}) share memory: each key needs "
+                            "its own destination", key=key2,  # (the later one: callers keep the keys before it)
+                            hint="give every key its own array (or its own views), or None for a new one")
 
 
 LAYER_SCRATCH_BYTES = 8 << 20  # read_object into per-layer pieces: layers read per request, at most
