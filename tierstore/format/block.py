@@ -458,6 +458,53 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
+RUNS_MAX = 256  # contiguous runs of one host piece that _shared_runs lists; more: compared pair by pair
+
+
+def _runs(view: np.ndarray, lo: int) -> tuple[list[int], int] | None:
+    """The piece's memory as contiguous runs of bytes: (their first addresses, their length),
+    or None when it has more than ``RUNS_MAX`` runs or a negative stride (``lo``: its first
+    byte, the address of its first element then)."""
+    dims = [(n, st) for n, st in zip(view.shape, view.strides) if n != 1]
+    run = view.itemsize
+    while dims and dims[-1][1] == run:
+        run *= dims[-1][0]
+        dims.pop()
+    if any(st < 0 for _, st in dims) or math.prod(n for n, _ in dims) > RUNS_MAX:
+        return None
+    starts = [lo]
+    for n, st in dims:
+        starts = [a + i * st for a in starts for i in range(n)]
+    return starts, run
+
+
+def _shared_runs(spans: list[tuple[int, int, Any, Any]]) -> tuple[Any, Any] | None | bool:
+    """``_first_shared`` for host pieces of few runs each (views into a model's cache, LMCache's
+    slabs): every run of every piece sorted once, and two that overlap are shared memory
+    (exact: a run's bytes all belong to its piece).  False when a piece is not of that kind."""
+    firsts: list[int] = []
+    ends: list[int] = []
+    owner: list[int] = []
+    for j, (lo, _, view, _) in enumerate(spans):
+        r = None if view is None else _runs(view, lo)
+        if r is None:
+            return False
+        starts, length = r
+        firsts += starts
+        ends += [a + length for a in starts]
+        owner += [j] * len(starts)
+    lo_, hi, who = np.array(firsts, np.int64), np.array(ends, np.int64), np.array(owner, np.int64)
+    order = np.argsort(lo_, kind="stable")
+    lo_, hi, who = lo_[order], hi[order], who[order]
+    reach = np.maximum.accumulate(hi)
+    hit = np.flatnonzero(lo_[1:] < reach[:-1])
+    if not len(hit):
+        return None
+    i = int(hit[0]) + 1
+    j = int(np.argmax(hi[:i]))  # a run before it that reaches past its start
+    return spans[int(who[j])][3], spans[int(who[i])][3]
+
+
 def _first_shared(spans: list[tuple[int, int, Any, Any]],
                   apart: Callable[[Any, Any], bool] | None = None) -> tuple[Any, Any] | None:
     """The tags of two spans (first byte, end, host view or None, tag) whose memory is shared,
@@ -465,6 +512,17 @@ def _first_shared(spans: list[tuple[int, int, Any, Any]],
     tensor do not share memory, though their ranges overlap); CUDA pieces by their ranges
     only.  Pairs for which ``apart(tag, tag2)`` is false are not compared."""
     spans = sorted(spans, key=lambda x: x[0])
+    reach = -1
+    for lo, hi, _, _ in spans:  # (the common case: no two byte ranges overlap)
+        if lo < reach:
+            break
+        reach = max(reach, hi)
+    else:
+        return None
+    if len(spans) > 8:
+        found = _shared_runs(spans)
+        if found is None or (found is not False and (apart is None or apart(*found))):
+            return found  # type: ignore[return-value]
     for n in range(len(spans)):
         _, hi, view, tag = spans[n]
         for m in range(n + 1, len(spans)):
