@@ -385,7 +385,7 @@ def test_get_into_per_layer_pieces_refuses_mismatches_before_any_io(store_path, 
         assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
         with pytest.raises(InvalidObject, match="applies to a KVCache; this object is of kind 'vectors'"):
             s.get("v", out=[np.zeros((2, 2, 16, 8), np.float32)])
-        with pytest.raises(InvalidObject, match=r"got generator \(hint: for a KVCache, also a list"):
+        with pytest.raises(InvalidObject, match=r"got generator \[key=.kv.\] \(hint: for a KVCache, also a list"):
             s.get("kv", out=(x for x in [_f32(2, 2, 16, 8)] * 4))
         ro = np.empty((2, 16, 8), np.float32)
         ro.flags.writeable = False
@@ -453,6 +453,9 @@ def test_get_many_out_mismatch_is_refused_before_any_io(store_path):
         assert e.value.key == "b"  # named: a caller keeps the keys before it
         with pytest.raises(InvalidObject, match="out= already says"):
             s.get_many(["a"], out=[None], device="cpu")
+        with pytest.raises(InvalidObject, match="dtype float16") as e:  # get names the key too
+            s.get("b", out=np.empty((4, 2, 2, 16, 8), np.float16))
+        assert e.value.key == "b"
         after = s.stats()["counters"]
         assert after["gets"] == before["gets"] and after["bytes_read"] == before["bytes_read"]
         assert np.array_equal(s.get_many(["a", "b"], out=[None, None])[1].data, _kv(seed=1))  # the twin

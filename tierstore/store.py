@@ -921,7 +921,11 @@ class Store:
                 return self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=out)
         if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
             return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
-        out, device = _destination(loc.header, layers, rows, out, device)
+        try:
+            out, device = _destination(loc.header, layers, rows, out, device)
+        except TierstoreError as e:
+            e.key = key if e.key is None else e.key  # (as get_many names a refused destination's key)
+            raise
         obj = self._read(key, namespace, ns, k, loc, same=out is not None, layers=layers, rows=rows, device=device,
                          out=out)  # (out was checked against this very object: a replaced one is NotFound)
         if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
