@@ -461,43 +461,49 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
 RUNS_MAX = 256  # contiguous runs of one host piece that _shared_runs lists; more: compared pair by pair
 
 
-def _runs(view: np.ndarray, lo: int) -> tuple[list[int], int] | None:
-    """The piece's memory as contiguous runs of bytes: (their first addresses, their length),
-    or None when it has more than ``RUNS_MAX`` runs or a negative stride (``lo``: its first
-    byte, the address of its first element then)."""
-    dims = [(n, st) for n, st in zip(view.shape, view.strides) if n != 1]
-    run = view.itemsize
+def _run_offsets(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[np.ndarray, int] | None:
+    """A piece of this layout as contiguous runs of bytes: (their offsets from its first
+    element, their length), or None when it has more than ``RUNS_MAX`` runs or a negative
+    stride."""
+    dims = [(n, st) for n, st in zip(shape, strides) if n != 1]
+    run = itemsize
     while dims and dims[-1][1] == run:
         run *= dims[-1][0]
         dims.pop()
     if any(st < 0 for _, st in dims) or math.prod(n for n, _ in dims) > RUNS_MAX:
         return None
-    starts = [lo]
+    offsets = np.zeros(1, dtype=np.int64)
     for n, st in dims:
-        starts = [a + i * st for a in starts for i in range(n)]
-    return starts, run
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).ravel()
+    return offsets, run
 
 
 def _shared_runs(spans: list[tuple[int, int, Any, Any]]) -> tuple[Any, Any] | None | bool:
     """``_first_shared`` for host pieces of few runs each (views into a model's cache, LMCache's
     slabs): every run of every piece sorted once, and two that overlap are shared memory
-    (exact: a run's bytes all belong to its piece).  False when a piece is not of that kind."""
-    firsts: list[int] = []
-    ends: list[int] = []
-    owner: list[int] = []
-    for j, (lo, _, view, _) in enumerate(spans):
-        r = None if view is None else _runs(view, lo)
-        if r is None:
+    (exact: a run's bytes all belong to its piece).  Pieces of one layout are expanded to runs
+    together.  False when a piece is not of that kind."""
+    layouts: dict[tuple[Any, ...], list[int]] = {}
+    for j, (_, _, view, _) in enumerate(spans):
+        if view is None:
             return False
-        starts, length = r
-        firsts += starts
-        ends += [a + length for a in starts]
-        owner += [j] * len(starts)
-    lo_, hi, who = np.array(firsts, np.int64), np.array(ends, np.int64), np.array(owner, np.int64)
-    order = np.argsort(lo_, kind="stable")
-    lo_, hi, who = lo_[order], hi[order], who[order]
+        layouts.setdefault((view.shape, view.strides, view.itemsize), []).append(j)
+    firsts, ends, owner = [], [], []
+    for (shape, strides, itemsize), js in layouts.items():
+        runs = _run_offsets(shape, strides, itemsize)
+        if runs is None:
+            return False
+        offsets, length = runs
+        bases = np.array([spans[j][0] for j in js], dtype=np.int64)  # (no negative stride: lo is the first element)
+        starts = (bases[:, None] + offsets[None, :]).ravel()
+        firsts.append(starts)
+        ends.append(starts + length)
+        owner.append(np.repeat(np.array(js, dtype=np.int64), len(offsets)))
+    lo, hi, who = np.concatenate(firsts), np.concatenate(ends), np.concatenate(owner)
+    order = np.argsort(lo, kind="stable")
+    lo, hi, who = lo[order], hi[order], who[order]
     reach = np.maximum.accumulate(hi)
-    hit = np.flatnonzero(lo_[1:] < reach[:-1])
+    hit = np.flatnonzero(lo[1:] < reach[:-1])
     if not len(hit):
         return None
     i = int(hit[0]) + 1
