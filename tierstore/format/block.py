@@ -374,18 +374,16 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> LayerDest
                 if p.layout != torch.strided or p.device.type not in ("cpu", "cuda"):
                     raise InvalidObject(f"out= layer {i} is a {p.layout} tensor on {p.device}: tierstore fills "
                                         "dense tensors in CPU, pinned or CUDA memory")
-                unwritable, start, strides = p.requires_grad, p.data_ptr(), [st * p.element_size()
-                                                                           for st in p.stride()]
+                unwritable, strides = p.requires_grad, p.stride()
             else:
-                unwritable, start, strides = not p.flags.writeable, p.ctypes.data, list(p.strides)
+                unwritable, strides = not p.flags.writeable, p.strides
             if unwritable:
                 raise InvalidObject(f"out= layer {i} is not writable (a read-only array, or a tensor that "
                                     "requires grad)")
             if any(st == 0 and n > 1 for st, n in zip(strides, p.shape)):
                 raise InvalidObject(f"out= layer {i} repeats memory (a stride of 0, e.g. an expanded tensor): "
                                     "it cannot hold distinct values")
-            lo = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st < 0)
-            hi = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st > 0) + arrays.itemsize(p)
+            lo, hi = _bounds(p)
             mine.append(arrays.host_view(p))
             spans.append((lo, hi, mine[-1], i))
         if len(mine) == 1:  # one [2, ...] piece: its two halves
@@ -423,7 +421,7 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
                         or 0 in p.strides:
                     return None
                 v = p
-                lo, hi = byte_bounds(p)
+                lo, hi = _bounds(p)
             elif arrays.is_torch_tensor(p):
                 if torch is None:
                     torch = arrays.torch_module()
@@ -436,9 +434,7 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
                 strides = p.stride()
                 if 0 in strides:
                     return None
-                size = p.element_size()
-                lo = p.data_ptr()
-                hi = lo + sum((n - 1) * st for n, st in zip(shape, strides)) * size + size  # (no negative strides)
+                lo, hi = _bounds(p)
                 v = (p if same is None else p.view(same)).numpy()
             else:
                 return None
@@ -448,6 +444,16 @@ def _host_destination(out: Any, layer_shape: tuple[int, ...], name: str) -> Laye
         views.append((mine[0], mine[1]) if len(mine) == 2 else (mine[0][0], mine[0][1]))
     _check_disjoint(spans)
     return LayerDest(KVCache.over_layers(tuple(pieces), (len(pieces), *whole)), views, spans)
+
+
+def _bounds(p: Any) -> tuple[int, int]:
+    """The first byte of a numpy array or torch tensor (CPU or CUDA) and the end of its last."""
+    if not arrays.is_torch_tensor(p):
+        return byte_bounds(p)
+    size, start = p.element_size(), p.data_ptr()
+    strides = p.stride()
+    lo = start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st < 0) * size
+    return lo, start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st > 0) * size + size
 
 
 def _shares(a: np.ndarray, b: np.ndarray) -> bool:
@@ -556,13 +562,7 @@ def _spans_of(dest: Any) -> list[tuple[int, int, Any, int]]:
     """The memory of a read's destination (``LayerDest``, or one array or tensor) as spans."""
     if isinstance(dest, LayerDest):
         return dest.spans
-    if arrays.is_torch_tensor(dest):
-        size = dest.element_size()
-        lo = dest.data_ptr()
-        hi = lo + sum((n - 1) * st for n, st in zip(dest.shape, dest.stride())) * size + size
-        return [(lo, hi, arrays.host_view(dest), 0)]
-    lo, hi = byte_bounds(dest)
-    return [(lo, hi, dest, 0)]
+    return [(*_bounds(dest), arrays.host_view(dest), 0)]
 
 
 def check_apart(dests: list[tuple[int, Any, Any]]) -> None:
