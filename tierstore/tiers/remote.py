@@ -608,7 +608,9 @@ class RemoteTier:
         compare-and-set script: a reader never sees half a value."""
         hdr = record.header
         name = remote_key(hdr.namespace, hdr.key)
-        stage = b"%s:w:%s:%d" % (name, version.origin.hex().encode(), version.stamp)
+        # one stage per send: two sends of one version at once (a push and the queue's sweep) never
+        # write into each other's staged bytes
+        stage = b"%s:w:%s:%d:%s" % (name, version.origin.hex().encode(), version.stamp, os.urandom(4).hex().encode())
         env = envelope(version, hdr.record_len)
         total = len(env) + hdr.record_len
 
