@@ -139,7 +139,8 @@ def write_mla(s: tierstore.Store, rng: np.random.Generator) -> None:
 
 
 def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, compact: bool = False,
-               sessions: bool = False, codecs: bool = False, damaged: bool = False, mla: bool = False) -> None:
+               sessions: bool = False, codecs: bool = False, damaged: bool = False, mla: bool = False,
+               damaged_header: bool = False) -> None:
     rng = np.random.default_rng(2026)
     root = OUT / name
     store_dir = root / "store"
@@ -162,6 +163,11 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
             s.put("damaged", Blob(b"a synced record whose payload is damaged " * 200))
             s.put("after-damage", Blob(b"written after it, and kept"))
             damaged_at = s.info("damaged")
+        if damaged_header:  # 1.5: a record of a sealed segment whose header is damaged below
+            s.put("header-damaged", Blob(b"its header is damaged; a HEADERS record holds a copy " * 200))
+            header_at = s.info("header-damaged")
+            for i in range(4):
+                s.put(f"after-header-{i}", Blob(bytes([i]) * 30000))
         if torn and sessions:
             s.put("torn", Blob(b"a group cut after its object" * 200), session="s-9")
         elif torn:
@@ -182,6 +188,12 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
             f.seek(damaged_at.offset + 4096 + 100)
             b = f.read(1)
             f.seek(damaged_at.offset + 4096 + 100)
+            f.write(bytes([b[0] ^ 0x20]))
+    if damaged_header:  # flip one byte of its fixed header (its checksum fails): read with the copy
+        with open(store_dir / "segments" / f"{header_at.segment:016x}.tseg", "r+b") as f:
+            f.seek(header_at.offset + 20)
+            b = f.read(1)
+            f.seek(header_at.offset + 20)
             f.write(bytes([b[0] ^ 0x20]))
     shutil.rmtree(store_dir / "index")
     os.remove(store_dir / "LOCK")
@@ -290,6 +302,8 @@ if fmt.FORMAT_MINOR == 3:  # 1.3: SYNC records, and a damaged synced record that
     CASES = {"kinds": {}, "damaged_synced": {"damaged": True, "segment_bytes": 64 << 10}}
 if fmt.FORMAT_MINOR == 4:  # 1.4: the mla kind, raw and coded, after a compaction
     CASES = {"kinds": {}, "mla": {"mla": True, "segment_bytes": 64 << 10, "compact": True}}
+if fmt.FORMAT_MINOR == 5:  # 1.5: HEADERS records, and a sealed record read with its header's copy (§7.3)
+    CASES = {"kinds": {}, "damaged_header": {"damaged_header": True, "segment_bytes": 64 << 10}}
 
 
 def main(argv: list[str]) -> int:

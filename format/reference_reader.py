@@ -18,7 +18,7 @@ import json
 import os
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -139,7 +139,7 @@ def _map(d: bytes, p: int, n: int, depth: int) -> tuple[dict[str, Any], int]:
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 RECORD_MAGIC = b"\xd4TRC"
 PAGE = 4096
-PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP, SYNC = 1, 2, 3, 4, 0x8000, 0x8005, 0x8006
+PUT, DELETE, PAD, HOLE, IGNORABLE, GROUP, SYNC, HEADERS = 1, 2, 3, 4, 0x8000, 0x8005, 0x8006, 0x8007
 REF_NAMESPACE, REF_KIND = b"\x00ref", 4  # SPEC.md §5.4
 KINDS = {1: "kv", 2: "vectors", 3: "blob", 5: "mla"}  # 5: 1.4
 DTYPES = {1: ("float16", "<f2"), 2: ("bfloat16", "<u2"), 3: ("float32", "<f4"), 4: ("float64", "<f8"),
@@ -187,8 +187,9 @@ def read_segment_header(data: bytes, name: str) -> dict[str, Any]:
     return {"store_uuid": store_uuid, "segment_id": seg_id, "base_lsn": base_lsn, "minor": minor}
 
 
-def parse_record(data: bytes, p: int, name: str) -> Record:
-    """Decode and validate the record at p (SPEC.md §4.4); FormatError if invalid or cut."""
+def parse_record(data: bytes, p: int, name: str, header_only: bool = False) -> Record:
+    """Decode and validate the record at p (SPEC.md §4.4); FormatError if invalid or cut
+    (``header_only``: ``data`` holds just the header, a HEADERS record's copy, §4.5)."""
     if p + 48 > len(data):
         raise FormatError("record header cut by end of file")
     (magic, crc, rtype, flags, header_len, lsn, record_len, kind, align_log2, codec, ns_len, reserved, key_len,
@@ -238,6 +239,11 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
         if kind or ns_len or key_len or n_ext or lsn == 0 or record_len != header_len or type(durable) is not int \
                 or not 0 <= durable < lsn:
             raise FormatError("bad SYNC record")
+    elif rtype == HEADERS:  # (1.5) copies of record headers (§4.5)
+        count = meta.get("count")
+        if kind or ns_len or key_len or codec or n_ext != 1 or lsn == 0 or type(count) is not int or count < 1 \
+                or record_len != extents[0][0] + extents[0][1]:
+            raise FormatError("bad HEADERS record")
     elif rtype == DELETE:
         if kind or meta_len or n_ext or record_len != header_len or lsn == 0 or not ns_len or not key_len:
             raise FormatError("DELETE with content")
@@ -263,9 +269,83 @@ def parse_record(data: bytes, p: int, name: str) -> Record:
                 raise FormatError("bad ref key")
     elif not rtype & IGNORABLE:
         raise FormatError(f"unknown record type {rtype}")
-    if p + record_len > len(data):
+    if not header_only and p + record_len > len(data):
         raise FormatError("record cut by end of file")
     return rec
+
+
+def header_copies(seg_dir: str, names: list[str], i: int, p: int) -> list[tuple[str, int, Record]]:
+    """§4.5 (1.5): (file, offset of the HEADERS record, copy) for every copy of the header at
+    offset p of segment names[i] that a valid HEADERS record after it holds, in log order
+    (found by magic: ``copy_at`` keeps those that belong to the log)."""
+    want, out = (int(names[i][:16], 16), p), []
+    for j in range(i, len(names)):
+        with open(os.path.join(seg_dir, names[j]), "rb") as f:
+            data = f.read()
+        q = data.find(RECORD_MAGIC, p + 1 if j == i else PAGE)
+        while q != -1:
+            try:
+                r = parse_record(data, q, names[j]) if q % 8 == 0 else None
+            except FormatError:
+                r = None
+            if r is not None and r.type == HEADERS and extents_ok(r, data):
+                off, n, _ = r.extents[0]
+                body, e = data[q + off : q + off + n], 0
+                for _ in range(r.meta["count"]):
+                    seg_id, hlen, at = struct.unpack_from("<IIQ", body, e)
+                    if (seg_id, at) == want and body[e + 16 : e + 20] == bytes(4):  # a copy's magic: zeros
+                        try:
+                            copy = parse_record(RECORD_MAGIC + body[e + 20 : e + 16 + hlen], 0, names[j],
+                                                header_only=True)
+                            out.append((names[j], q, copy))
+                        except FormatError:
+                            pass
+                    e += 16 + hlen
+            q = data.find(RECORD_MAGIC, q + 1)
+    return out
+
+
+def reaches(seg_dir: str, names: list[str], i: int, p: int, lsn: int, target: tuple[str, int]) -> bool:
+    """Reading valid records from offset p of names[i] (expecting LSN ``lsn``), and on through
+    the later segments from their first record: does the log arrive at the record at ``target``?"""
+    for j in range(i, len(names)):
+        with open(os.path.join(seg_dir, names[j]), "rb") as f:
+            data = f.read()
+        q = p if j == i else PAGE
+        while q < len(data):
+            if q % PAGE and PAGE - q % PAGE < 48:
+                q = align_up(q, PAGE)
+                continue
+            if data[q : q + 4] == b"\0\0\0\0":
+                break
+            if (names[j], q) >= target:
+                return (names[j], q) == target
+            try:
+                r = parse_record(data, q, names[j])
+            except FormatError:
+                return False
+            if r.type != PAD and j == i:
+                if r.lsn != lsn:
+                    return False
+                lsn += r.meta["count"] if r.type == HOLE else 1
+            q = align_up(q + r.record_len, 8)
+        if names[j] >= target[0]:
+            return False
+    return False
+
+
+def copy_at(seg_dir: str, names: list[str], i: int, p: int, lsn: int, size: int) -> Record | None:
+    """§7.3 (1.5): the copy a damaged header at offset p of names[i] is read with: the LSN
+    expected there, within the file, and its HEADERS record reached by reading the log from the
+    end of the record it describes; the newest of them (a repair's copy supersedes)."""
+    best = None
+    for name, q, c in header_copies(seg_dir, names, i, p):
+        if c.lsn != lsn or p % (1 << c.align_log2) or p + c.record_len > size:
+            continue
+        if reaches(seg_dir, names, i, align_up(p + c.record_len, 8), lsn + (c.meta["count"] if c.type == HOLE
+                                                                            else 1), (name, q)):
+            best = c
+    return best
 
 
 def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
@@ -381,9 +461,14 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
                 if last and r.type == PUT and r.lsn > vouched and not extents_ok(r, data):
                     raise FormatError("extent checksum")  # after the last synced point: a torn write
             except FormatError:
-                if not last or (lsn is not None and lsn <= vouched):
-                    raise  # a sealed segment, or a record a SYNC record says was synced: damage
-                break  # the end of the valid log (a torn tail) in the last segment
+                if last and not (lsn is not None and lsn <= vouched):
+                    break  # the end of the valid log (a torn tail) in the last segment
+                # a sealed segment, or a record a SYNC record says was synced: damage -- unless
+                # (1.5) a HEADERS record after it holds a copy of its header (§7.3)
+                c = copy_at(seg_dir, names, i, p, lsn, len(data)) if lsn is not None else None
+                if c is None:
+                    raise
+                r = replace(c, segment=name, offset=p)  # its object reads as corruption if an extent fails
             if r.type != PAD:
                 if r.lsn != lsn:
                     if i != len(names) - 1:

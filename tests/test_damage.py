@@ -190,14 +190,82 @@ def test_recover_restores_a_damaged_header_from_the_index(store_path):
     assert repair.fsck(store_path, deep=True).ok
 
 
-def test_without_the_index_recover_still_drops_only_that_object(store_path):
-    """The twin: no index to vouch for the header, so the object is quarantined -- and nothing else."""
+def _no_copies(monkeypatch) -> None:
+    """Write as a 1.4 writer did: no HEADERS records (SPEC.md §4.5), so no copy of any header."""
+    from tierstore.engine.log import Log
+
+    monkeypatch.setattr(Log, "_write_copies", lambda self: None)
+
+
+@pytest.mark.parametrize("how", ["index deleted", "index deleted, then recover", "index kept, read-only"])
+def test_a_damaged_sealed_record_header_reads_with_its_copy(store_path, how):
+    """A record header in a sealed segment that cannot be read: a HEADERS record after it holds a
+    copy (format 1.5), so a rebuilt index reads the record with it and serves the object -- the
+    answer the kept index gives -- where it used to refuse to open until `recover`, and recover
+    without the index restores the header instead of dropping the object.  fsck reports the
+    damage until recover has written the header back."""
+    data, victim = _sealed_store(store_path)
+    assert victim.segment < _segs(store_path)[-1]  # sealed
+    _flip(store_path, victim.segment, victim.offset + 20)  # inside the fixed header: its checksum fails
+    if how != "index kept, read-only":
+        shutil.rmtree(os.path.join(store_path, "index"))
+    if how.endswith("recover"):
+        report = repair.recover(store_path)
+        assert [d["key"] for d in report["damage"]] == ["k2"] and "HEADERS record" in report["damage"][0]["reason"]
+        assert repair.fsck(store_path, deep=True).ok
+    else:
+        with tierstore.open(store_path, readonly=how.endswith("read-only")) as s:
+            assert {k: s.get(k).data for k in s.keys()} == data
+            if how == "index deleted":
+                damage = s.stats()["recovery"]["damage"]
+                assert [(d["key"], "every extent matches" in d["reason"]) for d in damage] == [("k2", True)]
+        assert not repair.fsck(store_path, deep=True).ok  # the damaged bytes are still there
+    assert _all(store_path) == data
+
+
+def test_a_damaged_sealed_record_header_without_a_copy_is_still_refused(store_path, monkeypatch):
+    """The twin: a store a 1.4 writer left (no HEADERS records).  Nothing says which key the damaged
+    header held, so a rebuild refuses to open until `recover` (an older version of that key could
+    otherwise come back), and recover without the index drops that object -- and nothing else."""
+    _no_copies(monkeypatch)
     data, victim = _sealed_store(store_path)
     _flip(store_path, victim.segment, victim.offset + 20)
     shutil.rmtree(os.path.join(store_path, "index"))
+    with pytest.raises(tierstore.CorruptionError):
+        tierstore.open(store_path)
     repair.recover(store_path)
+    assert _all(store_path) == {k: v for k, v in data.items() if k != "k2"}
+
+
+@pytest.mark.parametrize("then", ["open", "recover"])
+def test_a_copy_whose_payload_is_damaged_too_makes_the_object_unreadable(store_path, then):
+    """Header and payload of a sealed record both damaged (k2 has an older version), index
+    deleted: the rebuild reads the record with its copy, the extents fail their checksums, so the
+    key is unreadable (CorruptionError) -- never the older version, never wrong bytes -- and the
+    rest is served.  recover, which has no index to consult either, quarantines the record and
+    writes a DELETE of the key the copy names in its place: k2 is gone, not its older version."""
+    with tierstore.open(store_path, segment_bytes=64 << 10) as s:
+        s.put("k2", Blob(b"old" * 100))
+        for i in range(12):
+            s.put(f"k{i}", Blob(os.urandom(20000)))
+        data = {f"k{i}": s.get(f"k{i}").data for i in range(12)}
+        victim = s.info("k2")
+    assert victim.segment < _segs(store_path)[-1]
+    _flip(store_path, victim.segment, victim.offset + 20)
+    _flip(store_path, victim.segment, victim.offset + victim.stored_bytes - 100)
+    shutil.rmtree(os.path.join(store_path, "index"))
+    if then == "recover":
+        repair.recover(store_path)
+        assert _all(store_path) == {k: v for k, v in data.items() if k != "k2"}
+        assert repair.fsck(store_path, deep=True).ok
+        return
     with tierstore.open(store_path) as s:
-        assert {k: s.get(k).data for k in s.keys()} == {k: v for k, v in data.items() if k != "k2"}
+        assert sorted(s.keys()) == sorted(data)
+        with pytest.raises(tierstore.CorruptionError):
+            s.get("k2")
+        assert {k: s.get(k).data for k in s.keys() if k != "k2"} == {k: v for k, v in data.items() if k != "k2"}
+        damage = s.stats()["recovery"]["damage"]
+        assert [(d["key"], "payload is damaged too" in d["reason"]) for d in damage] == [("k2", True)]
 
 
 def test_a_header_copy_is_not_restored_over_a_damaged_payload(store_path):
@@ -233,6 +301,34 @@ def test_a_damaged_sealed_segment_header_gives_the_same_answer_with_the_index_re
     with tierstore.open(store_path) as s:
         assert {k: s.get(k).data for k in s.keys()} == data
         assert any("damaged segment header" in d["reason"] for d in s.recovery["damage"])
+    assert not repair.fsck(store_path, deep=True).ok
+    repair.recover(store_path)
+    assert repair.fsck(store_path, deep=True).ok and _all(store_path) == data
+
+
+@pytest.mark.parametrize("index", ["kept", "deleted"])
+def test_a_damaged_header_of_the_last_segment_lets_a_writer_open_and_begin_a_new_one(store_path, index):
+    """One flipped byte in the header of the log's last file, which holds records: a writer opens
+    (it used to refuse until `recover`: it would have appended to that file), reads it with the
+    implied header, and begins a new segment before its first append; the damaged one then reads
+    as a sealed segment, and recover rewrites its header."""
+    data, _ = _sealed_store(store_path)
+    with tierstore.open(store_path, segment_bytes=64 << 10) as s:
+        s.put("tail", Blob(b"in the last file"))
+        data["tail"] = b"in the last file"
+        last = s.info("tail").segment
+    assert last == _segs(store_path)[-1]  # the last file holds records
+    _flip(store_path, last, 60)  # base_lsn: the header's checksum fails
+    if index == "deleted":
+        shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert {k: s.get(k).data for k in s.keys()} == data
+        s.put("after", Blob(b"written after the damage"))
+        assert s.info("after").segment > last
+    data["after"] = b"written after the damage"
+    assert _all(store_path) == data
+    shutil.rmtree(os.path.join(store_path, "index"))
+    assert _all(store_path) == data  # rebuilt: the damaged file is now sealed, read the same way
     assert not repair.fsck(store_path, deep=True).ok
     repair.recover(store_path)
     assert repair.fsck(store_path, deep=True).ok and _all(store_path) == data
@@ -336,13 +432,18 @@ def test_a_damaged_header_of_another_stores_segment_is_not_adopted(store_path, t
         tierstore.open(store_path)
 
 
-def test_a_record_header_inside_a_damaged_records_payload_is_not_read_as_the_log(store_path, tmp_path):
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_record_header_inside_a_damaged_records_payload_is_not_read_as_the_log(store_path, tmp_path,
+                                                                                 monkeypatch, copies):
     """A blob whose bytes are themselves a valid record (with the very LSN the blob's record
     has), and a damaged header of that blob's record: the next valid header the scan finds is the
-    one inside the payload.  Those bytes are not zero past 48, so they held a record: the rebuild
-    refuses (no wrong value for k0, no older version of evil), as it did before 2026-12-01."""
+    one inside the payload.  With a HEADERS record's copy (1.5) the rebuild knows where the record
+    ends and reads evil's true bytes; without one (a 1.4 writer) those bytes are not zero past 48,
+    so they held a record: the rebuild refuses (no wrong value for k0, no older version of evil)."""
     from tierstore.format import record as rec
 
+    if not copies:
+        _no_copies(monkeypatch)
     template = str(tmp_path / "t")
     with tierstore.open(template) as s:
         s.put("k0", Blob(b"EVIL" * 1000))
@@ -369,6 +470,9 @@ def test_a_record_header_inside_a_damaged_records_payload_is_not_read_as_the_log
     kept = _all(store_path)
     assert kept["k0"] == b"good-k0" * 100
     shutil.rmtree(os.path.join(store_path, "index"))
+    if copies:
+        assert _all(store_path) == kept and kept["evil"] == inner + bytes(30000 - len(inner))
+        return
     with pytest.raises(tierstore.CorruptionError):
         tierstore.open(store_path)
     # (recover without the index resyncs at the next valid header and so takes the inner record as
@@ -434,3 +538,124 @@ def test_damage_met_while_reading_other_writers_records_is_reported_once(store_p
             engine._report_damage(scan, "reading other writers' records")
         assert [d["reason"] for d in s.recovery["damage"]] == ["damaged segment header (x); read as ..."]
         assert len([r for r in caplog.records if "damaged segment header" in r.getMessage()]) == 1
+
+
+def _copied_keys(path: str) -> list[bytes]:
+    """The keys of every header copy the HEADERS records of a store hold (SPEC.md §4.5)."""
+    from tierstore.engine import segment as seglib
+    from tierstore.engine.fileio import PosixIO
+    from tierstore.format import constants as fmt
+    from tierstore.format import record as rec
+
+    io, keys = PosixIO(), []
+    for seg in _segs(path):
+        name = os.path.join(path, "segments", f"{seg:016x}.tseg")
+        fd = seglib.open_segment(io, name)
+        try:
+            for off, h in seglib.SegmentScanner(io, fd, seg, path=name, verify_payload=True).records():
+                if h.type == fmt.REC_HEADERS:
+                    body = io.pread(fd, h.extent_lengths[0], off + h.offsets[0])
+                    keys += [c.key for _, _, c in rec.header_copies(h, body)]
+        finally:
+            io.close(fd)
+    return keys
+
+
+def test_records_taken_back_leave_no_header_copy(store_path):
+    """A failed write takes back the records not yet durable -- here a buffered small put, then the
+    large put whose write failed -- and the next put reuses their offsets and LSNs.  Their header
+    copies are forgotten with them (SPEC.md §7.2): no HEADERS record names them, and when the new
+    record's header is later damaged, a rebuild reads it as the new key, never as a lost one."""
+    from .faultfs import FaultFS
+
+    with tierstore.open(store_path, segment_bytes=256 << 10) as s:
+        for i in range(3):
+            s.put(f"k{i}", Blob(os.urandom(20000)))
+    fs = FaultFS(store_path)
+    with tierstore.open(store_path, _io=fs, segment_bytes=256 << 10, durability="group",
+                        group_commit_ms=60_000) as s:
+        s.put("buffered", Blob(b"B" * 2000))  # not durable yet: its copy waits for the next sync
+        fs.fail_at("pwritev", 1, "EIO")
+        with pytest.raises(tierstore.StoreIOError) as failed:
+            s.put("failed", Blob(b"F" * 200_000))
+            s.flush()
+        assert failed.value.taken_back
+        s.put("landed", Blob(b"L" * 20000))
+        s.flush()
+        landed = s.info("landed")
+        for i in range(3, 20):  # later records, so that landed's segment is sealed
+            s.put(f"k{i}", Blob(os.urandom(20000)))
+        data = {k: s.get(k).data for k in s.keys()}
+    assert "failed" not in data and "buffered" not in data and landed.segment < _segs(store_path)[-1]
+    copied = _copied_keys(store_path)
+    assert b"landed" in copied and b"buffered" not in copied and b"failed" not in copied
+    _flip(store_path, landed.segment, landed.offset + 20)
+    shutil.rmtree(os.path.join(store_path, "index"))
+    assert _all(store_path) == data
+
+
+def test_a_repaired_record_damaged_again_keeps_the_answer_repair_gave(store_path):
+    """recover wrote a DELETE in place of a record whose header and payload were both damaged (k2
+    has an older version).  The damaged record's header copy is still in the log; recover appends
+    a copy of the DELETE it wrote, and the newest copy that belongs to the log wins (SPEC.md §7.3,
+    §7.6): when that DELETE's header is damaged in turn, a rebuilt index still answers "absent",
+    as the kept one does (it used to answer CorruptionError from the old copy)."""
+    with tierstore.open(store_path, segment_bytes=64 << 10) as s:
+        s.put("k2", Blob(b"old" * 100))
+        for i in range(12):
+            s.put(f"k{i}", Blob(os.urandom(20000)))
+        victim = s.info("k2")
+    _flip(store_path, victim.segment, victim.offset + 20)
+    _flip(store_path, victim.segment, victim.offset + victim.stored_bytes - 100)
+    shutil.rmtree(os.path.join(store_path, "index"))
+    repair.recover(store_path)
+    data = _all(store_path)
+    assert "k2" not in data
+    _flip(store_path, victim.segment, victim.offset + 20)  # now the DELETE's header
+    assert _all(store_path) == data
+    shutil.rmtree(os.path.join(store_path, "index"))
+    assert _all(store_path) == data
+
+
+def test_a_header_copy_inside_a_payload_is_not_taken_for_the_log(store_path, tmp_path):
+    """A blob whose bytes are another store's segment -- HEADERS records included, with a copy for
+    the very (segment, offset, LSN) of this store's first record -- and that first record's header
+    damaged: the copy inside the payload is not reached by reading the log from where the record
+    it describes would end, so it is not used; the record is read with its own copy (SPEC.md §7.3).
+    (The reference reader took the payload's copy, inventing key "x", before 2026-12-02.)"""
+    other = str(tmp_path / "other")
+    with tierstore.open(other) as s:
+        s.put("x", Blob(b"A" * 3000))  # the same size as "a" below: the copies agree on the length
+    with open(os.path.join(other, "segments", f"{_segs(other)[0]:016x}.tseg"), "rb") as f:
+        image = f.read()
+    with tierstore.open(store_path, segment_bytes=64 << 10) as s:
+        s.put("a", Blob(b"A" * 3000))
+        s.put("backup", Blob(image))
+        for i in range(6):
+            s.put(f"f{i}", Blob(bytes([i]) * 20000))
+        first = s.info("a")
+        data = {k: s.get(k).data for k in s.keys()}
+    assert (first.segment, first.offset, first.lsn) == (_segs(store_path)[0], 4096, 1)
+    _flip(store_path, first.segment, first.offset + 20)
+    shutil.rmtree(os.path.join(store_path, "index"))
+    assert _all(store_path) == data
+    from .test_reference_reader import reader
+
+    assert sorted(k.decode() for _, k in reader.scan(store_path)[0]) == sorted(data)
+
+
+def test_damage_to_the_record_the_index_last_applied_is_not_an_index_ahead_of_the_log(store_path):
+    """The index names the last record it applied; that record's header is damaged afterwards.  A
+    HEADERS record's copy says the record is there, with that LSN and end, so the index is not
+    "ahead of the log": a read-only handle opens and serves every object (before, it refused with
+    "index and log disagree"), and a writer opens without rebuilding the index."""
+    with tierstore.open(store_path, segment_bytes=64 << 10) as s:
+        for i in range(4):
+            s.put(f"k{i}", Blob(os.urandom(20000)))
+        data = {k: s.get(k).data for k in s.keys()}
+        last = s.info("k3")
+    _flip(store_path, last.segment, last.offset + 20)
+    assert _all(store_path, readonly=True) == data
+    with tierstore.open(store_path) as s:
+        assert "rebuilt_index" not in s.recovery
+        assert {k: s.get(k).data for k in s.keys()} == data

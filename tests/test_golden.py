@@ -30,6 +30,7 @@ def test_golden_files_exist():
     assert {c.name for c in CASES if c.parent.name == "v1.2"} >= {"kinds", "codecs"}
     assert {c.name for c in CASES if c.parent.name == "v1.3"} >= {"kinds", "damaged_synced"}
     assert {c.name for c in CASES if c.parent.name == "v1.4"} >= {"kinds", "mla"}
+    assert {c.name for c in CASES if c.parent.name == "v1.5"} >= {"kinds", "damaged_header"}
     from tierstore import codecs
     used = {e.get("codec", "raw").split(":")[0] for c in CASES for e in json.loads((c / "expected.json").read_text())}
     used |= {u.removesuffix("+zstd") for u in used}

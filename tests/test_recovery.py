@@ -48,7 +48,8 @@ def record_offsets(path):
     fd = os.open(seg, os.O_RDONLY)
     try:
         sc = seglib.SegmentScanner(DEFAULT_IO, fd, 1, path=seg, verify_payload=True)
-        return [(off, off + h.record_len) for off, h in sc.records() if h.type != fmt.REC_SYNC], seg
+        return [(off, off + h.record_len) for off, h in sc.records()
+                if h.type not in (fmt.REC_SYNC, fmt.REC_HEADERS)], seg
     finally:
         os.close(fd)
 
@@ -90,15 +91,28 @@ def test_garbage_tail_is_torn_not_corrupt(store_path):
         assert kept is not None and os.path.getsize(kept) == 5000
 
 
-def test_damage_to_a_synced_record_in_the_last_segment_is_not_a_torn_tail(store_path):
+@pytest.mark.parametrize("copies", [True, False])
+def test_damage_to_a_synced_record_in_the_last_segment_is_not_a_torn_tail(store_path, monkeypatch, copies):
     """k1 was synced (its put returned; a later SYNC record vouches for it): a damaged header there
-    is damage, not a torn write.  Opening refuses rather than cutting k1 and k2; recover then keeps
-    every other record.  (Before SYNC records, opening cut the log at k1, losing k2.)"""
+    is damage, not a torn write.  A HEADERS record holds a copy of its header (1.5): opening reads
+    k1 with it and keeps everything.  Without copies (a 1.4 writer) opening refuses rather than
+    cutting k1 and k2; recover then keeps every other record.  (Before SYNC records, opening cut
+    the log at k1, losing k2.)"""
+    if not copies:
+        from tierstore.engine.log import Log
+
+        monkeypatch.setattr(Log, "_write_copies", lambda self: None)
     lagging_store(store_path, n=3)
     recs, seg = record_offsets(store_path)
     with open(seg, "r+b") as f:
         f.seek(recs[1][0] + 20)
         f.write(b"\xff\xff")
+    if copies:
+        with tierstore.open(store_path) as s:
+            assert [s.get(k).data for k in s.keys()] == [f"v{i}".encode() * 100 for i in range(3)]
+            (dmg,) = s.stats()["recovery"]["damage"]
+            assert dmg["offset"] == recs[1][0] and "HEADERS record" in dmg["reason"]
+        return
     with pytest.raises(tierstore.CorruptionError) as e:
         tierstore.open(store_path)
     assert e.value.offset == recs[1][0] and "recover" in e.value.hint
@@ -194,7 +208,15 @@ def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):
             assert not report.ok and "extent 2 checksum mismatch" in report.findings[0].what
 
 
-def test_sealed_segment_damage_needs_recover(store_path):
+@pytest.mark.parametrize("copies", [True, False])
+def test_sealed_segment_damage_needs_recover(store_path, monkeypatch, copies):
+    """A damaged record header in a sealed segment, the index deleted: read with the copy a
+    HEADERS record holds (1.5: every object served); without copies (a 1.4 writer) opening
+    refuses until a repair, which drops only that record."""
+    if not copies:
+        from tierstore.engine.log import Log
+
+        monkeypatch.setattr(Log, "_write_copies", lambda self: None)
     with tierstore.open(store_path, segment_bytes="64KiB") as s:
         for i in range(40):
             s.put(f"k{i:02d}", Blob(bytes([i]) * 5000))
@@ -204,6 +226,10 @@ def test_sealed_segment_damage_needs_recover(store_path):
         f.seek(4096 + 30)
         f.write(b"\x00\x01\x02")
     shutil.rmtree(os.path.join(store_path, "index"))
+    if copies:
+        with tierstore.open(store_path) as s:
+            assert {k: s.get(k).data for k in s.keys()} == {f"k{i:02d}": bytes([i]) * 5000 for i in range(40)}
+        return
     with pytest.raises(tierstore.CorruptionError) as ei:
         tierstore.open(store_path)
     assert "recover" in str(ei.value)

@@ -372,3 +372,33 @@ def test_decisions_see_other_writers_records_before_the_index_does(store_path):
     with tierstore.open(store_path) as s:
         assert "k" not in s and s.get("shared").data == b"v"
         assert s.session_keys("chat-1") == []
+
+
+@pytest.mark.parametrize("fails", ["write", "sync"])
+def test_a_failed_write_never_cuts_what_another_writer_appended(store_path, fails):
+    """B has the store open; A joins, puts three objects durably and leaves.  B's next write (or
+    its sync) fails: B, now alone, takes back what it had not made durable -- but only its own
+    records, never A's acknowledged ones that lie between (a cold review found B cutting the
+    log back to its own last synced position, deleting A's puts)."""
+    from .faultfs import FaultFS
+
+    with tierstore.open(store_path) as s:
+        s.put("init", Blob(b"i"))
+    fs = FaultFS(store_path)
+    b = tierstore.open(store_path, _io=fs, durability="sync", segment_bytes="1MiB")
+    b.put("x", Blob(b"X" * 3000))
+    a = spawn(store_path, "a", 1, 3)
+    out, err = a.communicate(timeout=120)
+    assert a.returncode == 0 and "closed" in out, err
+    fs.fail_at("pwritev" if fails == "write" else "fdatasync", 1, "EIO")
+    with pytest.raises(tierstore.StoreIOError):
+        b.put("y", Blob(b"Y" * 3000))
+    try:
+        b.close()
+    except tierstore.TierstoreError:
+        pass  # a failed sync poisons the handle; what is durable is decided at the next open
+    with tierstore.open(store_path) as s:
+        got = {k: s.get(k).data for k in s.keys()}
+    assert {k: got[k] for k in ("init", "x")} == {"init": b"i", "x": b"X" * 3000} and "y" not in got
+    for i in range(1, 4):
+        assert got[f"a-{i}"] == value("a", i)  # A's acknowledged puts survive B's failure

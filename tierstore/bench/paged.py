@@ -3,8 +3,9 @@ layers (tierstore/integrations/paged.py), against a memcpy of the same blocks' b
 process.  A Llama-3-8B layer (8 KV heads, head_dim 128, fp16) in blocks of 16 tokens, vLLM 0.33's
 ``[blocks, heads, block_tokens, K|V]`` view over NHD and HND memory; a 256-token chunk is 16
 blocks, scattered over a 4,096-block pool or consecutive.  Each block is one contiguous 64 KiB
-page of the pool: the baseline copies those pages as they are; gather and scatter also reorder
-them into (out of) the stored ``[2, heads, tokens, head_dim]``.  Needs torch; measures only."""
+page of the pool: the baselines copy those pages as they are, out of the pool (gather's) or
+into it (scatter's); gather and scatter also reorder them into (out of) the stored
+``[2, heads, tokens, head_dim]``.  Needs torch; measures only."""
 
 from __future__ import annotations
 
@@ -37,12 +38,17 @@ def bench_paged(*, quick: bool = False, say: Callable[..., None] = print) -> dic
             sets = [rng.choice(BLOCKS, n, replace=False).tolist() for _ in range(reps)] if placement == "scattered" \
                 else [list(range(s, s + n)) for s in rng.choice(BLOCKS - n, reps).tolist()]
 
-            def memcpy(ids: list[int], raw: Any = raw, pages: Any = pages) -> None:
+            def memcpy_out(ids: list[int], raw: Any = raw, pages: Any = pages) -> None:
                 for j, b in enumerate(ids):
                     np.copyto(pages[j], raw[b])
 
+            def memcpy_in(ids: list[int], raw: Any = raw, pages: Any = pages) -> None:
+                for j, b in enumerate(ids):
+                    np.copyto(raw[b], pages[j])
+
             ops = {"gather": lambda ids, lay=layer, c=chunk: lay.gather(ids, c),
-                   "scatter": lambda ids, lay=layer, c=chunk: lay.scatter(ids, c), "memcpy": memcpy}
+                   "scatter": lambda ids, lay=layer, c=chunk: lay.scatter(ids, c),
+                   "memcpy": memcpy_out, "memcpy_in": memcpy_in}
             best = {k: float("inf") for k in ops}
             for _ in range(3):  # the best of three passes: this machine's noise is one-sided
                 for name, op in ops.items():
@@ -52,8 +58,9 @@ def bench_paged(*, quick: bool = False, say: Callable[..., None] = print) -> dic
                     best[name] = min(best[name], (time.perf_counter() - t0) / len(sets))
             row = {"memory": memory, "blocks": placement, "gather_us": round(best["gather"] * 1e6, 1),
                    "scatter_us": round(best["scatter"] * 1e6, 1), "memcpy_us": round(best["memcpy"] * 1e6, 1),
+                   "memcpy_in_us": round(best["memcpy_in"] * 1e6, 1),
                    "gather_vs_memcpy": round(best["memcpy"] / best["gather"], 2),
-                   "scatter_vs_memcpy": round(best["memcpy"] / best["scatter"], 2),
+                   "scatter_vs_memcpy": round(best["memcpy_in"] / best["scatter"], 2),
                    "memcpy_gib_s": round(chunk.nbytes / best["memcpy"] / 2**30, 2)}
             rows.append(row)
             say(f"  {memory} {placement}: gather {row['gather_vs_memcpy']}x, scatter {row['scatter_vs_memcpy']}x "
@@ -63,10 +70,12 @@ def bench_paged(*, quick: bool = False, say: Callable[..., None] = print) -> dic
 
 def markdown_paged(r: dict[str, Any]) -> list[str]:
     lines = ["", "### Paged copies (the vLLM connector): one 256-token chunk layer, Llama-3-8B, vs memcpy", "",
-             "| memory | blocks | gather | scatter | memcpy of the pages | gather vs memcpy | scatter vs memcpy |",
+             "| memory | blocks | gather | scatter | memcpy of the pages out / in | gather vs memcpy out | "
+             "scatter vs memcpy in |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
         lines.append(f"| {x['memory']} | {x['blocks']} | {x['gather_us']} us | {x['scatter_us']} us | "
-                     f"{x['memcpy_us']} us ({x['memcpy_gib_s']} GiB/s) | {x['gather_vs_memcpy']}x | "
+                     f"{x['memcpy_us']} us ({x['memcpy_gib_s']} GiB/s) / {x.get('memcpy_in_us', '-')} us | "
+                     f"{x['gather_vs_memcpy']}x | "
                      f"{x['scatter_vs_memcpy']}x |")
     return lines

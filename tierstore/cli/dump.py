@@ -25,12 +25,12 @@ def _key_text(key: bytes, flags: int) -> str:
 
 def describe_record(off: int, h: rec.RecordHeader) -> dict[str, Any]:
     types = {fmt.REC_PUT: "put", fmt.REC_DELETE: "delete", fmt.REC_PAD: "pad", fmt.REC_HOLE: "hole",
-             fmt.REC_GROUP: "group", fmt.REC_SYNC: "sync"}
+             fmt.REC_GROUP: "group", fmt.REC_SYNC: "sync", fmt.REC_HEADERS: "headers"}
     out: dict[str, Any] = {"offset": off, "lsn": h.lsn, "type": types.get(h.type, f"unknown({h.type:#x})"),
                            "record_len": h.record_len, "header_len": h.header_len,
                            "header_crc": f"{h.header_crc:08x}"}
-    if h.type in (fmt.REC_GROUP, fmt.REC_HOLE):
-        out["count"] = h.meta["count"]
+    if h.type in (fmt.REC_GROUP, fmt.REC_HOLE, fmt.REC_HEADERS):
+        out["count"] = h.meta["count"]  # HEADERS: how many header copies it holds (SPEC.md §4.5)
     if h.type == fmt.REC_SYNC:
         out["durable"] = h.meta["durable"]
     ref = rec.parse_ref_key(h.key) if h.namespace == fmt.REF_NAMESPACE else None

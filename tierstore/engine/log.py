@@ -7,6 +7,8 @@ it records and is told, under the append lock, where each landed.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import threading
 import time
@@ -42,6 +44,7 @@ class Log:
 
     SMALL_RECORD = 64 << 10  # records up to this size are buffered
     BUFFER_BYTES = 1 << 20  # the buffer is written out when it grows past this
+    COPIES_PENDING_MAX = 16 << 20  # header copies kept for the next HEADERS record (bytes)
     COALESCE_IOVECS, SMALL_PIECE = 64, 16 << 10  # a group of more buffers, this small on average, is joined
     DIRECT_MIN = 4 << 20  # with sync/group durability, records this large are written with O_DIRECT
     BOUNCE_BYTES = 8 << 20  # O_DIRECT writes go through three page-aligned buffers of this size
@@ -82,6 +85,9 @@ class Log:
         self.written_lsn = next_lsn - 1
         self.durable = (active, tail)  # every byte before this position is synced
         self.durable_lsn = next_lsn - 1
+        # the end of the records other writer processes appended, as last adopted (SPEC.md §7.8):
+        # a take-back after a failed write never cuts below it
+        self._floor, self._floor_lsn = (active, tail), next_lsn - 1
         self.unsynced_bytes = 0
         self.oldest_unsynced: float | None = None
         self.poisoned: BaseException | None = None
@@ -91,6 +97,11 @@ class Log:
         self.certified_lsn = next_lsn - 1
         self.last_data_lsn = next_lsn - 1  # the LSN of the last record appended that is not a SYNC record
         self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
+        # (lsn, segment, offset, header bytes) of records this writer appended whose header copy
+        # no HEADERS record holds yet (SPEC.md §4.5): the next sync writes them
+        self._copies: collections.deque[tuple[int, int, int, bytes]] = collections.deque()
+        self._copies_bytes = 0
+        self.copies_dropped = 0  # copies never written (more were pending than COPIES_PENDING_MAX)
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
         self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
         if tail % fmt.PAGE:
@@ -187,6 +198,7 @@ class Log:
                     raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
                 self._advance(new_tail, lsn, buffered=False)
             where = Appended(self.active, start, lsn, end)
+            self._keep_copy(lsn, self.active, start, header.raw)
             if on_written is not None:
                 on_written(where, header)
             return where
@@ -238,6 +250,8 @@ class Log:
                     self._undo_partial_write()  # the file is cut where the group began
                     raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
                 self._advance(pos, lsn - 1, buffered=False)
+            for where, header in placed:
+                self._keep_copy(where.lsn, where.segment, where.offset, header.raw)
             if on_written is not None:
                 for where, header in placed[1:]:
                     on_written(where, header)
@@ -337,8 +351,7 @@ class Log:
                 self.next_lsn = first
                 self.unsynced_bytes = 0
                 self._undo_partial_write()
-                if self.on_discard is not None:
-                    self.on_discard(first)
+                self._discarded(first)
                 if isinstance(err, TierstoreError):
                     err.taken_back = self.poisoned is None
                     if shared:
@@ -367,10 +380,12 @@ class Log:
         they are gone for good (``taken_back``: not in this handle, not after a reopen) or may
         still appear after a reopen (the cut failed; the log is then poisoned).  False when the
         durable position is not in the active segment (durability "none" sealed segments)."""
-        seg, off = self.durable
+        # never below the records other writer processes appended (adopted): they are theirs, and
+        # acknowledged by them (found by a cold review: a failed write of this process cut them)
+        (seg, off), last = max(self.durable, self._floor), max(self.durable_lsn, self._floor_lsn)
         if seg != self.active:
             return False
-        first = self.durable_lsn + 1
+        first = last + 1
         self._buf = bytearray()
         taken = True
         try:
@@ -380,18 +395,43 @@ class Log:
             taken = False
         self.tail = off
         self.written = (self.active, off)
-        self.written_lsn = self.durable_lsn
+        self.written_lsn = last
         self.next_lsn = first
         self.unsynced_bytes = 0
         self.oldest_unsynced = None
-        if self.on_discard is not None:
-            self.on_discard(first)
+        self._discarded(first)
         if isinstance(err, TierstoreError):
             err.taken_back = taken
             if not taken:
                 err.hint = ("the writes it made could not be cut from the log: they may appear after the store "
                             "is reopened (never torn); reopen to see what is durable")
         return True
+
+    def _discarded(self, first: int) -> None:
+        """Records from LSN ``first`` on were taken back: forget their header copies (their
+        positions and LSNs will be reused by other records) and tell the owner."""
+        self._copies = collections.deque(c for c in self._copies if c[0] < first)
+        self._copies_bytes = sum(len(c[3]) + fmt.HEADER_COPY.size for c in self._copies)
+        if self.on_discard is not None:
+            self.on_discard(first)
+
+    def _keep_copy(self, lsn: int, seg: int, offset: int, raw: bytes) -> None:
+        """Remember the header of a record just appended, for the next HEADERS record (caller
+        holds append_lock).  Beyond COPIES_PENDING_MAX bytes the oldest copies are dropped (a
+        writer that never syncs): those records are then read as before 1.5 if damaged."""
+        self._copies.append((lsn, seg, offset, raw))
+        self._copies_bytes += len(raw) + fmt.HEADER_COPY.size
+        while self._copies_bytes > self.COPIES_PENDING_MAX and len(self._copies) > 1:
+            old = self._copies.popleft()
+            self._copies_bytes -= len(old[3]) + fmt.HEADER_COPY.size
+            self.copies_dropped += 1
+
+    def keep_copies(self, copies: Sequence[tuple[int, int, int, bytes]]) -> None:
+        """Header copies of records written outside ``append`` -- (LSN, segment, offset, header)
+        of each record a repair wrote in place (SPEC.md §7.6) -- for the next HEADERS record."""
+        with self.append_lock:
+            for lsn, seg, offset, raw in copies:
+                self._keep_copy(lsn, seg, offset, raw)
 
     def _undo_partial_write(self) -> None:
         """Cut what a failed write may have left past the tail; poison the log if that fails."""
@@ -506,6 +546,7 @@ class Log:
         durable since the last one (caller holds append_lock).  Recovery uses it to tell damage
         to a record that was synced from a torn write that never was (SPEC.md §7.3).  It is
         written before the sync that follows, so it only ever vouches for completed syncs."""
+        self._write_copies()
         if self.durable_lsn <= self.certified_lsn or self.last_data_lsn <= self.certified_lsn:
             return  # nothing new is durable, or only SYNC records (which need no vouching)
         if not self._sync_fits():
@@ -527,6 +568,42 @@ class Log:
         self._advance(new_tail, lsn, buffered=True)
         self.last_data_lsn = data_lsn  # a SYNC record is not data
         self.certified_lsn = self.durable_lsn
+
+    def _write_copies(self) -> None:
+        """Append a HEADERS record holding copies of the headers of records this writer appended
+        since the last one (caller holds append_lock), up to HEADERS_MAX_BYTES of them; when it
+        does not fit in the active segment they wait for the next sync (SPEC.md §4.5, §7.3).
+        Recovery reads a record whose own header is damaged with its copy instead of refusing."""
+        if not self._copies:
+            return
+        take, size = 0, 0
+        for c in self._copies:
+            n = len(c[3]) + fmt.HEADER_COPY.size
+            if take and size + n > fmt.HEADERS_MAX_BYTES:
+                break
+            take, size = take + 1, size + n
+        batch = list(itertools.islice(self._copies, take))
+        record = rec.encode_headers([(seg, off, raw) for _, seg, off, raw in batch])
+        start = self._start_for(record.header.align_log2)
+        room = self.segment_bytes - rec.encode_sync(self.next_lsn).header.record_len - fmt.RECORD_ALIGN
+        if start + record.header.record_len > room and self.tail > fmt.SEGMENT_HEADER_SIZE:
+            return
+        for _ in range(take):
+            self._copies.popleft()
+        self._copies_bytes -= size
+        header = record.header.stamped(self.next_lsn)
+        buf = self._buf
+        if start > self.tail:
+            buf += self._pad_iov(self.tail, start)[0]
+        for b in record.iovecs(header):
+            buf += b
+        end = start + record.header.record_len
+        new_tail = (end + 7) & ~7
+        if new_tail > end:
+            buf += rec.zeros(new_tail - end)
+        data_lsn = self.last_data_lsn
+        self._advance(new_tail, header.lsn, buffered=True)
+        self.last_data_lsn = data_lsn  # a HEADERS record is not data: it needs no vouching
 
     def certify(self) -> None:
         """Make everything durable and vouched for by a SYNC record (a clean close): one sync for
@@ -563,6 +640,7 @@ class Log:
             self._older_minor = False  # begun by a writer of this version (an older one appends nowhere now)
         self.tail, self.next_lsn = tail, next_lsn
         self.written, self.written_lsn = (active, tail), next_lsn - 1
+        self._floor, self._floor_lsn = (active, tail), next_lsn - 1
         if last_data_lsn is not None:
             self.last_data_lsn = last_data_lsn
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import CorruptionError, FormatVersionError, ReadOnlyError, TierstoreError
@@ -69,6 +69,9 @@ class LogScan:
     removed_segments: list[int] = field(default_factory=list)
     bytes_scanned: int = 0
     store_uuid: bytes | None = None  # the store's, from the segment headers read
+    # (segment, offset, LSN, header) of each DELETE a repair wrote in place of a damaged record:
+    # its copy goes into the next HEADERS record, superseding the damaged record's (SPEC.md §7.6)
+    rewritten: list[tuple[int, int, int, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -193,6 +196,9 @@ class _LogScanner:
         # repair: the previous index's copy of the record header at (segment, offset), if it had one
         self.witness = witness
         self._restored: set[tuple[int, int]] = set()
+        # copies of damaged record headers found in HEADERS records (SPEC.md §4.5, §7.3), by
+        # (segment, offset); None: no copy that verifies
+        self._copies_found: dict[tuple[int, int], rec.RecordHeader | None] = {}
         self.verify_tail = verify_tail  # check payload checksums in the last segment
         self.io, self.root, self.store_uuid = io, root, store_uuid
         self.writable, self.repair, self.verify_sealed, self.progress = writable, repair, verify_sealed, progress
@@ -249,9 +255,12 @@ class _LogScanner:
                 if self.repair and self.writable:
                     header = self._salvage_header(fd, seg, path, e, expect)
                 else:
-                    # (resuming inside this segment, its base LSN is not used: no bound on it)
-                    implied = None if is_last else self._implied_header(fd, seg, path, e,
-                                                                        expect if offset is None else None)
+                    # (resuming inside this segment, its base LSN is not used: no bound on it).  The
+                    # last segment too: a valid record after its header proves the header was synced
+                    # (a segment is created durable before anything is appended to it, §7.2), and a
+                    # writer never appends to a segment whose header it cannot read (log.py: it
+                    # begins a new one), so the damaged one becomes a sealed segment read this way
+                    implied = self._implied_header(fd, seg, path, e, expect if offset is None else None)
                     if implied is None:
                         raise
                     header = implied
@@ -273,7 +282,7 @@ class _LogScanner:
                                             verify_payload=self._verify(is_last), size=size)
             group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
 
-            def take(off: int, hdr: rec.RecordHeader) -> None:
+            def take(off: int, hdr: rec.RecordHeader, copied: bool = False) -> None:
                 nonlocal group
                 if hdr.type == fmt.REC_GROUP:
                     if group is not None:  # never written: the open group is incomplete, apply none of it
@@ -291,8 +300,8 @@ class _LogScanner:
                     group = None
                 elif op is not None:
                     r.ops.append(op)
-                if hdr.type != fmt.REC_HOLE:  # an applied position names a record with its own LSN
-                    r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)
+                if hdr.type != fmt.REC_HOLE and not copied:  # an applied position names a record with its
+                    r.last = Applied(seg, off, hdr.lsn, off + hdr.record_len)  # own LSN and a valid header
 
             while True:
                 for off, hdr in scanner.records():
@@ -309,10 +318,13 @@ class _LogScanner:
                     # its object unreadable (CorruptionError) until overwritten or deleted; scan on
                     bad = stop.header
                     take(stop.offset, bad)
+                    keyed = bad.type == fmt.REC_PUT
                     r.damage.append(Damage(seg, stop.offset, f"{stop.reason}: {stop.detail}; the record was synced "
-                                           "(a SYNC record says so): kept, its object unreadable", 0,
-                                           namespace=bad.namespace.decode("utf-8", "replace"),
-                                           key=shown_key(bad.key)))
+                                           "(a SYNC record says so): " + (
+                                               "kept, its object unreadable" if keyed else
+                                               f"a record of type {bad.type:#x} that changes no object, skipped"), 0,
+                                           namespace=bad.namespace.decode("utf-8", "replace") if keyed else None,
+                                           key=shown_key(bad.key) if keyed else None))
                     scanner = seglib.SegmentScanner(io, fd, seg, path=path,
                                                     start=rec.align_up(stop.offset + bad.record_len, fmt.RECORD_ALIGN),
                                                     expect_lsn=bad.lsn + 1, verify_payload=True, size=size)
@@ -332,20 +344,30 @@ class _LogScanner:
                 why = f"{stop.reason}: {stop.detail}"
                 bad = stop.header
                 expected = scanner.expect_lsn
+                if bad is None and self.repair:
+                    if self._restore_header(fd, seg, path, stop.offset, expected, size, why):
+                        # the header came back from a copy (the previous index's, a HEADERS
+                        # record's): read the record again
+                        scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=stop.offset,
+                                                        expect_lsn=expected, verify_payload=True, size=size)
+                        continue
+                    # a copy whose extents do not match: the payload is damaged too, but the copy
+                    # still names the key (and where the record ends): handled as a damaged payload
+                    copy = self._copy_of(seg, stop.offset, expected, size)
+                    bad = copy if copy is not None and copy.type in (fmt.REC_PUT, fmt.REC_DELETE) else None
                 if bad is not None and self.repair:
-                    # the header is intact, the payload is not: quarantine the record, and put a
-                    # DELETE of its key in its place so that an older version does not come back
+                    # the header is intact (or its copy is), the payload is not: quarantine the
+                    # record, and put a DELETE of its key in its place so that an older version
+                    # does not come back
                     end = rec.align_up(stop.offset + bad.record_len, fmt.RECORD_ALIGN)
-                    self._sealed_damage(fd, seg, path, stop.offset, end, why, key=(bad.namespace, bad.key))
-                    self._rewrite(fd, stop.offset, end, bad.lsn, 1, bad)
-                    r.ops.append(Op(bad.namespace, bad.key, bad.lsn, seg, stop.offset, 0, None))
+                    keyed = bad.type in (fmt.REC_PUT, fmt.REC_DELETE)
+                    self._sealed_damage(fd, seg, path, stop.offset, end, why,
+                                        key=(bad.namespace, bad.key) if keyed else None)
+                    self._rewrite(fd, seg, stop.offset, end, bad.lsn, 1, bad)
+                    if keyed:
+                        r.ops.append(Op(bad.namespace, bad.key, bad.lsn, seg, stop.offset, 0, None))
                     nxt: int | None = end
                     resume_lsn: int | None = bad.lsn + 1
-                elif self.repair and self._restore_header(fd, seg, path, stop.offset, expected, size, why):
-                    # the header came back from the previous index's copy: read the record again
-                    scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=stop.offset, expect_lsn=expected,
-                                                    verify_payload=True, size=size)
-                    continue
                 elif not self.repair and bad is None and group is None and \
                         (nxt := self._nothing_lost(fd, seg, path, scanner, stop.offset, expected, size)) is not None:
                     # a sealed segment's damaged bytes that held no record (padding, a PAD record):
@@ -353,6 +375,23 @@ class _LogScanner:
                     resume_lsn = expected
                     r.damage.append(Damage(seg, stop.offset, f"{why}; no record in these bytes (the log goes on "
                                            f"with LSN {expected})", 0))
+                elif not self.repair and bad is None and \
+                        (copy := self._copy_of(seg, stop.offset, expected, size)) is not None:
+                    # a record whose header is damaged, read with the copy a HEADERS record holds:
+                    # kept, its object readable when every extent matches the copy (SPEC.md §7.3)
+                    take(stop.offset, copy, copied=True)
+                    intact = self._extents_match(fd, stop.offset, copy)
+                    r.damage.append(Damage(seg, stop.offset, f"{why}; read with the copy of its header that a "
+                                           "HEADERS record holds: " + ("every extent matches it, the object is kept"
+                                                                       if intact else "its payload is damaged too, "
+                                                                       "the object is unreadable"), 0,
+                                           namespace=copy.namespace.decode("utf-8", "replace") or None,
+                                           key=shown_key(copy.key) if copy.key else None))
+                    scanner = seglib.SegmentScanner(io, fd, seg, path=path,
+                                                    start=rec.align_up(stop.offset + copy.record_len, fmt.RECORD_ALIGN),
+                                                    expect_lsn=copy.lsn + rec.lsn_span(copy),
+                                                    verify_payload=self._verify(is_last), size=size)
+                    continue
                 else:
                     nxt = scanner.next_valid(stop.offset)
                     end = size if nxt is None else nxt
@@ -369,11 +408,11 @@ class _LogScanner:
                         stand_in = rec.RecordHeader(fmt.REC_PUT, 0, lsn_, guess[4], 0, 3, 0, ns_, key_, {}, (), (),
                                                     0, b"", ())
                         cut = rec.align_up(stop.offset + guess[4], fmt.RECORD_ALIGN)
-                        self._rewrite(fd, stop.offset, cut, lsn_, 1, stand_in)
-                        self._rewrite(fd, cut, end, lsn_ + 1, max(lost - 1, 0), None)
+                        self._rewrite(fd, seg, stop.offset, cut, lsn_, 1, stand_in)
+                        self._rewrite(fd, seg, cut, end, lsn_ + 1, max(lost - 1, 0), None)
                         r.ops.append(Op(ns_, key_, lsn_, seg, stop.offset, 0, None))
                     else:
-                        self._rewrite(fd, stop.offset, end, expected or 0, max(lost, 0), None)
+                        self._rewrite(fd, seg, stop.offset, end, expected or 0, max(lost, 0), None)
                     resume_lsn = expected + lost if lost > 0 and expected is not None else None
                 if nxt is None or nxt >= size:
                     stop = seglib.ScanStop(size, "end")
@@ -496,7 +535,7 @@ class _LogScanner:
         length), so the records that survive apply one by one, and reports it."""
         g = group.header
         self._sealed_damage(fd, seg, path, group.offset, None, why)
-        self._rewrite(fd, group.offset, group.offset + g.record_len, g.lsn, 1, None)
+        self._rewrite(fd, seg, group.offset, group.offset + g.record_len, g.lsn, 1, None)
         self.result.ops.extend(group.ops)
 
     def _restore_header(self, fd: int, seg: int, path: str, offset: int, expected: int | None, size: int,
@@ -508,6 +547,9 @@ class _LogScanner:
         if (seg, offset) in self._restored:  # restored once and still unreadable: damage of another kind
             return False
         hdr = self.witness(seg, offset) if self.witness is not None else None
+        source = "the index's copy of the header"
+        if hdr is None:
+            hdr, source = self._copy_of(seg, offset, expected, size), "the copy of the header a HEADERS record holds"
         if hdr is None or (expected is not None and hdr.lsn != expected) or offset + hdr.record_len > size:
             return False
         self._restored.add((seg, offset))
@@ -519,13 +561,97 @@ class _LogScanner:
         qpath = quarantine_bytes(self.io, self.root, fd, seg, offset, offset + hdr.header_len, why)
         write_all(self.io, fd, [hdr.raw], offset)
         self.io.fdatasync(fd)
-        self.result.damage.append(Damage(seg, offset, f"{why}; restored from the index's copy of the header "
+        self.result.damage.append(Damage(seg, offset, f"{why}; restored from {source} "
                                                      "(every extent matches its checksums): the object is kept", 0,
                                          quarantined_to=qpath, namespace=hdr.namespace.decode("utf-8", "replace"),
                                          key=shown_key(hdr.key)))
         return True
 
-    def _rewrite(self, fd: int, start: int, end: int, lsn: int, count: int, bad: rec.RecordHeader | None) -> None:
+    def _copy_of(self, seg: int, offset: int, expected: int | None, size: int) -> rec.RecordHeader | None:
+        """The header of the record at ``offset`` of segment ``seg`` as a HEADERS record holds it
+        (SPEC.md §4.5, §7.3): a copy of that position with the LSN the log expects there, that
+        fits in the file, and whose HEADERS record is reached by reading valid records from the
+        end of the record it describes (so a HEADERS record inside some payload -- the damaged
+        record's own, or a later one's -- is never taken for the log); the newest such copy (a
+        repair's copy of the header it wrote supersedes the original's).  None when there is no
+        such copy: a record a pre-1.5 writer appended, or one whose copy's sync never came."""
+        if (seg, offset) not in self._copies_found:
+            best = None
+            for hseg, hoff, copy in self._candidate_copies(seg, offset):
+                if (expected is not None and copy.lsn != expected) or offset + copy.record_len > size:
+                    continue
+                end = rec.align_up(offset + copy.record_len, fmt.RECORD_ALIGN)
+                if self._reaches(seg, end, copy.lsn + rec.lsn_span(copy), (hseg, hoff)):
+                    best = copy
+            self._copies_found[(seg, offset)] = best
+        return self._copies_found[(seg, offset)]
+
+    def _segments_from(self, seg: int) -> Iterator[tuple[int, str, int, int]]:
+        """(id, path, fd, size) of segment ``seg`` and every later one, each open while the caller
+        reads it (closed when the caller moves on)."""
+        for s in seglib.list_segments(self.io, self.seg_dir):
+            if s < seg:
+                continue
+            path = os.path.join(self.seg_dir, seglib.segment_name(s))
+            try:
+                fd = seglib.open_segment(self.io, path)
+            except (OSError, TierstoreError):
+                continue
+            try:
+                yield s, path, fd, self.io.size(fd)
+            finally:
+                self.io.close(fd)
+
+    def _candidate_copies(self, seg: int, offset: int) -> Iterator[tuple[int, int, rec.RecordHeader]]:
+        """(segment, offset of the HEADERS record, copy) for every copy of the header at
+        (``seg``, ``offset``) in valid HEADERS records after it, in log order, resynchronising
+        past damage (``_copy_of`` checks which of them belong to the log)."""
+        io = self.io
+        for s, path, fd, size in self._segments_from(seg):
+            probe = seglib.SegmentScanner(io, fd, s, path=path, verify_payload=False, size=size)
+            q = probe.next_valid(offset) if s == seg else fmt.SEGMENT_HEADER_SIZE
+            while q is not None and q < size:
+                scanner = seglib.SegmentScanner(io, fd, s, path=path, start=q, verify_payload=False, size=size)
+                for off, hdr in scanner.records():
+                    if hdr.type != fmt.REC_HEADERS:
+                        continue
+                    body = io.pread(fd, hdr.extent_lengths[0], off + hdr.offsets[0])
+                    if len(body) != hdr.extent_lengths[0] or rec.crc32c(body) != hdr.extent_crcs[0]:
+                        continue
+                    try:
+                        copies = rec.header_copies(hdr, body, want=(seg, offset))
+                    except CorruptionError:
+                        continue  # checksummed, yet not what a writer writes: no copies from it
+                    for _, _, copy in copies:
+                        yield s, off, copy
+                stop = scanner.stop
+                if stop is None or stop.reason == "end" or stop.offset <= q:
+                    break
+                q = probe.next_valid(stop.offset)
+
+    def _reaches(self, seg: int, start: int, lsn: int, target: tuple[int, int]) -> bool:
+        """Whether reading valid records from ``start`` of ``seg`` (expecting LSN ``lsn``) and on
+        through the later segments from their first record arrives at the record at ``target``."""
+        for s, path, fd, size in self._segments_from(seg):
+            scanner = seglib.SegmentScanner(self.io, fd, s, path=path, start=start if s == seg else
+                                            fmt.SEGMENT_HEADER_SIZE, expect_lsn=lsn if s == seg else None,
+                                            verify_payload=False, size=size)
+            for off, _ in scanner.records():
+                if (s, off) >= target:
+                    return (s, off) == target
+            stop = scanner.stop
+            if s >= target[0] or stop is None or stop.reason != "end":
+                return False
+        return False
+
+    def _extents_match(self, fd: int, offset: int, hdr: rec.RecordHeader) -> bool:
+        try:
+            return seglib.verify_extents(self.io, fd, offset, hdr) is None
+        except (OSError, TierstoreError):
+            return False
+
+    def _rewrite(self, fd: int, seg: int, start: int, end: int, lsn: int, count: int,
+                 bad: rec.RecordHeader | None) -> None:
         """Repair: replace quarantined bytes [start, end) so the log reads clean again and keeps
         its LSNs dense: a DELETE of the damaged record's key (when its header was readable) or a
         HOLE record accounting for the lost LSNs, then PAD; zeros when too short for a record."""
@@ -534,7 +660,7 @@ class _LogScanner:
             return
         if length < fmt.MIN_RECORD_GAP:
             data = bytes(length)
-        elif bad is not None and bad.type == fmt.REC_PUT:
+        elif bad is not None and bad.type in (fmt.REC_PUT, fmt.REC_DELETE):
             delete = rec.encode_delete(bad.namespace, bad.key, bad.flags).header.stamped(bad.lsn).raw
             rest = length - len(delete)
             if rest == 0 or rest >= fmt.MIN_RECORD_GAP:
@@ -548,6 +674,10 @@ class _LogScanner:
                 data = rec.encode_pad(length)
         write_all(self.io, fd, [data], start)
         self.io.fdatasync(fd)
+        if length >= fmt.MIN_RECORD_GAP:
+            written = rec.decode_header(data)
+            if written.lsn:  # a DELETE or HOLE: its copy supersedes the damaged record's (SPEC.md §7.6)
+                self.result.rewritten.append((seg, start, written.lsn, written.raw))
 
     def _salvage_header(self, fd: int, seg: int, path: str, error: TierstoreError,
                         expect: int | None) -> seglib.SegmentHeader:
@@ -631,10 +761,13 @@ def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:
     except FileNotFoundError:
         return False
     try:
-        hdr = rec.decode_header(io.pread(fd, fmt.HEADER_MAX_BYTES, applied.offset))
-        return hdr.lsn == applied.lsn and applied.offset + hdr.record_len == applied.end <= io.size(fd)
-    except CorruptionError:
-        return False
+        size = io.size(fd)
+        try:
+            hdr: rec.RecordHeader | None = rec.decode_header(io.pread(fd, fmt.HEADER_MAX_BYTES, applied.offset))
+        except CorruptionError:  # damaged since: a HEADERS record's copy of it will do (SPEC.md §7.3)
+            hdr = _LogScanner(io, root, None, writable=False, repair=False, verify_sealed=False,
+                              progress=None)._copy_of(applied.segment, applied.offset, applied.lsn, size)
+        return hdr is not None and hdr.lsn == applied.lsn and applied.offset + hdr.record_len == applied.end <= size
     finally:
         io.close(fd)
 
@@ -682,7 +815,10 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
         for i in range(0, len(scan.ops), REBUILD_BATCH):
             batch = scan.ops[i : i + REBUILD_BATCH]
             last = batch[-1]
-            idx.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len))
+            applied = Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len)
+            if i + REBUILD_BATCH >= len(scan.ops) and scan.last.lsn >= last.lsn:
+                applied = scan.last  # the last record read with its own valid header (SPEC.md §7.4 step 2)
+            idx.apply(batch, applied)
         idx.sync()
     finally:
         idx.close()

@@ -128,6 +128,10 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
                     engine.append_group(engine.deletion(ns, key, loc.header.flags))
             orphans = _drop_blobs_without_dictionary(engine)
             dangling = _drop_dangling_references(engine)
+        assert engine.log is not None
+        # copies of the DELETE and HOLE records written in place of damaged ones: they supersede
+        # the damaged records' own copies (SPEC.md §7.6)
+        engine.log.keep_copies([(lsn, seg, off, raw) for seg, off, lsn, raw in scan.rewritten])
         engine.flush()
     finally:
         engine.close()

@@ -19,7 +19,8 @@ RECORD_ALIGN = 8  # every record starts at a multiple of 8
 # --- SPEC.md §3 Segment header -----------------------------------------------------------
 SEGMENT_MAGIC = b"\x89TSG\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 4  # 1.1: groups, refs (sessions); 1.2: codecs; 1.3: SYNC records; 1.4: mla kind; SPEC.md Changelog
+FORMAT_MINOR = 5  # 1.1: groups, refs (sessions); 1.2: codecs; 1.3: SYNC records; 1.4: mla kind;
+# 1.5: HEADERS records (copies of record headers); SPEC.md Changelog
 SEGMENT_HEADER_SIZE = PAGE
 # magic, major, minor, header_size, incompat, ro_compat, compat, store_uuid, segment_id,
 # base_lsn, created_ns, creator, header_crc
@@ -51,6 +52,9 @@ REC_HOLE = 4  # written by repair: LSNs [lsn, lsn + count) were lost to damage (
 REC_TYPE_IGNORABLE = 0x8000  # an unknown type with this bit set may be skipped
 REC_GROUP = 0x8005  # 1.1: the next ``count`` records form one atomic group (ignorable for 1.0 readers)
 REC_SYNC = 0x8006  # 1.3: records through LSN ``durable`` were synced before this one was written (§7.3)
+REC_HEADERS = 0x8007  # 1.5: copies of headers of records its writer appended before it (§4.5, §7.3)
+HEADER_COPY = struct.Struct("<IIQ")  # a HEADERS entry: segment_id, header_len, offset; then the header
+HEADERS_MAX_BYTES = 4 << 20  # the entries of one HEADERS record
 GROUP_MAX = 4096  # records in one group
 RETIRED_RECORD_TYPES: tuple[int, ...] = ()
 

@@ -305,6 +305,55 @@ def encode_sync(durable: int) -> EncodedRecord:
     return _control(fmt.REC_SYNC, {"durable": durable})
 
 
+def encode_headers(copies: Sequence[tuple[int, int, bytes]]) -> EncodedRecord:
+    """Frame a HEADERS record (SPEC.md §4.5): copies of the headers of records at (segment,
+    offset), so that a reader can still read a record whose own header is damaged (§7.3).  Its
+    one extent holds, per copy, ``segment_id:u32 header_len:u32 offset:u64`` and the header with
+    its magic written as zeros (outside the header checksum), so that a reader resynchronising
+    by magic never takes a copy for the log."""
+    body = b"".join(b"".join((fmt.HEADER_COPY.pack(seg, len(raw), off), _NO_MAGIC, memoryview(raw)[4:]))
+                    for seg, off, raw in copies)
+    ext = memoryview(body)
+    meta_bytes = pack_meta({"count": len(copies)})
+    crc = _crc(ext)
+    header_len = header_length(b"", b"", meta_bytes, 1)
+    offsets = extent_offsets(header_len, fmt.ALIGN_INLINE_LOG2, (len(body),))
+    record_len = offsets[0] + len(body)
+    raw = _pack_header(fmt.REC_HEADERS, 0, record_len, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW, 0,
+                       b"", b"", meta_bytes, _ENTRY_PACK(len(body), crc, 0), 1, checksum=False)
+    header = RecordHeader(fmt.REC_HEADERS, 0, 0, record_len, fmt.KIND_NONE, fmt.ALIGN_INLINE_LOG2, fmt.CODEC_RAW,
+                          b"", b"", {"count": len(copies)}, (len(body),), (crc,), 0, raw, offsets)
+    return EncodedRecord(header, (ext,))
+
+
+_NO_MAGIC = bytes(4)  # a copy's magic, as a HEADERS record holds it
+
+
+def header_copies(h: RecordHeader, body: Any, want: tuple[int, int] | None = None,
+                  **where: Any) -> list[tuple[int, int, RecordHeader]]:
+    """The copies a HEADERS record ``h`` holds (``body``: its extent, checksum already checked):
+    (segment, offset, header) each, every copy's own checksum and layout checked; with ``want``,
+    only the copies of the header at that (segment, offset), the others not decoded."""
+    b, out, p, count = memoryview(body), [], 0, 0
+    while p < len(b):
+        if p + fmt.HEADER_COPY.size > len(b):
+            raise CorruptionError("HEADERS record entry truncated", **where)
+        seg, n, off = fmt.HEADER_COPY.unpack_from(b, p)
+        p += fmt.HEADER_COPY.size
+        if n > len(b) - p or n < fmt.RECORD_HEADER_SIZE or b[p : p + 4] != _NO_MAGIC:
+            raise CorruptionError("HEADERS record entry is not a header copy", **where)
+        if want is None or (seg, off) == want:
+            hdr = decode_header(fmt.RECORD_MAGIC + bytes(b[p + 4 : p + n]), **where)
+            if hdr.header_len != n:
+                raise CorruptionError("HEADERS record entry length mismatch", **where)
+            out.append((seg, off, hdr))
+        p += n
+        count += 1
+    if count != h.meta["count"]:
+        raise CorruptionError(f"HEADERS record holds {count} copies, says {h.meta['count']}", **where)
+    return out
+
+
 def dict_key(namespace: bytes, dict_id: int) -> bytes:
     """The key, in the reserved namespace ``"\\x00dict"``, of the zstd dictionary ``dict_id`` of
     ``namespace`` (SPEC.md §6.2): ``ns_len:u8 namespace dict_id:u32be``."""
@@ -506,6 +555,13 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
         if (h.kind or h.namespace or h.key or h.extent_lengths or not h.lsn or h.record_len != h.header_len
                 or type(durable) is not int or not 0 <= durable < h.lsn):
             raise CorruptionError("bad SYNC record", **where)
+        return
+    if h.type == fmt.REC_HEADERS:
+        count = h.meta.get("count")
+        if (h.kind or h.namespace or h.key or len(h.extent_lengths) != 1 or not h.lsn or h.codec
+                or type(count) is not int or not 1 <= count <= h.extent_lengths[0] // fmt.HEADER_COPY.size
+                or h.record_len != h.offsets[0] + h.extent_lengths[0]):
+            raise CorruptionError("bad HEADERS record", **where)
         return
     if h.type & fmt.REC_TYPE_IGNORABLE:
         return  # unknown but ignorable: framing is all a v1 reader checks
