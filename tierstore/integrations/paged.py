@@ -21,8 +21,8 @@ Older releases used ``[2, blocks, block_size, heads, dim]`` (FlashAttention),
 they are read too.  Copies between host tensors go through
 numpy views whose elements are whole ``head_dim`` rows, so a block moves in runs of ``head_dim *
 itemsize`` bytes; device tensors use torch copies on their device.  On this project's 2-core
-CPU a gather runs at 0.64-0.68x and a scatter at 0.43-0.48x a memcpy of the same blocks' bytes
-(docs/benchmarks.md: each 256-byte row is reordered between the two layouts).
+CPU a gather runs at 0.6-0.9x and a scatter at 0.45-0.65x a memcpy of the same blocks' bytes in
+the same direction (docs/benchmarks.md: each 256-byte row is reordered between the two layouts).
 
 It owns the copy and nothing else: no I/O, no engine state, no imports of the engines.
 """
@@ -102,16 +102,15 @@ class PagedLayout:
         return layer
 
 
-def _elems(t: Any) -> np.ndarray:
-    """A host tensor as a numpy array of integers of its element size, sharing memory: any
-    dtype (bf16 and fp8 included, which numpy lacks), any strides above the last dimension.
-    Copies between such views run numpy's integer loops over each contiguous ``dim`` row (a
-    view of 256-byte void items instead copied 0.6-0.7x as fast: docs/benchmarks.md)."""
+def _rows(t: Any) -> np.ndarray:
+    """A host tensor as a numpy array whose elements are its last dimension's rows (one void
+    item per row), sharing memory: any dtype, any strides above the last dimension."""
     if t.stride(-1) != 1:
         raise InvalidObject("the last dimension of a paged KV tensor must be contiguous")
-    size = t.element_size()
-    return (t.view(torch.uint8) if size == 1 else
-            t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[size])).numpy()
+    b = t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
+                                                                   8: torch.int64}[t.element_size()])
+    a = b.numpy()
+    return a.view(np.dtype((np.void, a.shape[-1] * a.itemsize)))[..., 0]
 
 
 def _host(a: Any, b: Any) -> bool:
@@ -125,7 +124,7 @@ class PagedLayer:
     def __init__(self, layer: Any, layout: PagedLayout) -> None:
         self.tensor, self.layout = layer, layout
         self.blocks = layout.blocks(layer)
-        self.rows = _elems(self.blocks) if self.blocks.device.type == "cpu" else None
+        self.rows = _rows(self.blocks) if self.blocks.device.type == "cpu" else None
 
     def gather(self, block_ids: Any, out: Any) -> Any:
         """The tokens of the scheduler blocks ``block_ids`` (in order) into ``out``, a chunk layer of
@@ -157,36 +156,28 @@ class PagedLayer:
         self._copy(src, [(p * r + i, int(b) * r + i) for p, b in zip(pos, block_ids) for i in range(r)],
                    to_chunk=False)
 
-    def _chunk_blocks(self, chunk: Any) -> Any:
-        """The chunk layer as ``[blocks, ...]`` in the pool's block form: ``[k, 2, heads, n, dim]``
-        or ``[k, n, dim]`` (a view, no copy)."""
-        n = self.layout.block_tokens
-        if self.layout.kind == "kv":
-            return chunk.unflatten(2, (chunk.shape[2] // n, n)).permute(2, 0, 1, 3, 4)
-        return chunk.unflatten(0, (chunk.shape[0] // n, n))
-
     def _copy(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
         """Block by block, between this layer's kernel blocks and the chunk layer ``chunk``."""
+        n, kv = self.layout.block_tokens, self.layout.kind == "kv"
         if self.rows is not None and chunk.device.type == "cpu" and chunk.dtype == self.tensor.dtype:
-            p, c = self.rows, _elems(self._chunk_blocks(chunk))  # both [blocks, 2, heads, n, dim] / [blocks, n, dim]
-            if to_chunk:
-                for j, b in pairs:
-                    np.copyto(c[j], p[b])
-            else:
-                for j, b in pairs:
-                    np.copyto(p[b], c[j])
+            p, c = self.rows, _rows(chunk)  # pool [blocks, 2, heads, n] / [blocks, n]; chunk [2, heads, T] / [T]
+            for j, b in pairs:
+                cv = c[..., j * n:(j + 1) * n] if kv else c[j * n:(j + 1) * n]
+                np.copyto(cv, p[b]) if to_chunk else np.copyto(p[b], cv)
             return
         self._copy_torch(chunk, pairs, to_chunk=to_chunk)
 
     def _copy_torch(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
         """The same with torch on the layer's device: one gather (index_select) or scatter
         (index_copy_) of all the blocks, not one small copy per block."""
-        p = self.blocks
+        n, kv, p = self.layout.block_tokens, self.layout.kind == "kv", self.blocks
         if not pairs:
             return
         pool = torch.tensor([b for _, b in pairs], dtype=torch.long, device=p.device)
         cpos = [j for j, _ in pairs]
-        cv = self._chunk_blocks(chunk)
+        # the chunk as [blocks, ...] in the pool's block form: [k, 2, heads, n, dim] or [k, n, dim]
+        cv = chunk.unflatten(2, (chunk.shape[2] // n, n)).permute(2, 0, 1, 3, 4) if kv else \
+            chunk.unflatten(0, (chunk.shape[0] // n, n))
         if to_chunk:
             sel = p.index_select(0, pool)
             if cpos == list(range(len(cpos))) and len(cpos) == cv.shape[0]:
