@@ -552,9 +552,14 @@ class Log:
         if not self._sync_fits():
             return  # the segment is full: the rollover that comes next seals (and syncs) it anyway
         record = rec.encode_sync(self.durable_lsn)
-        start = self._start_for(record.header.align_log2)
-        lsn = self.next_lsn
-        header = record.header.stamped(lsn)
+        self._buffer_control(record, self._start_for(record.header.align_log2))
+        self.certified_lsn = self.durable_lsn
+
+    def _buffer_control(self, record: rec.EncodedRecord, start: int) -> None:
+        """Stamp the next LSN on a SYNC or HEADERS record and buffer it at ``start`` (padding
+        before it, zeros after it to the next multiple of 8; caller holds append_lock).  It is
+        not data: ``last_data_lsn`` stays, as such records need no vouching."""
+        header = record.header.stamped(self.next_lsn)
         buf = self._buf
         if start > self.tail:
             buf += self._pad_iov(self.tail, start)[0]
@@ -565,9 +570,8 @@ class Log:
         if new_tail > end:
             buf += rec.zeros(new_tail - end)
         data_lsn = self.last_data_lsn
-        self._advance(new_tail, lsn, buffered=True)
-        self.last_data_lsn = data_lsn  # a SYNC record is not data
-        self.certified_lsn = self.durable_lsn
+        self._advance(new_tail, header.lsn, buffered=True)
+        self.last_data_lsn = data_lsn
 
     def _write_copies(self) -> None:
         """Append a HEADERS record holding copies of the headers of records this writer appended
@@ -591,19 +595,7 @@ class Log:
         for _ in range(take):
             self._copies.popleft()
         self._copies_bytes -= size
-        header = record.header.stamped(self.next_lsn)
-        buf = self._buf
-        if start > self.tail:
-            buf += self._pad_iov(self.tail, start)[0]
-        for b in record.iovecs(header):
-            buf += b
-        end = start + record.header.record_len
-        new_tail = (end + 7) & ~7
-        if new_tail > end:
-            buf += rec.zeros(new_tail - end)
-        data_lsn = self.last_data_lsn
-        self._advance(new_tail, header.lsn, buffered=True)
-        self.last_data_lsn = data_lsn  # a HEADERS record is not data: it needs no vouching
+        self._buffer_control(record, start)
 
     def certify(self) -> None:
         """Make everything durable and vouched for by a SYNC record (a clean close): one sync for
