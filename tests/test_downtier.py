@@ -143,12 +143,15 @@ def test_downtier_options_are_checked(tmp_path):
         assert s.get("a", namespace="chat").data.shape == SHAPE
 
 
-def test_the_live_store_and_the_simulator_agree_with_lossy_copies(tmp_path):
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_the_live_store_and_the_simulator_agree_with_lossy_copies(tmp_path, policy):
+    """With ``cost``, in four sessions: a copy re-enters the order without a use
+    (``Policy.readmitted``), in the store as in the simulator."""
     path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
     with tierstore.open(path, ssd_bytes=6 * MiB, segment_bytes="768KiB", downtier={"chat": "int4"}, trace_to=log,
-                        durability="none") as s:
+                        durability="none", ssd_policy=policy) as s:
         for i in range(40):
-            s.put(f"k{i}", kv(i), namespace="chat")
+            s.put(f"k{i}", kv(i), namespace="chat", session=f"s{i % 4}" if policy == "cost" else None)
             s.flush()  # the eviction thread done: the trace's order is the store's order
             for j in (i // 2, i // 3, 0):
                 if s.contains(f"k{j}", namespace="chat"):
@@ -157,11 +160,11 @@ def test_the_live_store_and_the_simulator_agree_with_lossy_copies(tmp_path):
         ssd = s.stats()["tiers"]["ssd"]
     ops = list(tr.read_trace(log))
     assert ssd["downtiered"] > 5 and sum(o["op"] == "downtier" for o in ops) == ssd["downtiered"]
-    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=6 * MiB, policy="lru", follow=True)
+    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=6 * MiB, policy=policy, follow=True)
     assert r["mismatches"] == [] and r["evictions_checked"] > 20 and r["lossy_hits"] > 0
     # twin: a trace whose lossy copy never re-entered the order is caught at the next eviction
     first = next(i for i, o in enumerate(ops) if o["op"] == "downtier")
-    assert sim.simulate(ops[:first] + ops[first + 1:], dram_bytes=0, ssd_bytes=6 * MiB, policy="lru",
+    assert sim.simulate(ops[:first] + ops[first + 1:], dram_bytes=0, ssd_bytes=6 * MiB, policy=policy,
                         follow=True)["mismatches"]
 
 

@@ -543,6 +543,62 @@ def test_session_policy_keeps_frequent_sessions_and_drops_ended_first():
         pol.SessionAware(half_life=0)
 
 
+def _tick(p: pol.Policy, n: int, tag: str = "tick") -> None:
+    """``n`` turns of the store: reads of objects no session holds, each its own."""
+    for i in range(n):
+        p.admitted((tag, i), 1, ())
+
+
+def test_cost_policy_evicts_a_session_silent_for_many_of_its_own_gaps_before_a_slow_one():
+    p, lru = pol.CostAware(), pol.LRU()
+    for q in (p, lru):
+        q.admitted(("slow", 0), 1, (b"slow",))  # returns once in ~15 turns
+        for turn in range(15):  # "fast" returns every other turn ...
+            q.admitted(("fast", turn), 1, (b"fast",))
+            _tick(q, 1, f"t{turn}")
+            if turn == 7:
+                q.touched(("slow", 0))
+        _tick(q, 25)  # ... then falls silent for 12 of its gaps: most likely over
+    first = list(p.victims())
+    assert first.index(("fast", 14)) < first.index(("slow", 0))  # the slow one, silent for 2 of its gaps, stays
+    assert first.index(("fast", 14)) < first.index(("fast", 0))  # newest of a session first: its prefix stays
+    lru_order = list(lru.victims())
+    assert lru_order.index(("slow", 0)) < lru_order.index(("fast", 14))  # LRU: the other way round
+    assert p.worth(("s", b"fast")) < p.worth(("s", b"slow"))
+
+
+def test_cost_policy_weighs_what_a_miss_costs_per_byte():
+    p = pol.CostAware(models={"m70b": 70e9, "m8b": 8e9})
+    for ns in (b"m70b", b"m8b"):  # the same tokens in the same bytes: the 70B chunk costs 8.75x to recompute
+        p.cost_hint((ns, b"k"), 256)
+        p.admitted((ns, b"k"), 32 << 20, ())
+    assert list(p.victims()) == [(b"m8b", b"k"), (b"m70b", b"k")]  # the cheap one goes although newer
+    blob, kv = (b"ns", b"blob"), (b"ns", b"kv")
+    assert p.cost(blob, 10**9, 0) == pytest.approx(1.0)  # refetched at 1 GB/s
+    assert p.cost(kv, 0, 256) == pytest.approx(256 * 2 * 8e9 / (989e12 * 0.5))
+
+
+def test_cost_policy_keeps_announced_sessions_and_drops_ended_ones_first():
+    p = pol.CostAware()
+    for s in (b"a", b"b", b"c"):
+        p.admitted((s, 0), 1, (s,))
+        _tick(p, 2, s.decode())
+    p.session_active(b"a")  # a's next turn is waiting: kept over every other object
+    assert list(p.victims())[-1] == (b"a", 0)
+    p.session_ended(b"c")  # dropped: first, although the most recent
+    assert list(p.victims())[0] == (b"c", 0)
+    p.touched((b"a", 0))  # the turn is served: ranked by worth again (the most recent: last)
+    p.session_active(b"b")
+    assert list(p.victims())[-1] == (b"b", 0)
+    for k in list(p.victims()):
+        p.removed(k)
+    assert list(p.victims()) == []
+    for bad in (0, 1, 1.5, True, "0.8"):
+        with pytest.raises(InvalidObject):
+            pol.CostAware(reuse=bad)
+    assert isinstance(pol.CostAware(reuse=0.5).fresh(), pol.CostAware)
+
+
 def test_session_policy_in_a_store(store_path):
     with tierstore.open(store_path, dram_bytes=6 * LAYER, policy="session") as s:
         for turn in range(3):

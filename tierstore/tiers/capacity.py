@@ -604,7 +604,8 @@ class Capacity:
         was chosen (same LSN: a put, delete or compaction in between wins, and the object stays
         as it now is) and the object is not pinned -- one record at a time, so that no more than
         one copy is held in memory.  The copy keeps the session references (they name the key)
-        and re-enters the policy's order as if just put, at its own size.
+        and re-enters the policy's order at its own size, as an object that came back without a
+        use (``Policy.readmitted``: as if just put for LRU and ``session``).
 
         A victim is deleted instead, as without ``downtier``, when it cannot be re-encoded (an
         integer dtype, values past float16's range, a damaged or unreadable payload: any error
@@ -669,7 +670,7 @@ class Capacity:
                     with self._policy_lock:
                         if tokens:
                             self.policy.cost_hint(key, tokens)
-                        self.policy.admitted(key, n, sessions)
+                        self.policy.readmitted(key, n, sessions)  # (a copy is not a use)
                         if self.follower is not None:
                             self.follower.downtiered(ns, k, n, tokens, sessions)
                 taken += n
@@ -685,14 +686,14 @@ class Capacity:
         return taken, kept, replaced
 
     def _readmit(self, key: Hashable, loc: Any) -> None:
-        """A victim that stays (or came back as another record): back in the policy's order, as
-        if just put, unless it is gone or already known again."""
+        """A victim that stays (or came back as another record): back in the policy's order
+        without a use (``Policy.readmitted``), unless it is gone or already known again."""
         if loc is None:
             return
         with self._policy_lock:
             if key not in self._known:
                 self._known.add(key)
-                self.policy.admitted(key, loc.header.record_len, ())
+                self.policy.readmitted(key, loc.header.record_len, ())
 
     # -- figures --------------------------------------------------------------------------------
 

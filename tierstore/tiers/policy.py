@@ -37,6 +37,12 @@ class Policy:
     def touched(self, key: Hashable) -> None:
         raise NotImplementedError
 
+    def readmitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
+        """An object that left comes back without being used: a lossy copy kept in place of a
+        victim (``downtier=``), or a victim that stayed.  Policies that learn from uses
+        override it; by default it is ``admitted`` (the object re-enters as if just put)."""
+        self.admitted(key, nbytes, sessions)
+
     def removed(self, key: Hashable) -> None:
         raise NotImplementedError
 
@@ -195,6 +201,7 @@ DEFAULT_PARAMS = 8e9
 DEFAULT_DEVICE_FLOPS = 989e12
 DEFAULT_UTILISATION = 0.5
 DEFAULT_REFETCH_BYTES_PER_S = 1e9
+DEFAULT_REUSE = 0.8  # CostAware: the prior probability that a use is followed by another
 
 
 def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEVICE_FLOPS,
@@ -207,22 +214,39 @@ def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEV
     return 2.0 * params / (device_flops * utilisation)
 
 
+class _Uses:
+    """The use history of one session (or of one object without a session) for ``CostAware``."""
+
+    __slots__ = ("turns", "first", "last", "keys", "ended")
+
+    def __init__(self, now: int) -> None:
+        self.turns = 0
+        self.first = self.last = now  # clock of its first and last turn
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
+        self.ended = False
+
+
 class CostAware(Policy):
-    """What a miss costs, per byte kept -- within recency -- and the session look-ahead of
-    ``SessionAware``.
+    """What a miss costs per byte, times how likely the object is to be read again soon, and the
+    session look-ahead of ``SessionAware``.
 
     Each entry has a cost per byte ``C / S``: ``S`` its size in bytes, ``C`` the seconds a miss
     costs -- recomputing its tokens (``tokens * seconds_per_token``; per namespace from
     ``models``, a dict namespace -> parameter count, else the default model) or, for an object
     that holds no tokens, reading its bytes again from the next tier (``S /
-    refetch_bytes_per_s``).  The eviction order is the LRU order cut into windows of
-    ``1 / window_share`` of the entries (at least 4): inside a window, the cheapest per byte goes
-    first (least recently used first among equals).  Recency decides which objects are
-    candidates, cost decides among them, so a costly object outlives cheap ones of about its
-    age but not recently used ones.  Objects of a session announced by ``prefetch_session`` go
-    after every other until read; objects of a dropped session go first.  (Pure GreedyDual-Size,
-    where cost and recency add up, kept whole finished conversations of the costly model and lost
-    to LRU 13x in miss seconds on a mixed trace; docs/placement.md.)
+    refetch_bytes_per_s``).  Reuse is predicted per session (an object put without one is its
+    own): its turns so far give a rate of return ``r``, and the time since its last turn,
+    measured in the session's own gaps, says how likely it is to come back at all (a session
+    silent for many of its usual gaps has probably ended; one that returns every few hundred
+    turns has not, after a hundred).  The entry's worth is ``p_again * r * C / S`` -- the cost it
+    saves per byte and per turn of the store kept -- and the least worth goes first (the "hit
+    density" of LHD, Beckmann et al., NSDI 2018, with a model of sessions instead of age
+    histograms; docs/placement.md gives the formulas).  ``reuse`` is the prior probability that a
+    use is followed by another.  Objects of a session announced by ``prefetch_session`` go after
+    every other until read; objects of a dropped session go first; inside a session the newest
+    go first, keeping the prefix a later turn reuses.  (Pure GreedyDual-Size, where cost and
+    recency add up, kept whole finished conversations of the costly model and lost to LRU 13x in
+    miss seconds on a mixed trace; docs/placement.md.)
     """
 
     name = "cost"
@@ -230,30 +254,32 @@ class CostAware(Policy):
     def __init__(self, *, seconds_per_token: float | None = None, models: dict[str, float] | None = None,
                  refetch_bytes_per_s: float = DEFAULT_REFETCH_BYTES_PER_S,
                  device_flops: float = DEFAULT_DEVICE_FLOPS, utilisation: float = DEFAULT_UTILISATION,
-                 window_share: int = 64) -> None:
+                 reuse: float = DEFAULT_REUSE) -> None:
         self._args = {"seconds_per_token": seconds_per_token, "models": models,
                       "refetch_bytes_per_s": refetch_bytes_per_s, "device_flops": device_flops,
-                      "utilisation": utilisation, "window_share": window_share}
+                      "utilisation": utilisation, "reuse": reuse}
         self.spt = seconds_per_token if seconds_per_token is not None else \
             recompute_seconds_per_token(DEFAULT_PARAMS, device_flops, utilisation)
         if not (isinstance(self.spt, (int, float)) and self.spt > 0):
             raise InvalidObject(f"seconds_per_token must be a positive number, got {seconds_per_token!r}")
         if not (isinstance(refetch_bytes_per_s, (int, float)) and refetch_bytes_per_s > 0):
             raise InvalidObject(f"refetch_bytes_per_s must be a positive number, got {refetch_bytes_per_s!r}")
-        if isinstance(window_share, bool) or not isinstance(window_share, int) or window_share < 1:
-            raise InvalidObject(f"window_share must be a positive int, got {window_share!r}")
+        if isinstance(reuse, bool) or not isinstance(reuse, (int, float)) or not 0 < reuse < 1:
+            raise InvalidObject(f"reuse must be a probability in (0, 1), got {reuse!r}")
         self.refetch = float(refetch_bytes_per_s)
-        self.window_share = window_share
+        self.reuse = float(reuse)
         self.per_ns: dict[bytes, float] = {}
         for ns, params in (models or {}).items():
             key = ns.encode("utf-8") if isinstance(ns, str) else bytes(ns)
             self.per_ns[key] = recompute_seconds_per_token(params, device_flops, utilisation)
         self._tokens: dict[Hashable, int] = {}
-        self._entries: dict[Hashable, list[float]] = {}  # key -> [C / S, seq of its last admit or read]
-        self._sessions: dict[Hashable, tuple[bytes, ...]] = {}
-        self._active: OrderedDict[bytes, None] = OrderedDict()
-        self._ended: set[bytes] = set()
-        self._seq = 0
+        self._per_byte: dict[Hashable, float] = {}  # key -> C / S
+        self._clock = 0  # turns of the store: a turn is a run of uses of one session's objects
+        self._last: Hashable | None = None
+        self._gaps = (0, 0)  # (count, sum) of every session's gaps between turns, in turns
+        self._uses: dict[Hashable, _Uses] = {}
+        self._group_of: dict[Hashable, Hashable] = {}
+        self._active: OrderedDict[Hashable, None] = OrderedDict()  # announced, not yet read
 
     def fresh(self) -> "CostAware":
         return CostAware(**self._args)  # type: ignore[arg-type]
@@ -268,48 +294,99 @@ class CostAware(Policy):
     def cost_hint(self, key: Hashable, tokens: int) -> None:
         self._tokens[key] = int(tokens)
 
+    def _turn(self, gid: Hashable, new_turn: bool = False) -> _Uses:
+        u = self._uses.get(gid)
+        if u is None:
+            u = self._uses[gid] = _Uses(self._clock)
+        if self._last != gid or new_turn:
+            self._clock += 1
+            self._last = gid
+            if u.turns:
+                n, total = self._gaps
+                self._gaps = (n + 1, total + self._clock - u.last)
+            else:
+                u.first = self._clock
+            u.turns += 1
+            u.last = self._clock
+            u.ended = False
+        return u
+
+    def worth(self, gid: Hashable) -> float:
+        """``p_again * r`` of a session (docs/placement.md): its expected uses per turn of the
+        store, given its turns so far and its silence since the last one."""
+        u = self._uses[gid]
+        n, total = self._gaps
+        mean_gap = total / n if n else float(max(1, len(self._uses)))  # no gap seen yet: round robin
+        rate = u.turns / (u.last - u.first + mean_gap)  # one gap of the store's mean as a prior
+        seen = self.reuse * math.exp(-rate * (self._clock - u.last))
+        return rate * seen / (seen + 1.0 - self.reuse)
+
     def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
-        self._seq += 1
-        self._entries[key] = [self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes), self._seq]
-        self._sessions[key] = sessions
+        self._join(key, nbytes, sessions, use=True)
+
+    def readmitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
+        """Not a use: the object joins its session's history without adding a turn to it."""
+        self._join(key, nbytes, sessions, use=False)
+
+    def _join(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...], use: bool) -> None:
+        per_byte = self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes)
+        self.removed(key)
+        gid: Hashable = ("s", sessions[0]) if len(sessions) == 1 else ("k", key)
+        if len(sessions) > 1:  # shared by several sessions: ranked with the one most likely back
+            gid = max((("s", s) for s in sessions), key=lambda g: self.worth(g) if g in self._uses else -1.0)
+        u = self._uses.get(gid)
+        if use or u is None:  # (no history left to join: an object without a session that was evicted)
+            u = self._turn(gid)
+        u.keys[key] = None
+        self._group_of[key] = gid
+        self._per_byte[key] = per_byte
 
     def touched(self, key: Hashable) -> None:
-        e = self._entries.get(key)
-        if e is None:
-            return
-        self._seq += 1
-        e[1] = self._seq
-        for s in self._sessions.get(key, ()):
-            self._active.pop(s, None)  # the announced turn is being served
+        gid = self._group_of.get(key)
+        if gid is not None:
+            self._active.pop(gid, None)  # the announced turn is being served
+            self._turn(gid)
 
     def removed(self, key: Hashable) -> None:
-        self._entries.pop(key, None)
-        self._sessions.pop(key, None)
+        self._per_byte.pop(key, None)
         self._tokens.pop(key, None)
+        gid = self._group_of.pop(key, None)
+        if gid is None:
+            return
+        u = self._uses[gid]
+        u.keys.pop(key, None)
+        if not u.keys and gid[0] == "k":
+            del self._uses[gid]
 
     def session_active(self, session: bytes) -> None:
-        self._ended.discard(session)
-        self._active[session] = None
-        self._active.move_to_end(session)
+        gid = ("s", session)
+        self._turn(gid, new_turn=True)  # a turn arrived (its reads follow: one more turn, as in SessionAware)
+        self._active[gid] = None
+        self._active.move_to_end(gid)
         while len(self._active) > ACTIVE_MAX:
             self._active.popitem(last=False)
 
     def session_ended(self, session: bytes) -> None:
-        self._active.pop(session, None)
-        self._ended.add(session)
+        gid = ("s", session)
+        self._active.pop(gid, None)
+        u = self._uses.get(gid)
+        if u is not None and u.keys:
+            u.ended = True
+        elif u is not None:
+            del self._uses[gid]
 
     def victims(self) -> Iterator[Hashable]:
-        def rank(key: Hashable) -> int:
-            ss = self._sessions.get(key, ())
-            if ss and all(s in self._ended for s in ss):
-                return 0
-            return 2 if any(s in self._active for s in ss) else 1
-
-        ordered = sorted((rank(k), e[1], e[0], k) for k, e in self._entries.items())  # rank, then LRU
-        width = max(4, len(ordered) // self.window_share)
-        for i in range(0, len(ordered), width):
-            for item in sorted(ordered[i:i + width], key=lambda t: (t[0], t[2], t[1])):
-                yield item[3]
+        ranked = []
+        for gid, u in self._uses.items():
+            if not u.keys:
+                continue
+            rank = 0 if u.ended else 2 if gid in self._active else 1
+            worth = self.worth(gid)
+            for newest, key in enumerate(reversed(u.keys)):
+                ranked.append((rank, worth * self._per_byte[key], u.last, newest, key))
+        ranked.sort(key=lambda t: t[:4])  # least worth first; then the longest silent, newest first
+        for item in ranked:
+            yield item[4]
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware, "cost": CostAware}

@@ -133,16 +133,17 @@ class _Tier:
                 evicted.append(victim)
                 if copy is None:
                     self.evictions += 1
-                else:  # replaced by its lossy copy, which enters the order as if just put (Capacity._down_tier)
+                else:  # replaced by its lossy copy, which re-enters the order without a use (Capacity._down_tier)
                     self.downtiered += 1
-                    self.hold(victim, *copy)
+                    self.hold(victim, *copy, use=False)
         self.hold(key, nbytes, tokens, sessions)
         return True
 
-    def hold(self, key: Hashable, nbytes: int, tokens: int, sessions: tuple[bytes, ...]) -> None:
+    def hold(self, key: Hashable, nbytes: int, tokens: int, sessions: tuple[bytes, ...], use: bool = True) -> None:
+        """Hold ``key`` (``use``: a put; else a lossy copy kept in place of a victim: not a use)."""
         if tokens:
             self.policy.cost_hint(key, tokens)
-        self.policy.admitted(key, nbytes, sessions)
+        (self.policy.admitted if use else self.policy.readmitted)(key, nbytes, sessions)
         self.held[key] = nbytes
         self.used += nbytes
 
@@ -295,7 +296,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         elif kind == "downtier" and follow:  # the store kept a lossy copy of what it just evicted
             n, tokens = int(op.get("bytes", 0)), int(op.get("tokens", 0))
             ssd.remove(key)  # the store admits a copy with every session that references it
-            ssd.hold(key, n, tokens, tuple(x.encode("utf-8") for x in op.get("sessions", ())))
+            ssd.hold(key, n, tokens, tuple(x.encode("utf-8") for x in op.get("sessions", ())), use=False)
             lossy.add(key)
             f["bytes_written_ssd"] += n
         elif kind in ("session", "drop"):
