@@ -203,6 +203,28 @@ def test_contains_many_and_delete_many(store_path):
         assert s.keys() == ["b"]
 
 
+@pytest.mark.parametrize("bad", ["k\x00", "a\\b", ".", "..", "", "x" * 2000, "\ud800", 7, None, b""])
+def test_lookups_of_many_keys_check_every_key_as_one_key_is_checked(store_path, bad):
+    """contains_many / match_prefix / get_many check a batch's keys in a few passes over the
+    whole list (names.key_bytes); a bad key anywhere is the InvalidObject ``contains`` raises."""
+    from tierstore.names import encode_key, key_bytes
+
+    good = [f"k{i}" for i in range(500)] + [b"\xff\x00raw", bytearray(b"ba"), "caf\u00e9/x"]
+    assert key_bytes(good) == [encode_key(k)[0] for k in good]  # the twin: valid keys pass, same bytes
+    keys = good[:300] + [bad] + good[300:]
+    with pytest.raises(InvalidObject) as one:
+        encode_key(bad)
+    with pytest.raises(InvalidObject) as many:
+        key_bytes(keys)
+    assert str(many.value) == str(one.value)
+    with tierstore.open(store_path) as s:
+        s.put("k0", Blob(b"0"))
+        for fn in (s.contains_many, s.match_prefix, s.get_many):
+            with pytest.raises(InvalidObject):
+                fn(keys)
+        assert s.contains_many(good[:3]) == [True, False, False] and s.match_prefix(good) == 1
+
+
 def test_batches_through_a_scoped_namespace(store_path):
     with tierstore.open(store_path) as s:
         s.put_many([("a", Blob(b"1"))], namespace="t")

@@ -599,6 +599,51 @@ def test_cost_policy_keeps_announced_sessions_and_drops_ended_ones_first():
     assert isinstance(pol.CostAware(reuse=0.5).fresh(), pol.CostAware)
 
 
+def test_cost_policy_edge_cases_found_in_review():
+    p = pol.CostAware()
+    _tick(p, 5)
+    p.admitted("blob", 100, ())
+    p.admitted("blob", 100, ())  # put again at once: a use, never a history without turns (worth 0: evicted first)
+    assert p.worth(("k", "blob")) > 0 and list(p.victims())[0] != "blob"
+    p.readmitted("blob", 50, ())  # more of it held (a tier's extents), not a use: its history stays
+    assert p._uses[("k", "blob")].turns == 1  # (and a run of uses of one object is one turn)
+    _tick(p, 1, "other")
+    p.admitted("blob", 100, ())
+    assert p._uses[("k", "blob")].turns == 2
+    # an object several sessions hold: dropped only when all of them are, ranked by its own reads
+    p.admitted(("s1", 0), 1, (b"s1",))
+    p.admitted(("s2", 0), 1, (b"s2",))
+    p.admitted("shared", 1, (b"s1", b"s2"))
+    p.session_ended(b"s1")
+    order = list(p.victims())
+    assert order[0] == ("s1", 0) and order.index("shared") > 0  # s1's own object first, not the shared one
+    p.touched("shared")  # read by s2: it does not revive s1
+    assert list(p.victims())[0] == ("s1", 0)
+    p.session_ended(b"s2")
+    assert set(list(p.victims())[:3]) == {("s1", 0), ("s2", 0), "shared"}
+    # a long silence: ranked in log space, so the cost per byte still orders the oldest
+    q = pol.CostAware(models={"big": 70e9})
+    for _ in range(3):  # three turns each, 2 apart: a fast rate
+        for ns in (b"big", b"small"):
+            q.cost_hint((ns, b"k"), 256)
+            q.admitted((ns, b"k"), 1 << 20, ())
+    _tick(q, 5000)
+    assert q.worth(("k", (b"small", b"k"))) == 0.0  # (in floating point: ~e^-2500) ...
+    assert [k for k in q.victims() if k[0] in (b"small", b"big")] == [(b"small", b"k"), (b"big", b"k")]
+
+
+def test_cost_policy_keeps_a_bounded_number_of_idle_session_histories(monkeypatch):
+    monkeypatch.setattr(pol, "IDLE_HISTORIES", 10)
+    p = pol.CostAware()
+    for i in range(50):  # sessions whose objects all left the tier
+        p.admitted(("s", i), 1, (f"s{i}".encode(),))
+        p.removed(("s", i))
+    p.session_active(b"never-held")
+    assert len(p._uses) == 10 and ("s", b"never-held") in p._uses and ("s", b"s49") in p._uses
+    p.admitted(("s", 49), 1, (b"s49",))  # a kept history goes on: one more turn
+    assert p._uses[("s", b"s49")].turns == 2
+
+
 def test_session_policy_in_a_store(store_path):
     with tierstore.open(store_path, dram_bytes=6 * LAYER, policy="session") as s:
         for turn in range(3):

@@ -79,6 +79,22 @@ def encode_key(key: Any) -> tuple[bytes, int]:
     return b, flags
 
 
+def key_bytes(keys: list[Any]) -> list[bytes]:
+    """``encode_key(k)[0]`` of each of ``keys`` (the bytes a lookup needs), with the same checks
+    and errors: the common case -- str and bytes keys, all valid -- checked in a few C-speed
+    passes over the whole list instead of key by key (~0.5 us a key less)."""
+    try:
+        out = [k.encode("utf-8") if type(k) is str else k for k in keys]
+    except (UnicodeEncodeError, AttributeError):
+        out = []
+    texts = [k for k in keys if type(k) is str]
+    if (len(out) != len(keys) or (texts and (_BAD_KEY_CHARS.search("".join(texts)) is not None  # (one char
+                                             or "." in texts or ".." in texts))  # class: joining adds no match)
+            or not all(type(b) is bytes and 0 < len(b) <= fmt.KEY_MAX_BYTES for b in out)):
+        return [encode_key(k)[0] for k in keys]  # (the slow path names the bad key)
+    return out
+
+
 def decode_key(b: bytes, flags: int) -> str | bytes:
     """A stored key as the caller gave it: str keys back as str, bytes keys as bytes."""
     return b.decode("utf-8") if flags & fmt.FLAG_KEY_STR else b

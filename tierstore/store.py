@@ -42,7 +42,7 @@ from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, Store
 from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
-from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session
+from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session, key_bytes
 from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
 from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens_of
@@ -836,11 +836,10 @@ class Store:
         if isinstance(hashes, (str, bytes, bytearray, memoryview)):
             raise InvalidObject("match_prefix takes a sequence of hashes (chunk_hashes' list), got one key",
                                 hint="match_prefix([h]) asks about one hash; contains(h) does too")
-        keys = (h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in hashes)
-        if self._remote is None:
-            return self._engine.prefix_run(ns, keys)
-        keys = list(keys)
+        keys = key_bytes(list(hashes))
         n = self._engine.prefix_run(ns, keys)
+        if self._remote is None:
+            return n
         while n < len(keys):  # the rest of the run, from the remote: one pipeline per 256 hashes
             batch = keys[n:n + 256]
             has = self._remote_has(ns, batch)
@@ -1150,7 +1149,7 @@ class Store:
                                 f"{len(keys)} key{'s' * (len(keys) != 1)}, got {type(out).__name__}"
                                 + (f" of {len(out)}" if isinstance(out, (list, tuple)) else ""))
         ns = encode_namespace(namespace)
-        ks = [encode_key(key)[0] for key in keys]
+        ks = key_bytes(keys)
         locs = self._engine.lookup_many(ns, ks)
         result: list[Any] = [None] * len(keys)
         for w in self._watchers:
@@ -1282,7 +1281,7 @@ class Store:
         if isinstance(keys, (str, bytes, bytearray, memoryview)):
             raise InvalidObject("contains_many takes a sequence of keys, got one key",
                                 hint="contains(key) asks about one")
-        ks = [h if type(h) is bytes and 1 <= len(h) <= fmt.KEY_MAX_BYTES else encode_key(h)[0] for h in keys]
+        ks = key_bytes(list(keys))
         ns = encode_namespace(namespace)
         found = self._engine.contains_many(ns, ks)
         if self._remote is not None and not all(found):

@@ -690,10 +690,13 @@ class Capacity:
         without a use (``Policy.readmitted``), unless it is gone or already known again."""
         if loc is None:
             return
+        engine = self.engine
+        sessions = tuple(s for s in engine.sessions_of(*key) if s != fmt.ANCHOR_SESSION) \
+            if engine.may_have_refs else ()  # type: ignore[misc]
         with self._policy_lock:
             if key not in self._known:
                 self._known.add(key)
-                self.policy.readmitted(key, loc.header.record_len, ())
+                self.policy.readmitted(key, loc.header.record_len, sessions)
 
     # -- figures --------------------------------------------------------------------------------
 

@@ -202,6 +202,7 @@ DEFAULT_DEVICE_FLOPS = 989e12
 DEFAULT_UTILISATION = 0.5
 DEFAULT_REFETCH_BYTES_PER_S = 1e9
 DEFAULT_REUSE = 0.8  # CostAware: the prior probability that a use is followed by another
+IDLE_HISTORIES = 65536  # CostAware: histories kept of sessions holding nothing in the tier (the most recent)
 
 
 def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEVICE_FLOPS,
@@ -234,8 +235,8 @@ class CostAware(Policy):
     costs -- recomputing its tokens (``tokens * seconds_per_token``; per namespace from
     ``models``, a dict namespace -> parameter count, else the default model) or, for an object
     that holds no tokens, reading its bytes again from the next tier (``S /
-    refetch_bytes_per_s``).  Reuse is predicted per session (an object put without one is its
-    own): its turns so far give a rate of return ``r``, and the time since its last turn,
+    refetch_bytes_per_s``).  Reuse is predicted per session (an object put without one, or held
+    by several, has its own history): its turns so far give a rate of return ``r``, and the time since its last turn,
     measured in the session's own gaps, says how likely it is to come back at all (a session
     silent for many of its usual gaps has probably ended; one that returns every few hundred
     turns has not, after a hundred).  The entry's worth is ``p_again * r * C / S`` -- the cost it
@@ -243,10 +244,11 @@ class CostAware(Policy):
     density" of LHD, Beckmann et al., NSDI 2018, with a model of sessions instead of age
     histograms; docs/placement.md gives the formulas).  ``reuse`` is the prior probability that a
     use is followed by another.  Objects of a session announced by ``prefetch_session`` go after
-    every other until read; objects of a dropped session go first; inside a session the newest
-    go first, keeping the prefix a later turn reuses.  (Pure GreedyDual-Size, where cost and
-    recency add up, kept whole finished conversations of the costly model and lost to LRU 13x in
-    miss seconds on a mixed trace; docs/placement.md.)
+    every other until read; objects of a dropped session go first (one several sessions hold:
+    once all of them are dropped); inside a session the newest go first, keeping the prefix a
+    later turn reuses.  A session's history outlives its objects (``IDLE_HISTORIES`` of them).
+    (Pure GreedyDual-Size, where cost and recency add up, kept whole finished conversations of
+    the costly model and lost to LRU 13x in miss seconds on a mixed trace; docs/placement.md.)
     """
 
     name = "cost"
@@ -280,6 +282,8 @@ class CostAware(Policy):
         self._uses: dict[Hashable, _Uses] = {}
         self._group_of: dict[Hashable, Hashable] = {}
         self._active: OrderedDict[Hashable, None] = OrderedDict()  # announced, not yet read
+        self._shared: dict[Hashable, tuple[bytes, ...]] = {}  # objects several sessions hold -> their sessions
+        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # session histories holding nothing here
 
     def fresh(self) -> "CostAware":
         return CostAware(**self._args)  # type: ignore[arg-type]
@@ -298,48 +302,62 @@ class CostAware(Policy):
         u = self._uses.get(gid)
         if u is None:
             u = self._uses[gid] = _Uses(self._clock)
-        if self._last != gid or new_turn:
-            self._clock += 1
-            self._last = gid
-            if u.turns:
-                n, total = self._gaps
-                self._gaps = (n + 1, total + self._clock - u.last)
-            else:
-                u.first = self._clock
-            u.turns += 1
-            u.last = self._clock
-            u.ended = False
+        elif self._last == gid and not new_turn:
+            return u  # the same turn goes on
+        self._clock += 1
+        self._last = gid
+        if u.turns:
+            n, total = self._gaps
+            self._gaps = (n + 1, total + self._clock - u.last)
+        else:
+            u.first = self._clock
+        u.turns += 1
+        u.last = self._clock
+        u.ended = False
         return u
 
-    def worth(self, gid: Hashable) -> float:
-        """``p_again * r`` of a session (docs/placement.md): its expected uses per turn of the
-        store, given its turns so far and its silence since the last one."""
-        u = self._uses[gid]
+    def _log_worth(self, u: _Uses) -> float:
+        """log(p_again * r) of a history (docs/placement.md), in log space: a long silence
+        gives a tiny worth, never 0, so the cost per byte still orders the oldest."""
         n, total = self._gaps
         mean_gap = total / n if n else float(max(1, len(self._uses)))  # no gap seen yet: round robin
-        rate = u.turns / (u.last - u.first + mean_gap)  # one gap of the store's mean as a prior
-        seen = self.reuse * math.exp(-rate * (self._clock - u.last))
-        return rate * seen / (seen + 1.0 - self.reuse)
+        rate = max(1, u.turns) / (u.last - u.first + mean_gap)  # one gap of the store's mean as a prior
+        on = math.log(self.reuse) - rate * (self._clock - u.last)  # log(q e^(-r e))
+        off = math.log1p(-self.reuse)  # log(1 - q)
+        hi, lo = (on, off) if on > off else (off, on)
+        return math.log(rate) + on - (hi + math.log1p(math.exp(lo - hi)))
+
+    def worth(self, gid: Hashable) -> float:
+        """``p_again * r`` of a session (``("s", id)``) or of an object without one (``("k",
+        key)``): its expected uses per turn of the store, given its turns so far and its
+        silence since the last one (0.0 for a history this policy does not hold)."""
+        u = self._uses.get(gid)
+        return 0.0 if u is None else math.exp(self._log_worth(u))
 
     def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
         self._join(key, nbytes, sessions, use=True)
 
     def readmitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
-        """Not a use: the object joins its session's history without adding a turn to it."""
+        """Not a use: the object joins its history without adding a turn to it."""
         self._join(key, nbytes, sessions, use=False)
 
     def _join(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...], use: bool) -> None:
         per_byte = self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes)
-        self.removed(key)
+        # one session: its history; none, or several (a shared prefix): the object's own reads
         gid: Hashable = ("s", sessions[0]) if len(sessions) == 1 else ("k", key)
-        if len(sessions) > 1:  # shared by several sessions: ranked with the one most likely back
-            gid = max((("s", s) for s in sessions), key=lambda g: self.worth(g) if g in self._uses else -1.0)
+        held = self._uses.get(gid)
+        self.removed(key)
         u = self._uses.get(gid)
-        if use or u is None:  # (no history left to join: an object without a session that was evicted)
+        if u is None and held is not None:
+            u = self._uses[gid] = held  # (removed() let go of the object's own history: it goes on)
+        if u is None or use:
             u = self._turn(gid)
         u.keys[key] = None
+        self._idle.pop(gid, None)
         self._group_of[key] = gid
         self._per_byte[key] = per_byte
+        if len(sessions) > 1:
+            self._shared[key] = sessions
 
     def touched(self, key: Hashable) -> None:
         gid = self._group_of.get(key)
@@ -350,17 +368,35 @@ class CostAware(Policy):
     def removed(self, key: Hashable) -> None:
         self._per_byte.pop(key, None)
         self._tokens.pop(key, None)
+        self._shared.pop(key, None)
         gid = self._group_of.pop(key, None)
         if gid is None:
             return
         u = self._uses[gid]
         u.keys.pop(key, None)
-        if not u.keys and gid[0] == "k":
+        if not u.keys:
+            self._forget(gid)
+
+    def _forget(self, gid: Hashable) -> None:
+        """A history that holds nothing: an object's goes; a session's is kept for its next
+        object, the most recent ``IDLE_HISTORIES`` of them (a session's history is ~600 bytes)."""
+        if gid[0] == "k":
             del self._uses[gid]
+            return
+        self._idle[gid] = None
+        self._idle.move_to_end(gid)
+        while len(self._idle) > IDLE_HISTORIES:
+            old, _ = self._idle.popitem(last=False)
+            del self._uses[old]
+            self._active.pop(old, None)
+            if self._last == old:
+                self._last = None
 
     def session_active(self, session: bytes) -> None:
         gid = ("s", session)
-        self._turn(gid, new_turn=True)  # a turn arrived (its reads follow: one more turn, as in SessionAware)
+        u = self._turn(gid, new_turn=True)  # a turn arrived (its reads follow: one more turn, as in SessionAware)
+        if not u.keys:
+            self._forget(gid)
         self._active[gid] = None
         self._active.move_to_end(gid)
         while len(self._active) > ACTIVE_MAX:
@@ -370,20 +406,27 @@ class CostAware(Policy):
         gid = ("s", session)
         self._active.pop(gid, None)
         u = self._uses.get(gid)
-        if u is not None and u.keys:
+        if u is not None:
             u.ended = True
-        elif u is not None:
-            del self._uses[gid]
+
+    def _rank(self, key: Hashable, gid: Hashable, u: _Uses) -> int:
+        """0: every session holding it was dropped; 2: one of them is announced; else 1."""
+        shared = self._shared.get(key)
+        if shared is None:
+            return 0 if u.ended else 2 if gid in self._active else 1
+        groups = [self._uses.get(("s", s)) for s in shared]
+        if all(g is not None and g.ended for g in groups):
+            return 0
+        return 2 if any(("s", s) in self._active for s in shared) else 1
 
     def victims(self) -> Iterator[Hashable]:
         ranked = []
         for gid, u in self._uses.items():
             if not u.keys:
                 continue
-            rank = 0 if u.ended else 2 if gid in self._active else 1
-            worth = self.worth(gid)
+            worth = self._log_worth(u)
             for newest, key in enumerate(reversed(u.keys)):
-                ranked.append((rank, worth * self._per_byte[key], u.last, newest, key))
+                ranked.append((self._rank(key, gid, u), worth + math.log(self._per_byte[key]), u.last, newest, key))
         ranked.sort(key=lambda t: t[:4])  # least worth first; then the longest silent, newest first
         for item in ranked:
             yield item[4]

@@ -161,6 +161,7 @@ class Tier:
         with self.lock:
             self.reserved -= reserved
             e = self._valid(key, hdr)
+            new = e is None
             if e is None:
                 e = self.entries[key] = Entry(hdr, {}, 0, sessions)
                 if probation:
@@ -169,7 +170,6 @@ class Tier:
             elif not probation and key in self.probation:  # promoted on purpose: protected
                 del self.probation[key]
                 self.probation_bytes -= e.nbytes
-            self.policy.admitted(key, e.nbytes, e.sessions)  # (again, for more extents: not a read)
             added = 0
             for i, buf in extents.items():
                 if i not in e.extents:
@@ -177,6 +177,8 @@ class Tier:
                     added += _nbytes(buf)
             e.nbytes += added
             self.used += added
+            # told with the bytes it now holds; more extents of an entry held are not a use
+            (self.policy.admitted if new else self.policy.readmitted)(key, e.nbytes, e.sessions)
             if key in self.probation:
                 self.probation_bytes += added
             self.counters["bytes_in"] += added
