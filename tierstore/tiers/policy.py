@@ -275,7 +275,7 @@ class CostAware(Policy):
             key = ns.encode("utf-8") if isinstance(ns, str) else bytes(ns)
             self.per_ns[key] = recompute_seconds_per_token(params, device_flops, utilisation)
         self._tokens: dict[Hashable, int] = {}
-        self._per_byte: dict[Hashable, float] = {}  # key -> C / S
+        self._log_per_byte: dict[Hashable, float] = {}  # key -> log(C / S)
         self._clock = 0  # turns of the store: a turn is a run of uses of one session's objects
         self._last: Hashable | None = None
         self._gaps = (0, 0)  # (count, sum) of every session's gaps between turns, in turns
@@ -355,7 +355,7 @@ class CostAware(Policy):
         u.keys[key] = None
         self._idle.pop(gid, None)
         self._group_of[key] = gid
-        self._per_byte[key] = per_byte
+        self._log_per_byte[key] = math.log(per_byte) if per_byte > 0 else -math.inf
         if len(sessions) > 1:
             self._shared[key] = sessions
 
@@ -366,7 +366,7 @@ class CostAware(Policy):
             self._turn(gid)
 
     def removed(self, key: Hashable) -> None:
-        self._per_byte.pop(key, None)
+        self._log_per_byte.pop(key, None)
         self._tokens.pop(key, None)
         self._shared.pop(key, None)
         gid = self._group_of.pop(key, None)
@@ -409,9 +409,9 @@ class CostAware(Policy):
         if u is not None:
             u.ended = True
 
-    def _rank(self, key: Hashable, gid: Hashable, u: _Uses) -> int:
-        """0: every session holding it was dropped; 2: one of them is announced; else 1."""
-        shared = self._shared.get(key)
+    def _rank(self, gid: Hashable, u: _Uses) -> int:
+        """0: every session holding its objects was dropped; 2: one of them is announced; else 1."""
+        shared = self._shared.get(gid[1]) if gid[0] == "k" else None
         if shared is None:
             return 0 if u.ended else 2 if gid in self._active else 1
         groups = [self._uses.get(("s", s)) for s in shared]
@@ -420,16 +420,26 @@ class CostAware(Policy):
         return 2 if any(("s", s) in self._active for s in shared) else 1
 
     def victims(self) -> Iterator[Hashable]:
-        ranked = []
+        # least worth first; then the longest silent, newest first.  A history's objects of one
+        # cost per byte (the common case) are one item, newest first; a history's ``last`` is its
+        # own clock tick, so (last, newest) is unique and the key lists are never compared.
+        ranked: list[tuple[int, float, int, int, list[Hashable]]] = []
+        add, log_per_byte = ranked.append, self._log_per_byte
         for gid, u in self._uses.items():
             if not u.keys:
                 continue
-            worth = self._log_worth(u)
-            for newest, key in enumerate(reversed(u.keys)):
-                ranked.append((self._rank(key, gid, u), worth + math.log(self._per_byte[key]), u.last, newest, key))
-        ranked.sort(key=lambda t: t[:4])  # least worth first; then the longest silent, newest first
+            rank, worth, last = self._rank(gid, u), self._log_worth(u), u.last
+            keys = list(reversed(u.keys))
+            values = [log_per_byte[k] for k in keys]
+            lo = min(values)
+            if lo == max(values):
+                add((rank, worth + lo, last, 0, keys))
+            else:
+                for newest, (key, v) in enumerate(zip(keys, values)):
+                    add((rank, worth + v, last, newest, [key]))
+        ranked.sort()
         for item in ranked:
-            yield item[4]
+            yield from item[4]
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware, "cost": CostAware}
