@@ -74,6 +74,34 @@ def test_gather_then_scatter_is_bit_exact(form, mem, ratio, dtype):
     assert all(not got[b * ratio + i].view(torch.uint8).any() for b in untouched for i in range(ratio))
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_gather_and_scatter_with_a_chunk_that_is_a_view_of_a_larger_tensor(mla):
+    """The host path views the chunk as blocks with its own strides: a chunk layer that is a
+    slice of a bigger tensor (tokens not contiguous with the next head's) is filled and read in
+    place, and nothing around it is touched."""
+    if mla:
+        t = torch.randn(NB, BS, 64).half()
+        lay = PagedLayout.of(t, num_blocks=NB, block_size=BS, mla=True)
+        big = torch.zeros(5 * BS, 64).half()
+        view = big[BS:4 * BS]
+    else:
+        t = make("bhnc", "NHD", 1, torch.float16)
+        lay = PagedLayout.of(t, num_blocks=NB, block_size=BS)
+        big = torch.zeros(2, H, 5 * BS, D).half()
+        view = big[:, :, BS:4 * BS]
+    assert not view.is_contiguous() or mla
+    gather(t, lay, [7, 3, 39], view)
+    want = gather(t, lay, [7, 3, 39], torch.empty(lay.chunk_shape(3 * BS), dtype=t.dtype))
+    assert same(view, want)
+    rest = big.clone()
+    (rest[BS:4 * BS] if mla else rest[:, :, BS:4 * BS]).zero_()
+    assert not rest.view(torch.uint8).any()  # outside the view: untouched
+    back = torch.zeros_like(t)
+    scatter(back, lay, [2, 4, 6], view)
+    again = gather(back, lay, [2, 4, 6], torch.empty(lay.chunk_shape(3 * BS), dtype=t.dtype))
+    assert same(again, want)
+
+
 @pytest.mark.parametrize("form", ["bhnc", "bnc"])
 def test_mla_latents(form):
     t = torch.randn(NB, 1, BS, 576).half() if form == "bhnc" else torch.randn(NB, BS, 576).half()
