@@ -157,9 +157,9 @@ def test_a_full_last_segment_still_gets_its_sync_record(store_path):
     assert answers(store_path) == kept == {"a1": b"aaaaa", "b2": "CorruptionError"}
 
 
-def _sealed_store(path: str) -> tuple[dict[str, bytes], object]:
+def _sealed_store(path: str, **options) -> tuple[dict[str, bytes], object]:
     """Twelve 20 KB blobs over 64 KiB segments; returns their bytes and the info of one in a sealed segment."""
-    with tierstore.open(path, segment_bytes=64 << 10) as s:
+    with tierstore.open(path, segment_bytes=64 << 10, **options) as s:
         for i in range(12):
             s.put(f"k{i}", Blob(os.urandom(20000)))
         data = {f"k{i}": s.get(f"k{i}").data for i in range(12)}
@@ -206,6 +206,7 @@ def test_a_damaged_sealed_record_header_reads_with_its_copy(store_path, how):
     damage until recover has written the header back."""
     data, victim = _sealed_store(store_path)
     assert victim.segment < _segs(store_path)[-1]  # sealed
+    assert b"k2" in _copied_keys(store_path)
     _flip(store_path, victim.segment, victim.offset + 20)  # inside the fixed header: its checksum fails
     if how != "index kept, read-only":
         shutil.rmtree(os.path.join(store_path, "index"))
@@ -223,12 +224,18 @@ def test_a_damaged_sealed_record_header_reads_with_its_copy(store_path, how):
     assert _all(store_path) == data
 
 
-def test_a_damaged_sealed_record_header_without_a_copy_is_still_refused(store_path, monkeypatch):
-    """The twin: a store a 1.4 writer left (no HEADERS records).  Nothing says which key the damaged
-    header held, so a rebuild refuses to open until `recover` (an older version of that key could
-    otherwise come back), and recover without the index drops that object -- and nothing else."""
-    _no_copies(monkeypatch)
-    data, victim = _sealed_store(store_path)
+@pytest.mark.parametrize("writer", ["1.4", "header_copies=False"])
+def test_a_damaged_sealed_record_header_without_a_copy_is_still_refused(store_path, monkeypatch, writer):
+    """The twin: a store a 1.4 writer left, or one opened with ``header_copies=False`` (no HEADERS
+    records).  Nothing says which key the damaged header held, so a rebuild refuses to open until
+    `recover` (an older version of that key could otherwise come back), and recover without the
+    index drops that object -- and nothing else."""
+    if writer == "1.4":
+        _no_copies(monkeypatch)
+    data, victim = _sealed_store(store_path, **({"header_copies": False} if writer != "1.4" else {}))
+    assert _copied_keys(store_path) == []  # (the twin of the test above: a store of this shape holds copies)
+    with pytest.raises(tierstore.InvalidObject, match="header_copies"):
+        tierstore.open(store_path, header_copies="no")
     _flip(store_path, victim.segment, victim.offset + 20)
     shutil.rmtree(os.path.join(store_path, "index"))
     with pytest.raises(tierstore.CorruptionError):

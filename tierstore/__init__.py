@@ -62,6 +62,6 @@ def open(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = 
     ``readonly=True`` opens without taking the writer lock; any number of read-only handles
     may coexist with the writers.  ``options``: see ``tierstore.engine.options.Options``
     (segment_bytes, group_commit_ms, group_commit_bytes, index_commit_ms, index_batch,
-    lock_timeout, exclusive, vector_extent_bytes, index_map_size).
+    lock_timeout, exclusive, header_copies, vector_extent_bytes, index_map_size).
     """
     return Store(path, create=create, readonly=readonly, durability=durability, **options)

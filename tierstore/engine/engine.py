@@ -334,7 +334,8 @@ class Engine:
         self.log = Log(io, self.seg_dir, self.store_uuid, active=scan.active, tail=scan.tail,
                        next_lsn=scan.next_lsn, segment_bytes=self.options.segment_bytes,
                        sync_enabled=self.durability != "none", executor=self.executor, dio=self.files.dio,
-                       append_lock=self._append, alone=self._alone_now if self._append is not None else None)
+                       append_lock=self._append, alone=self._alone_now if self._append is not None else None,
+                       header_copies=self.options.header_copies)
         self.log.on_discard = self._on_discard
         self.ensure_reserve()
 

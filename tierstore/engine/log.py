@@ -51,8 +51,9 @@ class Log:
 
     def __init__(self, io: PosixIO, seg_dir: str, store_uuid: bytes, *, active: int, tail: int, next_lsn: int,
                  segment_bytes: int, sync_enabled: bool, executor: Any = None, dio: DirectIO | None = None,
-                 append_lock: Any = None, alone: Callable[[], bool] | None = None) -> None:
+                 append_lock: Any = None, alone: Callable[[], bool] | None = None, header_copies: bool = True) -> None:
         self.io, self.seg_dir, self.store_uuid = io, seg_dir, store_uuid
+        self.header_copies = header_copies  # False: no HEADERS records (Options.header_copies)
         self.executor = executor
         self.dio = dio or DirectIO()
         self.dfd: int | None = None  # O_DIRECT descriptor of the active segment, opened on first use
@@ -419,6 +420,8 @@ class Log:
         """Remember the header of a record just appended, for the next HEADERS record (caller
         holds append_lock).  Beyond COPIES_PENDING_MAX bytes the oldest copies are dropped (a
         writer that never syncs): those records are then read as before 1.5 if damaged."""
+        if not self.header_copies:
+            return
         self._copies.append((lsn, seg, offset, raw))
         self._copies_bytes += len(raw) + fmt.HEADER_COPY.size
         while self._copies_bytes > self.COPIES_PENDING_MAX and len(self._copies) > 1:

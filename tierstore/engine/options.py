@@ -55,12 +55,16 @@ class Options:
     # hold the store alone for the handle's life (SPEC.md §7.2): other writer processes wait and fail
     # with StoreLocked, appends skip the cross-process append lock (§7.8), small puts run faster
     exclusive: bool = False
+    # format 1.5's HEADERS records (SPEC.md §4.5): a copy of each record header, so that a damaged header in a
+    # sealed segment costs one object even without the index.  False: not written (tiny objects: up to half the
+    # log bytes; such a damaged header then needs the index, or `tierstore recover`, as before 1.5)
+    header_copies: bool = True
 
     def engine_settings(self) -> dict[str, Any]:
         """The settings the log and the index run with (what handles sharing an engine must agree on)."""
         return {k: getattr(self, k) for k in ("segment_bytes", "group_commit_ms", "group_commit_bytes",
                                               "index_commit_ms", "index_batch", "index_map_size", "direct_reads",
-                                              "exclusive")}
+                                              "exclusive", "header_copies")}
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], *, also: Sequence[str] = ()) -> "Options":
@@ -84,7 +88,7 @@ class Options:
                 if not isinstance(v, str) or v not in DIRECT_READS:
                     raise InvalidObject(f"{k} must be one of {', '.join(DIRECT_READS)}, got {v!r}")
                 vals[k] = v
-            elif k == "exclusive":
+            elif k in ("exclusive", "header_copies"):
                 if not isinstance(v, bool):
                     raise InvalidObject(f"{k} must be True or False, got {v!r}")
                 vals[k] = v
