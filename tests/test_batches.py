@@ -8,6 +8,8 @@ is never half applied), and every batch checks all of its items before writing a
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -223,6 +225,8 @@ def test_lookups_of_many_keys_check_every_key_as_one_key_is_checked(store_path, 
             with pytest.raises(InvalidObject):
                 fn(keys)
         assert s.contains_many(good[:3]) == [True, False, False] and s.match_prefix(good) == 1
+        # match_prefix reads hashes a batch at a time: an endless generator ends at its first miss
+        assert s.match_prefix(f"k{i}" for i in itertools.count()) == 1
 
 
 def test_batches_through_a_scoped_namespace(store_path):

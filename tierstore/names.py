@@ -85,7 +85,7 @@ def key_bytes(keys: list[Any]) -> list[bytes]:
     passes over the whole list instead of key by key (~0.5 us a key less)."""
     try:
         out = [k.encode("utf-8") if type(k) is str else k for k in keys]
-    except (UnicodeEncodeError, AttributeError):
+    except UnicodeEncodeError:
         out = []
     texts = [k for k in keys if type(k) is str]
     if (len(out) != len(keys) or (texts and (_BAD_KEY_CHARS.search("".join(texts)) is not None  # (one char

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import copy
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -53,6 +54,7 @@ from .tiers.trace import TRACE_OPTIONS, TraceWriter, trace_options
 
 TIERS = ("ssd", "dram", "gpu")
 SMALL_READ = 64 << 10  # get_many reads raw blobs of records up to this size together (one pread per run)
+PREFIX_BATCH = 1024  # match_prefix checks and looks up hashes this many at a time (one index snapshot each)
 KIND_IDS = {name: kind for kind, name in fmt.KIND_NAMES.items() if kind in fmt.OBJECT_KINDS}
 
 
@@ -830,24 +832,33 @@ class Store:
     def match_prefix(self, hashes: Any, *, namespace: str = "default") -> int:
         """How many leading ``hashes`` (keys, e.g. from ``chunk_hashes``) are stored in
         ``namespace``: the length of the longest stored prefix.  Costs one index lookup per
-        matched hash (plus one for the first miss), whatever the size of the store."""
+        matched hash (plus one for the first miss), whatever the size of the store; hashes are
+        checked (as ``contains`` checks a key) ``PREFIX_BATCH`` at a time, up to the batch
+        holding the first miss."""
         self._check_open()
         ns = encode_namespace(namespace)
         if isinstance(hashes, (str, bytes, bytearray, memoryview)):
             raise InvalidObject("match_prefix takes a sequence of hashes (chunk_hashes' list), got one key",
                                 hint="match_prefix([h]) asks about one hash; contains(h) does too")
-        keys = key_bytes(list(hashes))
-        n = self._engine.prefix_run(ns, keys)
-        if self._remote is None:
-            return n
-        while n < len(keys):  # the rest of the run, from the remote: one pipeline per 256 hashes
-            batch = keys[n:n + 256]
-            has = self._remote_has(ns, batch)
-            run = has.index(False) if False in has else len(has)
-            n += run
-            if run < len(batch):
-                break
-        return n
+        it, n, local = iter(hashes), 0, True
+        while True:  # hashes checked and looked up PREFIX_BATCH at a time: a run that ends early reads no more
+            batch = key_bytes(list(itertools.islice(it, PREFIX_BATCH)))
+            if not batch:
+                return n
+            if local:
+                run = self._engine.prefix_run(ns, batch)
+                n += run
+                if run == len(batch):
+                    continue
+                if self._remote is None:
+                    return n
+                local, batch = False, batch[run:]  # the rest of the run, from the remote
+            for i in range(0, len(batch), 256):  # one pipeline per 256 hashes
+                has = self._remote_has(ns, batch[i:i + 256])
+                run = has.index(False) if False in has else len(has)
+                n += run
+                if run < len(has):
+                    return n
 
     def namespace(self, name: str, *, shared: Any = (), readonly: bool = False) -> NamespaceHandle:
         """A handle scoped to namespace ``name`` (a tenant's view): it reads and writes ``name``,

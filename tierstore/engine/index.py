@@ -555,7 +555,7 @@ class ReadView:
 
     def prefix_run(self, namespace: bytes, keys: Iterable[bytes], pending: dict[bytes, bool]) -> int:
         """How many leading ``keys`` exist in ``namespace``; ``pending`` (key -> exists) overrides
-        the snapshot for records not yet applied.  One LMDB get per key, no decoding."""
+        the snapshot for records not yet applied.  One LMDB cursor seek per key, no decoding."""
         prefix = bytes((len(namespace),)) + namespace
         n = 0
         with _reading(self.index.path), self.txn.cursor(db=self.index.objects) as cur:

@@ -56,8 +56,8 @@ class Options:
     # with StoreLocked, appends skip the cross-process append lock (§7.8), small puts run faster
     exclusive: bool = False
     # format 1.5's HEADERS records (SPEC.md §4.5): a copy of each record header, so that a damaged header in a
-    # sealed segment costs one object even without the index.  False: not written (tiny objects: up to half the
-    # log bytes; such a damaged header then needs the index, or `tierstore recover`, as before 1.5)
+    # sealed segment costs nothing even without the index.  False: not written (tiny objects: up to half the
+    # log bytes; such a damaged header then needs the index, as before 1.5: without it, recover drops the object)
     header_copies: bool = True
 
     def engine_settings(self) -> dict[str, Any]:
