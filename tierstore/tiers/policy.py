@@ -236,10 +236,10 @@ class CostAware(Policy):
     ``models``, a dict namespace -> parameter count, else the default model) or, for an object
     that holds no tokens, reading its bytes again from the next tier (``S /
     refetch_bytes_per_s``).  Reuse is predicted per session (an object put without one, or held
-    by several, has its own history): its turns so far give a rate of return ``r``, and the time since its last turn,
-    measured in the session's own gaps, says how likely it is to come back at all (a session
-    silent for many of its usual gaps has probably ended; one that returns every few hundred
-    turns has not, after a hundred).  The entry's worth is ``p_again * r * C / S`` -- the cost it
+    by several, has its own history): its turns so far give a rate of return ``r``, and the time
+    since its last turn, measured in the session's own gaps, says how likely it is to come back
+    at all (a session silent for many of its usual gaps has probably ended; one that returns
+    every few hundred turns has not, after a hundred).  The entry's worth is ``p_again * r * C / S`` -- the cost it
     saves per byte and per turn of the store kept -- and the least worth goes first (the "hit
     density" of LHD, Beckmann et al., NSDI 2018, with a model of sessions instead of age
     histograms; docs/placement.md gives the formulas).  ``reuse`` is the prior probability that a
