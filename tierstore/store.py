@@ -930,7 +930,7 @@ class Store:
             if fetched is not None:
                 return self._read_fetched(fetched, ns, layers=layers, rows=rows, device=device, out=out)
         if out is None and device is None and layers is None and rows is None and self._small_blob(ns, k, loc.header):
-            return self._read_small_blobs([key], namespace, ns, [k], [loc])[0]  # the short path of small blobs
+            return self._read_small_blob(key, namespace, ns, k, loc)  # the short path of small blobs
         try:
             out, device = _destination(loc.header, layers, rows, out, device)
         except TierstoreError as e:
@@ -1266,16 +1266,28 @@ class Store:
         blob small enough for the page cache that no tier holds or would admit."""
         if h.kind != fmt.KIND_BLOB or h.codec != fmt.CODEC_RAW or h.record_len > SMALL_READ:
             return False
-        tiers = self._tiers
-        return tiers is None or not tiers.active or tiers.passes_by((ns, k), h)
+        return self._tiers is None or self._tiers.passes_by((ns, k), h)
+
+    def _read_small_blob(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location) -> Blob:
+        """One blob chosen by ``_small_blob``: one ``pread`` of its extent (``Engine.read_extent0``)."""
+        try:
+            data = self._engine.read_extent0(loc, {"segment": loc.segment, "offset": loc.offset, "key": key,
+                                                   "namespace": namespace})
+        except FileNotFoundError:  # compaction moved it meanwhile: the long way, following it
+            return self._delivered(self._read(key, namespace, ns, k, loc), loc, None, None)
+        except CorruptionError as e:
+            if e.path is None:
+                e.path = self._engine.segment_path(loc.segment)
+            raise
+        return self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
 
     def _read_small_blobs(self, keys: list[Any], namespace: str, ns: bytes, ks: list[bytes],
                           locs: list[Location]) -> list[Blob]:
-        """Blobs chosen by ``_small_blob``, read together (``Engine.read_first_extents``) and counted."""
-        wheres = [{"segment": loc.segment, "offset": loc.offset, "key": key, "namespace": namespace}
-                  for key, loc in zip(keys, locs)]
+        """Blobs chosen by ``_small_blob``, read together (``Engine.read_first_extents``) and
+        counted as ``_delivered`` counts them, once for the batch."""
         try:
-            datas = self._engine.read_first_extents(locs, wheres)
+            datas = self._engine.read_first_extents(locs, lambda n: {
+                "segment": locs[n].segment, "offset": locs[n].offset, "key": keys[n], "namespace": namespace})
         except FileNotFoundError:  # compaction moved some meanwhile: one by one, following them
             return [self._delivered(self._read(key, namespace, ns, k, loc), loc, None, None)
                     for key, k, loc in zip(keys, ks, locs)]
@@ -1283,8 +1295,18 @@ class Store:
             if e.path is None and e.segment is not None:
                 e.path = self._engine.segment_path(e.segment)
             raise
-        return [self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
-                for data, loc in zip(datas, locs)]
+        blobs = [stored_blob(data, loc.header.meta["media_type"]) for data, loc in zip(datas, locs)]
+        for blob, loc in zip(blobs, locs):
+            user_meta = loc.header.meta.get("meta")
+            if user_meta:
+                blob.meta = copy.deepcopy(user_meta)
+        counters = self._counters
+        counters["gets"] += len(blobs)
+        counters["bytes_read"] += sum([len(data) for data in datas])  # (a raw blob: one extent, all read)
+        for w in self._watchers:
+            for loc in locs:
+                w.touched(ns, loc.header.key, loc.header.record_len, 0)
+        return blobs
 
     def contains_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
         """``contains`` of many keys of ``namespace`` in one index snapshot: a list of bools."""

@@ -1055,10 +1055,24 @@ class Engine:
         """An ExtentReader over the record at ``loc``; ``where`` names it in errors."""
         return SegmentReader(self, loc, where)
 
-    def read_first_extents(self, locs: Sequence[Location], wheres: Sequence[dict[str, Any]]) -> list[bytes]:
+    def read_extent0(self, loc: Location, where: dict[str, Any]) -> bytes:
+        """Extent 0 of the record at ``loc`` (a small blob's get): one ``pread``, checksum
+        verified.  Raises FileNotFoundError if compaction retired the segment meanwhile."""
+        log = self.log
+        if log is not None and log.buffered and (loc.segment, loc.offset + loc.header.record_len) > log.written:
+            log.flush_buffer()  # (only while another thread of this process appends)
+        files = self.files
+        fd = files.acquire(loc.segment)[0]
+        try:
+            return seglib.read_extent_bytes(self.io, fd, loc.offset, loc.header, 0, where)
+        finally:
+            files.release(loc.segment)
+
+    def read_first_extents(self, locs: Sequence[Location], where: Callable[[int], dict[str, Any]]) -> list[bytes]:
         """Extent 0 of each record at ``locs`` (small records, e.g. the blobs of a batched get):
-        one ``pread`` per run of nearby records of a segment, checksums verified.  Raises
-        FileNotFoundError if compaction retired one of the segments meanwhile (look again)."""
+        one ``pread`` per run of nearby records of a segment, checksums verified; ``where(i)``
+        names ``locs[i]`` in an error.  Raises FileNotFoundError if compaction retired one of
+        the segments meanwhile (look again)."""
         log = self.log
         if log is not None and log.buffered:  # (only while another thread of this process appends)
             written = log.written
@@ -1066,10 +1080,6 @@ class Engine:
                 if (loc.segment, loc.offset + loc.header.record_len) > written:
                     log.flush_buffer()
                     break
-        if len(locs) == 1:  # a single get: one pread of the extent
-            loc = locs[0]
-            with self.hold_segment(loc.segment) as (fd, _):
-                return [seglib.read_extent_bytes(self.io, fd, loc.offset, loc.header, 0, wheres[0])]
         by_seg: dict[int, list[int]] = {}
         for n, loc in enumerate(locs):
             by_seg.setdefault(loc.segment, []).append(n)
@@ -1077,7 +1087,7 @@ class Engine:
         for seg, ns in by_seg.items():
             with self.hold_segment(seg) as (fd, _):
                 got = seglib.read_first_extents(self.io, fd, [(locs[n].offset, locs[n].header) for n in ns],
-                                                [wheres[n] for n in ns])
+                                                lambda i: where(ns[i]))  # noqa: B023 (called before ns moves on)
             for n, data in zip(ns, got):
                 out[n] = data
         return out

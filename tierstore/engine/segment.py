@@ -520,39 +520,38 @@ def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, 
 
 
 def read_first_extents(io: PosixIO, fd: int, items: Sequence[tuple[int, rec.RecordHeader]],
-                       wheres: Sequence[dict[str, Any]], *, gap: int = 64 << 10,
+                       where: Callable[[int], dict[str, Any]], *, gap: int = 64 << 10,
                        span_max: int = 4 << 20) -> list[bytes]:
     """Extent 0 of each record ``items`` = [(offset, header)] of one segment (small records:
-    a batched get of blobs), checksums verified.  Records lying close together (ascending
-    offsets, less than ``gap`` bytes apart, ``span_max`` bytes at most) are fetched with one
-    ``pread``: a batch of records written together costs one system call, not one each."""
-    order = sorted(range(len(items)), key=lambda j: items[j][0])
+    a batched get of blobs), checksums verified; ``where(i)`` names item i in an error.
+    Records lying close together (ascending offsets, less than ``gap`` bytes apart,
+    ``span_max`` bytes at most) are fetched with one ``pread``: a batch of records written
+    together costs one system call, not one each."""
+    starts = [off + hdr.offsets[0] for off, hdr in items]
+    lengths = [hdr.extent_lengths[0] for _, hdr in items]
+    order = sorted(range(len(items)), key=starts.__getitem__)
     out: list[bytes] = [b""] * len(items)
     i = 0
     while i < len(order):
-        first = items[order[i]]
-        lo = first[0] + first[1].offsets[0]
-        hi = lo + first[1].extent_lengths[0]
+        lo = starts[order[i]]
+        hi = lo + lengths[order[i]]
         j = i + 1
         while j < len(order):
-            off, hdr = items[order[j]]
-            start, end = off + hdr.offsets[0], off + hdr.offsets[0] + hdr.extent_lengths[0]
+            start = starts[order[j]]
+            end = start + lengths[order[j]]
             if start - hi > gap or end - lo > span_max:
                 break
             hi = max(hi, end)
             j += 1
         span = io.pread(fd, hi - lo, lo) if hi > lo else b""
-        view = memoryview(span)
         for n in order[i:j]:
-            off, hdr = items[n]
-            a = off + hdr.offsets[0] - lo
-            b = a + hdr.extent_lengths[0]
-            if b > len(span):
-                raise CorruptionError("record extends past the end of its segment", **wheres[n])
-            data = view[a:b]
-            if rec.crc32c(data) != hdr.extent_crcs[0]:
-                raise CorruptionError("extent 0 checksum mismatch", **wheres[n])
-            out[n] = bytes(data)
+            a = starts[n] - lo
+            data = span[a:a + lengths[n]]  # (a copy: the blob must not pin the whole span)
+            if len(data) != lengths[n]:
+                raise CorruptionError("record extends past the end of its segment", **where(n))
+            if rec.crc32c(data) != items[n][1].extent_crcs[0]:
+                raise CorruptionError("extent 0 checksum mismatch", **where(n))
+            out[n] = data
         i = j
     return out
 

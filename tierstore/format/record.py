@@ -34,11 +34,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 INT64_MAX = (1 << 63) - 1
 _crc = _crc32c.crc32c
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """CRC-32C (Castagnoli), unmasked; ``data`` is any C-contiguous buffer."""
-    return _crc(data, value)
+crc32c = _crc32c.crc32c  # crc32c(data, value=0): CRC-32C (Castagnoli), unmasked, of any C-contiguous buffer
 
 
 _POLY = 0x82F63B78

@@ -220,16 +220,19 @@ class Hierarchy:
         """Whether a whole-object host read of ``key`` goes straight to the log, the tiers
         neither serving nor admitting it (small objects when the DRAM tier admits on the
         second read): a batched get may then read such objects together."""
-        return self.dram is None or not self._dram_serves(key, hdr, list(range(len(hdr.extent_lengths))))
+        return self.dram is None or not self._dram_serves(key, hdr, None)
 
-    def _dram_serves(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int]) -> bool:
-        """Whether a get goes through the DRAM tier: always, unless the tier admits on the second
-        read and this is a small read of an object it holds nothing of (the page cache's job)."""
+    def _dram_serves(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int] | None) -> bool:
+        """Whether a get of the extents ``wanted`` (None: all) goes through the DRAM tier: always,
+        unless the tier admits on the second read and this is a small read of an object it holds
+        nothing of (the page cache's job)."""
         assert self.dram is not None
         if self.admission is None or key in self.dram.entries:
             return True
         small = self.admission.min_bytes
-        return hdr.record_len >= small and sum([hdr.extent_lengths[i] for i in wanted]) >= small
+        lengths = hdr.extent_lengths
+        return hdr.record_len >= small and (sum(lengths) if wanted is None else
+                                            sum([lengths[i] for i in wanted])) >= small
 
     # -- promotion ----------------------------------------------------------------------------
 
