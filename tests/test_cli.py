@@ -140,6 +140,15 @@ def test_dump_shows_session_references_plainly(store_path):
     assert "(anchor)" not in out and "ref_key" not in out
 
 
+def test_dump_names_every_record_type(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([("a", Blob(b"x")), ("b", Blob(b"y"))])
+    code, out = run("dump", store_path)
+    assert code == 0 and "None" not in out
+    assert "group  2 record(s)" in out and "copies of 3 record headers written before it" in out
+    assert "default/a blob 1 extent" in out and "records through LSN" in out
+
+
 def test_quarantine_command(filled):
     (seg,) = segment_files(filled)
     with open(seg, "ab") as f:

@@ -206,8 +206,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
         def text_range() -> None:
             print(f"{ranged['path']}: {ranged['size']} bytes" + (f" ({ranged['note']})" if ranged["note"] else ""))
             for r in ranged["records"]:
-                print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {r.get('namespace', '')}/"
-                      f"{r.get('key', '')} ({r['record_len']} B)")
+                what = f"{r['namespace']}/{r['key']}" if "key" in r else \
+                    f"{r['count']}" if "count" in r else f"durable {r['durable']}" if "durable" in r else ""
+                print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what} ({r['record_len']} B)")
             for u in ranged["undecodable"]:
                 print(f"  @{u['offset']:<10} {u['length']} bytes do not decode: {u['why']}")
 
@@ -248,6 +249,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
                     what, extra = f"records through LSN {r['durable']} were synced before this one", ""
                 elif r["type"] in ("group", "hole"):
                     what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
+                elif r["type"] == "headers":  # (SPEC.md §4.5)
+                    what, extra = f"copies of {_n(r['count'], 'record header')} written before it", ""
                 elif "session" in r:  # a session's reference on an object (SPEC.md §5.4)
                     who = r["session"]
                     if r["type"] == "put":
