@@ -563,6 +563,60 @@ def test_get_many_raises_the_first_damaged_key_after_every_read_ended(store_path
         assert np.array_equal(s.get_many(["c0", "c2"])[1].data, kvs[2])
 
 
+def test_get_many_of_small_blobs_names_the_first_damaged_key_in_key_order(store_path):
+    with tierstore.open(store_path, segment_bytes=16384) as s:  # blobs over several segments
+        for i in range(20):
+            s.put(f"k{i}", Blob(bytes([65 + i]) * (100 * i + 1)))
+    with tierstore.open(store_path) as s:
+        locs = {k: s._engine.lookup(b"default", k.encode()) for k in ("k2", "k15")}
+        paths = {k: s._engine.segment_path(loc.segment) for k, loc in locs.items()}
+    assert locs["k2"].segment != locs["k15"].segment
+    for k, loc in locs.items():
+        with open(paths[k], "r+b") as f:
+            f.seek(loc.offset + loc.header.offsets[0])
+            f.write(b"\x00")
+    with tierstore.open(store_path) as s:
+        assert [b.data[:1] for b in s.get_many(["k16", "k1"])] == [b"Q", b"B"]  # the twin: undamaged ones read
+        for order in (["k16", "k2", "k15"], ["k15", "k2"], ["k1", "k15", "k2"]):
+            with pytest.raises(CorruptionError) as e:
+                s.get_many(order)
+            first = next(k for k in order if k in locs)
+            assert e.value.key == first and e.value.path == paths[first]
+            assert (e.value.segment, e.value.offset) == (locs[first].segment, locs[first].offset)
+
+
+@pytest.mark.parametrize("meanwhile", ["deleted", "replaced"])
+def test_get_many_follows_small_blobs_that_compaction_moved_meanwhile(store_path, meanwhile):
+    # between the index snapshot and the reads, another thread deletes or replaces a key and
+    # compaction retires its segment: a deleted key is a miss (None), a replaced one is read
+    # with the metadata of what was read, never the old record's
+    with tierstore.open(store_path, segment_bytes=16384) as s:
+        s.put("a", Blob(b"1"))
+        s.put("b", Blob(b"old"), meta={"v": 1})
+        for i in range(40):
+            s.put(f"f{i}", Blob(b"x" * 500))
+        engine = s._engine
+        lookup_many = engine.lookup_many
+
+        def racing(ns, ks):
+            found = lookup_many(ns, ks)
+            engine.lookup_many = lookup_many
+            if meanwhile == "deleted":
+                s.delete("b")
+            else:
+                s.put("b", Blob(b"new", media_type="text/plain"), meta={"v": 2})
+            s.compact(min_dead_ratio=0.0)
+            return found
+
+        engine.lookup_many = racing
+        a, b = s.get_many(["a", "b"])
+        assert a.data == b"1"
+        if meanwhile == "deleted":
+            assert b is None
+        else:
+            assert (b.data, b.meta, b.media_type) == (b"new", {"v": 2}, "text/plain")
+
+
 def _shared_pieces():
     """Destinations that would each get two values: refused.  Their twin below: pieces whose
     byte ranges overlap without sharing memory (K and V interleaved in one array) are fine."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -630,6 +631,30 @@ def test_cost_policy_edge_cases_found_in_review():
     _tick(q, 5000)
     assert q.worth(("k", (b"small", b"k"))) == 0.0  # (in floating point: ~e^-2500) ...
     assert [k for k in q.victims() if k[0] in (b"small", b"big")] == [(b"small", b"k"), (b"big", b"k")]
+
+
+def test_cost_policy_counts_reads_that_fill_in_a_cached_object_and_not_copies_put_back():
+    # a read of more layers of an object the tier holds in part is a use of it (the rest is
+    # read and added: the insert itself is not a use, the read that wanted it is)
+    with tierstore.open(tempfile.mkdtemp(), dram_bytes="64MiB", policy="cost") as s:
+        data = np.random.default_rng(0).random((4, 2, 2, 16, 8)).astype(np.float16)
+        s.put("a", tierstore.KVCache(data))
+        s.put("b", tierstore.KVCache(data))
+        s.get("a", layers=[0])
+        s.get("b", layers=[0])
+        s.get("a")  # a, read again (all of it): b goes first now, as under LRU
+        assert [k for _, k in s._tiers.dram.policy.victims()] == [b"b", b"a"]
+        assert tier_stats(s, "dram")["probation_hits"] == 0  # (reading the rest is no re-read)
+    # an object without a session whose history went with it (removed, then put back as a
+    # copy): not a use -- it ranks as unread since the start, not as just read
+    p = pol.CostAware()
+    for i in range(20):
+        p.admitted(("k", i), 1, ())
+        _tick(p, 1, f"t{i}")
+    assert list(p.victims())[0] == ("k", 0)
+    p.removed(("k", 0))
+    p.readmitted(("k", 0), 1, ())
+    assert list(p.victims())[0] == ("k", 0)
 
 
 def test_cost_policy_keeps_a_bounded_number_of_idle_session_histories(monkeypatch):

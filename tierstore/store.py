@@ -936,8 +936,9 @@ class Store:
         except TierstoreError as e:
             e.key = key if e.key is None else e.key  # (as get_many names a refused destination's key)
             raise
-        obj = self._read(key, namespace, ns, k, loc, same=out is not None, layers=layers, rows=rows, device=device,
-                         out=out)  # (out was checked against this very object: a replaced one is NotFound)
+        # (out was checked against this very object: a replaced one is NotFound)
+        obj, loc = self._read(key, namespace, ns, k, loc, same=out is not None, layers=layers, rows=rows,
+                              device=device, out=out)
         if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
@@ -1209,8 +1210,8 @@ class Store:
         def read(n: int) -> Any:
             dest, dev = dests[n] if dests[n] is not None else (None, device)
             try:  # (a destination was checked against this very object: a replaced one is a miss)
-                obj = self._read(keys[n], namespace, ns, ks[n], locs[n], same=dest is not None, layers=layers,
-                                 rows=rows, device=dev, out=dest)
+                obj, locs[n] = self._read(keys[n], namespace, ns, ks[n], locs[n], same=dest is not None,
+                                          layers=layers, rows=rows, device=dev, out=dest)
             except NotFound:
                 locs[n] = None
                 return None
@@ -1274,7 +1275,7 @@ class Store:
             data = self._engine.read_extent0(loc, {"segment": loc.segment, "offset": loc.offset, "key": key,
                                                    "namespace": namespace})
         except FileNotFoundError:  # compaction moved it meanwhile: the long way, following it
-            return self._delivered(self._read(key, namespace, ns, k, loc), loc, None, None)
+            return self._delivered(*self._read(key, namespace, ns, k, loc), None, None)
         except CorruptionError as e:
             if e.path is None:
                 e.path = self._engine.segment_path(loc.segment)
@@ -1282,15 +1283,22 @@ class Store:
         return self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
 
     def _read_small_blobs(self, keys: list[Any], namespace: str, ns: bytes, ks: list[bytes],
-                          locs: list[Location]) -> list[Blob]:
+                          locs: list[Location]) -> list[Blob | None]:
         """Blobs chosen by ``_small_blob``, read together (``Engine.read_first_extents``) and
-        counted as ``_delivered`` counts them, once for the batch."""
+        counted as ``_delivered`` counts them, once for the batch; None for a key deleted while
+        it was read (the batch is then read one by one).  A damaged blob raises CorruptionError
+        naming the first such key in the order of ``keys``."""
         try:
             datas = self._engine.read_first_extents(locs, lambda n: {
                 "segment": locs[n].segment, "offset": locs[n].offset, "key": keys[n], "namespace": namespace})
         except FileNotFoundError:  # compaction moved some meanwhile: one by one, following them
-            return [self._delivered(self._read(key, namespace, ns, k, loc), loc, None, None)
-                    for key, k, loc in zip(keys, ks, locs)]
+            out: list[Blob | None] = []
+            for key, k, loc in zip(keys, ks, locs):
+                try:
+                    out.append(self._delivered(*self._read(key, namespace, ns, k, loc), None, None))
+                except NotFound:  # (deleted meanwhile: a miss, as get_many answers one)
+                    out.append(None)
+            return out
         except CorruptionError as e:
             if e.path is None and e.segment is not None:
                 e.path = self._engine.segment_path(e.segment)
@@ -1323,17 +1331,19 @@ class Store:
         return found
 
     def _read(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location, *, same: bool = False,
-              **sel: Any) -> Any:
-        """Read the object at ``loc`` (through the tiers when the store has them)."""
+              **sel: Any) -> tuple[Any, Location]:
+        """Read the object at ``loc`` (through the tiers when the store has them); returns it and
+        the location it was read at (another one if compaction moved it meanwhile, or if it
+        was replaced then, unless ``same``): the header that describes what was read."""
         sel.setdefault("layers", None)
         sel.setdefault("rows", None)
         sel.setdefault("device", None)
         dicts = None if loc.header.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
 
-        def read(at: Location, where: dict[str, Any]) -> Any:
+        def read(at: Location, where: dict[str, Any]) -> tuple[Any, Location]:
             if self._tiers is not None and self._tiers.active:
-                return self._tiers.read(ns, k, at, where, dictionaries=dicts, **sel)
-            return blk.read_object(at.header, self._engine.reader(at, where), dictionaries=dicts, **sel)
+                return self._tiers.read(ns, k, at, where, dictionaries=dicts, **sel), at
+            return blk.read_object(at.header, self._engine.reader(at, where), dictionaries=dicts, **sel), at
 
         return self._follow(key, namespace, ns, k, loc, read, same=same)
 
@@ -1520,8 +1530,7 @@ class Store:
         pos = list(range(count)) if layers is None else blk.select_layers(layers, start, count)
 
         def read_layer(lid: int) -> Any:
-            obj = self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)
-            return obj.data[0]
+            return self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)[0].data[0]
 
         assert self._tiers is not None
         return self._tiers.stream([start + p for p in pos], read_layer)

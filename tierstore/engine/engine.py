@@ -1070,8 +1070,9 @@ class Engine:
 
     def read_first_extents(self, locs: Sequence[Location], where: Callable[[int], dict[str, Any]]) -> list[bytes]:
         """Extent 0 of each record at ``locs`` (small records, e.g. the blobs of a batched get):
-        one ``pread`` per run of nearby records of a segment, checksums verified; ``where(i)``
-        names ``locs[i]`` in an error.  Raises FileNotFoundError if compaction retired one of
+        one ``pread`` per run of nearby records of a segment, checksums verified.  Damage raises
+        CorruptionError for the first damaged record in the order of ``locs``, named by
+        ``where(i)``, once all are read.  Raises FileNotFoundError if compaction retired one of
         the segments meanwhile (look again)."""
         log = self.log
         if log is not None and log.buffered:  # (only while another thread of this process appends)
@@ -1084,12 +1085,16 @@ class Engine:
         for n, loc in enumerate(locs):
             by_seg.setdefault(loc.segment, []).append(n)
         out: list[bytes] = [b""] * len(locs)
+        bad: dict[int, str] = {}
         for seg, ns in by_seg.items():
             with self.hold_segment(seg) as (fd, _):
-                got = seglib.read_first_extents(self.io, fd, [(locs[n].offset, locs[n].header) for n in ns],
-                                                lambda i: where(ns[i]))  # noqa: B023 (called before ns moves on)
+                got, damaged = seglib.read_first_extents(self.io, fd, [(locs[n].offset, locs[n].header) for n in ns])
             for n, data in zip(ns, got):
                 out[n] = data
+            bad.update((ns[i], why) for i, why in damaged.items())
+        if bad:
+            first = min(bad)
+            raise CorruptionError(bad[first], **where(first))
         return out
 
     def hold_segment(self, seg: int) -> "HeldSegment":

@@ -519,20 +519,20 @@ def read_extent_bytes(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, 
     return data
 
 
-def read_first_extents(io: PosixIO, fd: int, items: Sequence[tuple[int, rec.RecordHeader]],
-                       where: Callable[[int], dict[str, Any]], *, gap: int = 16 << 10,
-                       span_max: int = 4 << 20) -> list[bytes]:
+def read_first_extents(io: PosixIO, fd: int, items: Sequence[tuple[int, rec.RecordHeader]], *,
+                       gap: int = 16 << 10, span_max: int = 4 << 20) -> tuple[list[bytes], dict[int, str]]:
     """Extent 0 of each record ``items`` = [(offset, header)] of one segment (small records:
-    a batched get of blobs), checksums verified; ``where(i)`` names item i in an error.
-    Records lying close together (ascending offsets, less than ``gap`` bytes apart,
-    ``span_max`` bytes at most) are fetched with one ``pread``: a batch of records written
-    together costs one system call, not one each.  (``gap``: copying 16 KiB out of the page
-    cache costs about one ``pread``; with 64 KiB, a batch of keys scattered over a segment
-    read 1.15-1.25x slower.)"""
+    a batched get of blobs), checksums verified: the bytes of each item (``b""`` for a damaged
+    one) and, for each damaged item, why.  Records lying close together (ascending offsets,
+    less than ``gap`` bytes apart, ``span_max`` bytes at most) are fetched with one ``pread``:
+    a batch of records written together costs one system call, not one each.  (``gap``:
+    copying 16 KiB out of the page cache costs about one ``pread``; with 64 KiB, a batch of
+    keys scattered over a segment read 1.15-1.25x slower.)"""
     starts = [off + hdr.offsets[0] for off, hdr in items]
     lengths = [hdr.extent_lengths[0] for _, hdr in items]
     order = sorted(range(len(items)), key=starts.__getitem__)
     out: list[bytes] = [b""] * len(items)
+    bad: dict[int, str] = {}
     i = 0
     while i < len(order):
         lo = starts[order[i]]
@@ -550,12 +550,13 @@ def read_first_extents(io: PosixIO, fd: int, items: Sequence[tuple[int, rec.Reco
             a = starts[n] - lo
             data = span[a:a + lengths[n]]  # (a copy: the blob must not pin the whole span)
             if len(data) != lengths[n]:
-                raise CorruptionError("record extends past the end of its segment", **where(n))
-            if rec.crc32c(data) != items[n][1].extent_crcs[0]:
-                raise CorruptionError("extent 0 checksum mismatch", **where(n))
-            out[n] = data
+                bad[n] = "record extends past the end of its segment"
+            elif rec.crc32c(data) != items[n][1].extent_crcs[0]:
+                bad[n] = "extent 0 checksum mismatch"
+            else:
+                out[n] = data
         i = j
-    return out
+    return out, bad
 
 
 # --- read file descriptors -----------------------------------------------------------------

@@ -693,9 +693,12 @@ class Capacity:
         engine = self.engine
         sessions = tuple(s for s in engine.sessions_of(*key) if s != fmt.ANCHOR_SESSION) \
             if engine.may_have_refs else ()  # type: ignore[misc]
+        tokens = tokens_of(loc.header)
         with self._policy_lock:
             if key not in self._known:
                 self._known.add(key)
+                if tokens:  # (priced as every admission is: by the tokens it holds)
+                    self.policy.cost_hint(key, tokens)
                 self.policy.readmitted(key, loc.header.record_len, sessions)
 
     # -- figures --------------------------------------------------------------------------------

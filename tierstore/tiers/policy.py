@@ -350,8 +350,10 @@ class CostAware(Policy):
         u = self._uses.get(gid)
         if u is None and held is not None:
             u = self._uses[gid] = held  # (removed() let go of the object's own history: it goes on)
-        if u is None or use:
+        if use:
             u = self._turn(gid)
+        elif u is None:  # not a use, and its history is gone (the caller removed it first): as
+            u = self._uses[gid] = _Uses(0)  # an object unread since the first turn, not a new one
         u.keys[key] = None
         self._idle.pop(gid, None)
         self._group_of[key] = gid

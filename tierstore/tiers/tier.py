@@ -74,16 +74,20 @@ class Tier:
     def lookup(self, key: Hashable, hdr: rec.RecordHeader, wanted: list[int], *, count: bool = True
                ) -> dict[int, Any] | None:
         """Buffers of extents ``wanted`` if the tier holds all of them for this version of the
-        object (a hit: the policy is told), else None (a miss)."""
+        object (a hit), else None (a miss).  Either way a read of an object the tier holds
+        (all of the extents wanted, or some: the rest is read and added) is a use, which the
+        policy is told of; a hit on an entry on probation keeps it from then on (reading the
+        rest of an object, e.g. layer by layer, does not)."""
         with self.lock:
             e = self._valid(key, hdr)
+            if count and e is not None:
+                self.policy.touched(key)
             if e is not None and all(i in e.extents for i in wanted):
                 if count:
                     if key in self.probation:  # read again: kept (protected) from now on
                         del self.probation[key]
                         self.probation_bytes -= e.nbytes
                         self.counters["probation_hits"] += 1
-                    self.policy.touched(key)
                     self.counters["hits"] += 1
                     self.counters["bytes_out"] += sum(_nbytes(e.extents[i]) for i in wanted)
                 return {i: e.extents[i] for i in wanted}
@@ -177,7 +181,8 @@ class Tier:
                     added += _nbytes(buf)
             e.nbytes += added
             self.used += added
-            # told with the bytes it now holds; more extents of an entry held are not a use
+            # told with the bytes it now holds; more extents of an entry held are not a use (the
+            # read that wanted them was: ``lookup`` told the policy)
             (self.policy.admitted if new else self.policy.readmitted)(key, e.nbytes, e.sessions)
             if key in self.probation:
                 self.probation_bytes += added
