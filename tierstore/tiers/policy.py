@@ -202,7 +202,7 @@ DEFAULT_DEVICE_FLOPS = 989e12
 DEFAULT_UTILISATION = 0.5
 DEFAULT_REFETCH_BYTES_PER_S = 1e9
 DEFAULT_REUSE = 0.8  # CostAware: the prior probability that a use is followed by another
-IDLE_HISTORIES = 65536  # CostAware: histories kept of sessions holding nothing in the tier (the most recent)
+IDLE_HISTORIES = 65536  # CostAware: histories kept of sessions (or objects) holding nothing in the tier
 
 
 def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEVICE_FLOPS,
@@ -246,7 +246,8 @@ class CostAware(Policy):
     use is followed by another.  Objects of a session announced by ``prefetch_session`` go after
     every other until read; objects of a dropped session go first (one several sessions hold:
     once all of them are dropped); inside a session the newest go first, keeping the prefix a
-    later turn reuses.  A session's history outlives its objects (``IDLE_HISTORIES`` of them).
+    later turn reuses.  A history outlives what it held (``IDLE_HISTORIES`` of them): a session's
+    next object, or an object put again or kept as a lossy copy, goes on with it.
     (Pure GreedyDual-Size, where cost and recency add up, kept whole finished conversations of
     the costly model and lost to LRU 13x in miss seconds on a mixed trace; docs/placement.md.)
     """
@@ -345,15 +346,12 @@ class CostAware(Policy):
         per_byte = self.cost(key, nbytes, self._tokens.pop(key, 0)) / max(1, nbytes)
         # one session: its history; none, or several (a shared prefix): the object's own reads
         gid: Hashable = ("s", sessions[0]) if len(sessions) == 1 else ("k", key)
-        held = self._uses.get(gid)
         self.removed(key)
-        u = self._uses.get(gid)
-        if u is None and held is not None:
-            u = self._uses[gid] = held  # (removed() let go of the object's own history: it goes on)
+        u = self._uses.get(gid)  # (a history that held nothing goes on, see _forget)
         if use:
             u = self._turn(gid)
-        elif u is None:  # not a use, and its history is gone (the caller removed it first): as
-            u = self._uses[gid] = _Uses(0)  # an object unread since the first turn, not a new one
+        elif u is None:  # not a use, and its history is gone (forgotten): as an object unread
+            u = self._uses[gid] = _Uses(0)  # since the first turn, not as a new one
         u.keys[key] = None
         self._idle.pop(gid, None)
         self._group_of[key] = gid
@@ -380,11 +378,9 @@ class CostAware(Policy):
             self._forget(gid)
 
     def _forget(self, gid: Hashable) -> None:
-        """A history that holds nothing: an object's goes; a session's is kept for its next
-        object, the most recent ``IDLE_HISTORIES`` of them (a session's history is ~600 bytes)."""
-        if gid[0] == "k":
-            del self._uses[gid]
-            return
+        """A history that holds nothing: kept for the session's next object (or the object's
+        return: put again, or kept as a lossy copy), the most recent ``IDLE_HISTORIES`` of them
+        (a history is ~600 bytes)."""
         self._idle[gid] = None
         self._idle.move_to_end(gid)
         while len(self._idle) > IDLE_HISTORIES:
