@@ -569,28 +569,169 @@ def test_a_failed_load_drops_the_saves_of_its_step(tmp_path):
         assert len(s.keys(namespace="vllm")) == 5 and s.info(victim.key, namespace="vllm").lsn > victim.lsn
 
 
-def test_with_asynchronous_scheduling_the_next_step_of_a_failed_request_is_not_saved(tmp_path):
-    """With async scheduling vLLM scheduled the next step before it heard of the failure: what that
-    step computes for the request attends to the failed blocks too."""
-    cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute")
-    cfg.scheduler_config.async_scheduling = True
-    from tierstore.integrations.vllm import ChunkSave, TierstoreConnectorMetadata
-
-    w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
-    caches = paged_caches(False)
-    w.register_kv_caches(caches)
-    w._tainted.add("r")  # what the load thread records for a request whose load failed
-    meta = TierstoreConnectorMetadata(saves=[ChunkSave("r", [b"k" * 16], [1, 2]), ChunkSave("q", [b"j" * 16], [3, 4])])
+def _worker_step(w, caches, meta):
+    """One step of a worker connector alone (no model: the blocks hold what they hold)."""
     w.bind_connector_metadata(meta)
     w.start_load_kv(None)
     for name, layer in caches.items():
+        w.wait_for_layer_load(name)
         w.save_kv_layer(name, layer, None)
     w.wait_for_save()
+    failed = w.get_block_ids_with_load_errors()
     w.clear_connector_metadata()
+    return failed
+
+
+def test_with_asynchronous_scheduling_the_next_step_drops_saves_computed_from_failed_blocks(tmp_path):
+    """With async scheduling vLLM built the next step before it heard of the failure: what that step
+    computes from the failed blocks (for any request whose prefix holds them) is garbage too, even
+    when the failing step itself had saves to drop."""
+    from tierstore.integrations.vllm import ChunkLoad, ChunkSave
+    from tierstore.integrations.vllm import TierstoreConnectorMetadata as M
+
+    cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute")
+    cfg.scheduler_config.async_scheduling = True
+    w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    caches = paged_caches(False)
+    w.register_kv_caches(caches)
+    # step N: a chunk evicted since its match fails to load into blocks 0, 1; a save of the step
+    failed = _worker_step(w, caches, M(loads=[ChunkLoad("r", [b"E" * 16], [0, 1], [0, 1])],
+                                       saves=[ChunkSave("r", [b"A" * 16], [2, 3], [0, 1])]))
+    assert failed == {0, 1}
+    # step N+1, built before the failure was known: r's next chunk, another request's chunk on the
+    # same (cached) prefix, and a request that does not read the failed blocks
+    _worker_step(w, caches, M(saves=[ChunkSave("r", [b"B" * 16], [4, 5], [0, 1, 2, 3]),
+                                     ChunkSave("s", [b"S" * 16], [6, 7], [0, 1]),
+                                     ChunkSave("q", [b"Q" * 16], [8, 9], [10, 11])]))
+    _worker_step(w, caches, M(saves=[ChunkSave("t", [b"T" * 16], [12, 13], [0, 1])]))  # N+2: recomputed by then
+    w.shutdown()
+    assert w.counters["saves_dropped"] == 3
+    with tierstore.open(tmp_path / "kv", readonly=True) as s:
+        assert sorted(s.keys(namespace="vllm")) == [b"Q" * 16, b"T" * 16]
+
+
+def test_with_asynchronous_scheduling_a_request_sharing_failed_blocks_stores_no_garbage(tmp_path):
+    """vLLM's AsyncScheduler: R's load of chunk 1 fails in step N; S, with the same prefix, was
+    scheduled in step N+1 before vLLM heard of it and reuses R's blocks from vLLM's prefix cache.
+    S's chunks computed from them are not stored; a restarted engine loads only right KV."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    serve(tmp_path, store, [a])  # chunks 0, 1, 2 of a
+    with tierstore.open(store) as s:
+        victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1].key
+    e = Engine(tmp_path, store, policy="recompute")
+    e.cfg.scheduler_config.async_scheduling = True
+    kcc = kv_cache_config()
+    e.sched.shutdown()
+    e.sched = AsyncScheduler(vllm_config=e.cfg, kv_cache_config=kcc, block_size=BLOCK,
+                             structured_output_manager=StructuredOutputManager(e.cfg))
+    e.worker._async = True  # (the worker was made before the config said so)
+    e.add("R", a, max_tokens=4)
+    out_n = e.sched.schedule()  # R: 96 tokens matched
+    with tierstore.open(store) as s:
+        s.delete(victim, namespace="vllm")  # evicted between the match and the load
+    e.add("S", a[:96] + list(range(5000, 5040)), max_tokens=1)
+    out_n1 = e.sched.schedule()  # before step N's output is known
+    assert [sv.req_id for sv in out_n1.kv_connector_metadata.saves] == ["S", "S"]
+    for out in (out_n, out_n1):
+        for n in out.scheduled_new_reqs:
+            e.tables[n.req_id] = list(n.block_ids[0])
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update({rid: cached.num_computed_tokens[i] for i, rid in enumerate(cached.req_ids)})
+        e.worker.bind_connector_metadata(out.kv_connector_metadata)
+        e.worker.start_load_kv(None)
+        for name, layer in e.caches.items():
+            li = int(name.split(".")[2])
+            e.worker.wait_for_layer_load(name)
+            for rid, n in out.num_scheduled_tokens.items():
+                done, table = starts[rid], e.tables[rid]
+                kv = token_kv(li, (list(e.reqs[rid].all_token_ids) + [0] * n)[: done + n], done)  # (async:
+                # a token not sampled yet stands in: a decode step's KV is never saved)
+                for j, pos in enumerate(range(done, done + n)):
+                    layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
+            e.worker.save_kv_layer(name, layer, None)
+        e.worker.wait_for_save()
+        e.worker.get_block_ids_with_load_errors()
+        e.worker.clear_connector_metadata()
+    e.close()
+    assert e.worker.counters["saves_dropped"] >= 2
+    with tierstore.open(store, readonly=True) as s:
+        assert not s.contains(victim, namespace="vllm")
+    serve(tmp_path, store, [a, a[:96] + list(range(5000, 5040))])  # every token's KV checked
+
+
+def test_other_tensor_ranks_delete_what_they_saved_on_top_of_a_failed_load(tmp_path):
+    """Rank 0's copy of chunk A was evicted, rank 1's was not: rank 1's load succeeds, but chunk B
+    computed on top of A depends on rank 0's garbage heads.  Once the scheduler hears of the
+    failure (any rank's failed blocks), the next step's metadata has every worker delete B, so
+    that B is saved again, right, once recomputed -- rank 1 never keeps a wrong B that rank 0's
+    later save would complete into a match."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tierstore.integrations.vllm import ChunkLoad, ChunkSave
+    from tierstore.integrations.vllm import TierstoreConnectorMetadata as M
+
+    def config(rank=None):
+        cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute",
+                          extra=None if rank is None else {"tp_rank": rank, "pp_rank": 0})
+        cfg.parallel_config.tensor_parallel_size = 2
+        return cfg
+
+    ranks = []
+    for rank in (0, 1):
+        w = KVConnectorFactory.create_connector(config(rank), KVConnectorRole.WORKER, kv_cache_config())
+        caches = paged_caches(False)
+        w.register_kv_caches(caches)
+        ranks.append((w, caches))
+    sched = KVConnectorFactory.create_connector(config(), KVConnectorRole.SCHEDULER, kv_cache_config())
+    a, b = [b"A0" * 8, b"A1" * 8], [b"B0" * 8, b"B1" * 8]
+    for w, caches in ranks:
+        _worker_step(w, caches, M(saves=[ChunkSave("p", a, [0, 1])]))
+        w.flush()
+    ranks[0][0].store.delete(a[0], namespace="vllm")  # evicted for rank 0 only
+    step = M(loads=[ChunkLoad("r", a, [0, 1], [0, 1])], saves=[ChunkSave("r", b, [2, 3], [0, 1])])
+    sched._recent.append(step.saves)  # (what build_connector_meta recorded when it planned the step)
+    failed = set().union(*(_worker_step(w, caches, step) for w, caches in ranks))
+    assert failed == {0, 1}
+    ranks[1][0].flush()
+    with tierstore.open(tmp_path / "kv", readonly=True) as s:
+        assert s.contains(b[1], namespace="vllm") and not s.contains(b[0], namespace="vllm")  # the wrong B
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+    nxt = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert nxt.forget == [b]
+    assert sched.build_connector_meta(SchedulerOutput.make_empty()).forget == []  # once
+    for w, caches in ranks:
+        _worker_step(w, caches, nxt)
+    assert [w.counters["saves_forgotten"] for w, _ in ranks] == [0, 1]
+    for w, _ in ranks:
+        w.shutdown()
+    sched.shutdown()
+    with tierstore.open(tmp_path / "kv", readonly=True) as s:
+        assert s.keys(namespace="vllm") == [a[1]]
+
+
+def test_saves_staged_by_a_step_that_never_reached_wait_for_save_are_not_written(tmp_path):
+    from tierstore.integrations.vllm import ChunkSave
+    from tierstore.integrations.vllm import TierstoreConnectorMetadata as M
+
+    w = KVConnectorFactory.create_connector(make_config(tmp_path, tmp_path / "kv"), KVConnectorRole.WORKER,
+                                            kv_cache_config())
+    caches = paged_caches(False)
+    w.register_kv_caches(caches)
+    w.bind_connector_metadata(M(saves=[ChunkSave("r", [b"A" * 16], [0, 1])]))
+    w.start_load_kv(None)
+    for name, layer in caches.items():
+        w.save_kv_layer(name, layer, None)  # ... and the step dies before wait_for_save
+    w.clear_connector_metadata()
+    _worker_step(w, caches, M())  # the next step has nothing to save
     w.shutdown()
     assert w.counters["saves_dropped"] == 1
     with tierstore.open(tmp_path / "kv", readonly=True) as s:
-        assert s.keys(namespace="vllm") == [b"j" * 16]
+        assert s.keys(namespace="vllm") == []  # the twin above: a step that ends saves
 
 
 def test_reset_cache_starts_a_new_epoch(tmp_path):

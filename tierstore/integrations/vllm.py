@@ -11,10 +11,10 @@ of the block size), ``namespace`` ("vllm"), ``codec`` (None: lossless raw; e.g. 
 string that names the weights, e.g. a checkpoint digest, added to the fingerprint),
 ``max_pending_bytes`` ("2GiB": host memory of saves handed to the writer thread before a step
 waits for the disk; one step also stages at most this much, and chunks past it are not saved:
-at most twice this much host memory in all), ``tp_rank`` / ``pp_rank`` (this worker's ranks, when vLLM's process groups
-cannot say), and any other ``tierstore.open`` option under ``store_options`` (e.g.
-``{"ssd_bytes": "500GiB"}``).  ``kv_role``: "kv_both" loads and saves, "kv_consumer" only
-loads, "kv_producer" only saves.
+saves hold at most twice this much host memory; a step's loads hold one buffer per chunk),
+``tp_rank`` / ``pp_rank`` (this worker's ranks, when vLLM's process groups cannot say), and
+any other ``tierstore.open`` option under ``store_options`` (e.g. ``{"ssd_bytes": "500GiB"}``).
+``kv_role``: "kv_both" loads and saves, "kv_consumer" only loads, "kv_producer" only saves.
 
 How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
 
@@ -26,7 +26,7 @@ How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
   two adapters or two tenants never share an entry.  An MLA model's latent cache is the same on
   every tensor rank: rank 0 of each stage stores it once and every rank loads it.
 - Scheduler side: ``get_num_new_matched_tokens`` is ``match_prefix`` over every rank's keys
-  (no side effects), whole chunks only, never the prompt's last token (vLLM recomputes it).
+  (it changes nothing in the store), whole chunks only, never the prompt's last token (vLLM recomputes it).
   ``build_connector_meta`` names, per request, the chunks to load (and which of their blocks:
   those vLLM's own prefix cache does not hold) and the prompt chunks this step completes (to
   save).  ``request_finished`` returns False: a save copies its blocks out during the step.
@@ -39,7 +39,11 @@ How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
 - A chunk that cannot be read (evicted since the match, damaged: CorruptionError) is never
   loaded as KV: its blocks are reported by ``get_block_ids_with_load_errors`` and vLLM
   recomputes them or fails the request, as its ``kv_load_failure_policy`` says; the saves of
-  that step (chunks computed on top of it) are dropped.
+  that step (chunks computed on top of it) are dropped, and so are, with asynchronous
+  scheduling, the next step's saves of chunks computed from those blocks.  Chunks saved by the
+  other tensor ranks in those steps (their loads succeeded, but their KV depends on the failed
+  rank's through the layers' all-reduce) are deleted by every worker at the step after the
+  scheduler hears of the failure (``update_connector_output``), and saved again once recomputed.
 
 It uses only tierstore's public API and vLLM's connector interface.
 """
@@ -52,6 +56,7 @@ import json
 import logging
 import math
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -116,17 +121,24 @@ class ChunkLoad:
 
 @dataclass
 class ChunkSave:
-    """Store the ``block_ids`` (a whole chunk) of a request computed in this step."""
+    """Store the ``block_ids`` (a whole chunk) of a request computed in this step; ``prefix``:
+    the blocks of the request's chunks before it, whose KV this chunk's was computed from."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    prefix: list[int] = field(default_factory=list)
+
+    def reads(self, blocks: set[int]) -> bool:
+        """Whether this chunk's KV was computed from (or is) any of ``blocks``."""
+        return not blocks.isdisjoint(self.prefix) or not blocks.isdisjoint(self.block_ids)
 
 
 @dataclass
 class TierstoreConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    forget: list[list[bytes]] = field(default_factory=list)  # chunks saved on top of a failed load: delete
 
 
 @dataclass
@@ -199,9 +211,9 @@ class TierstoreConnector(KVConnectorBase_V1):
                                  f"use a lossless codec (zstd) or none")
         for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
             _check_spec(group.kv_cache_spec)
-        role = self._kv_transfer_config.kv_role
-        self._loads = role in ("kv_both", "kv_consumer")
-        self._saves = role in ("kv_both", "kv_producer")
+        kv_role = self._kv_transfer_config.kv_role
+        self._loads = kv_role in ("kv_both", "kv_consumer")
+        self._saves = kv_role in ("kv_both", "kv_producer")
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
         self._vllm_config, self._model_id = vllm_config, extra.get("model_id")
@@ -221,6 +233,11 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per worker, its chunk keys
         self._planned: dict[str, tuple[int, int]] = {}  # req -> tokens [start, end) to load
         self._tracked: dict[str, _Tracked] = {}
+        # the saves of the last steps built (2 with asynchronous scheduling: vLLM builds a step before
+        # it hears how the one before ended), and the chunks the next step's workers delete
+        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._recent: deque[list[ChunkSave]] = deque(maxlen=2 if self._async else 1)
+        self._to_forget: list[list[bytes]] = []
         # worker side
         self._tp_rank = 0
         self._worker = 0 if role == KVConnectorRole.SCHEDULER else self._worker_index(extra)
@@ -234,10 +251,11 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._failed_lock = threading.Lock()
         self._step_failed = False  # a load of this step failed: its saves may hold KV computed on garbage
-        # requests with a failed load: with asynchronous scheduling the next step was scheduled before
-        # vLLM heard of the failure, so what it computes for them attends to the failed blocks too
-        self._tainted: set[str] = set()
-        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        # blocks whose load failed in this step and in the step before: with asynchronous scheduling the
+        # next step was scheduled before vLLM heard of the failure, so what it computes from them (for
+        # any request whose prefix holds them) is computed on garbage too
+        self._bad_now: set[int] = set()
+        self._bad_before: set[int] = set()
         self._staged_meta: Any = None
         self._staged: list[tuple[ChunkSave, Any]] = []
         self._staged_layers: set[int] = set()
@@ -247,7 +265,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._warned_staging = False
         self.last_loads: list[ChunkLoad] = []  # the loads of the last step with any (for checks)
         self.counters = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "save_errors": 0,
-                         "saves_dropped": 0}
+                         "saves_dropped": 0, "saves_forgotten": 0}
 
     def _salts_of(self, epoch: int) -> list[bytes]:
         """One salt per worker, in the order ``_worker_index`` gives: stage-major, then tensor rank."""
@@ -386,7 +404,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             chunk_keys = [k[c] for k in keys]
             if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per and tuple(chunk_keys) not in planned:
                 planned.add(tuple(chunk_keys))
-                meta.saves.append(ChunkSave(req_id, chunk_keys, t.block_ids[c * per:(c + 1) * per]))
+                meta.saves.append(ChunkSave(req_id, chunk_keys, t.block_ids[c * per:(c + 1) * per],
+                                            t.block_ids[:c * per]))
         t.next_chunk = done
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -411,14 +430,22 @@ class TierstoreConnector(KVConnectorBase_V1):
             if req_id in self._planned:  # a resumed request whose prefix loads again
                 t.next_chunk = max(t.next_chunk, self._plan_loads(req_id, t.block_ids, meta))
             self._plan_saves(req_id, t, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
+        meta.forget, self._to_forget = self._to_forget, []
+        self._recent.append(meta.saves)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Blocks that failed to load are recomputed by vLLM: their chunks are saved again once
-        computed (the worker deleted a damaged entry; an evicted one is gone)."""
+        """Blocks that failed to load (on any worker) are recomputed by vLLM: their chunks are
+        saved again once computed (the worker deleted a damaged entry; an evicted one is gone).
+        Chunks saved in the steps that computed from those blocks -- by the other tensor ranks,
+        whose own loads succeeded, and with asynchronous scheduling in the step vLLM built
+        before it heard of the failure -- are deleted by every worker at the next step, so that
+        their recomputed KV is saved in their place."""
         bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not bad:
             return
+        for saves in self._recent:
+            self._to_forget += [sv.keys for sv in saves if sv.reads(bad)]
         per = self._chunk // self._block_size
         for t in self._tracked.values():
             hit = [i for i, b in enumerate(t.block_ids) if b in bad]
@@ -461,8 +488,15 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._load_thread = None
         self._load_error = None
         self._step_failed = False
+        if self._staged:  # staged by a step that never reached wait_for_save: never written
+            self.counters["saves_dropped"] += len(self._staged)
+            self._staged, self._staged_layers, self._staged_meta = [], set(), None
+        with self._failed_lock:
+            self._bad_before, self._bad_now = self._bad_now, set()
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierstoreConnectorMetadata)
+        if meta.forget and self._saves and not (self._mla and self._tp_rank != 0):
+            self._forget_saved(meta.forget)
         events = [threading.Event() for _ in self._layers]
         self._loaded, self._cuda_loaded = events, [None] * len(self._layers)
         if not meta.loads or not self._layers:
@@ -509,7 +543,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                             failed.add(j)
                             with self._failed_lock:
                                 self._failed.update(ld.block_ids)
-                                self._tainted.add(ld.req_id)
+                                self._bad_now.update(ld.block_ids)
                                 self._step_failed = True
                             self.counters["load_errors"] += 1
                             _log.warning("tierstore: chunk %s not loaded (%s); its %d blocks are recomputed (or the "
@@ -531,6 +565,22 @@ class TierstoreConnector(KVConnectorBase_V1):
         finally:
             for ev in events:
                 ev.set()
+
+    def _forget_saved(self, forget: list[list[bytes]]) -> None:
+        """Delete this worker's entries of chunks saved on top of a failed load (``forget`` of the
+        metadata), once every save handed to the writer has landed (one of them may be such a
+        chunk): an entry computed on garbage must never outlive the step that learns of it."""
+        for f, _ in self._pending:
+            with contextlib.suppress(TierstoreError):  # (a failed save: nothing to delete)
+                f.result()
+        self._pending = []
+        keys = list(dict.fromkeys(self._key(k) for k in forget))
+        try:
+            gone = sum(self._store.delete_many(keys, namespace=self._namespace))
+        except TierstoreError as e:
+            _log.warning("tierstore: could not delete %d chunks saved on top of a failed load: %s", len(keys), e)
+            return
+        self.counters["saves_forgotten"] += gone
 
     def _forget(self, key: bytes) -> None:
         """Delete an entry that cannot be loaded (damaged, or stored with other layers), so later
@@ -562,9 +612,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         _, tensor, paged = self._layers[i]
         if meta is not self._staged_meta:  # the step's first layer (a step without wait_for_save leaves nothing)
             self._staged, self._staged_layers, self._staged_meta = [], set(), meta
-            with self._failed_lock:
-                tainted, self._tainted = self._tainted, set()  # a step later vLLM recomputes from the failure
-            saves = [sv for sv in meta.saves if not (self._async and sv.req_id in tainted)]
+            with self._failed_lock:  # (a step later vLLM recomputes what failed: see _bad_before)
+                bad = self._bad_now | self._bad_before if self._async else set()
+            saves = [sv for sv in meta.saves if not (bad and sv.reads(bad))]
             self.counters["saves_dropped"] += len(meta.saves) - len(saves)
             keys = [self._key(sv.keys) for sv in saves]
             have = self._store.contains_many(keys, namespace=self._namespace)
