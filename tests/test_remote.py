@@ -135,6 +135,60 @@ def test_overwrites_and_deletes_reach_other_nodes_on_their_next_read(tmp_path, s
     b.close()
 
 
+def test_a_delete_during_a_fetch_is_not_undone_by_its_cache_copy(tmp_path, server):
+    """A fetched object is kept in the local log in the background; a delete that lands between
+    the fetch and that copy (nothing local to delete yet) wins: the copy is not kept."""
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    deferred = []
+    b._tiers.submit = lambda fn, *args: deferred.append((fn, args))  # the copy waits, as on a busy executor
+    assert b.get(b"k", namespace="m").data == b"v"
+    assert len(deferred) == 1
+    assert b.delete(b"k", namespace="m")  # b holds nothing yet: the tombstone goes to the server
+    fn, args = deferred.pop()
+    fn(*args)  # the background copy, late
+    assert b.keys(namespace="m") == [] and not b.contains(b"k", namespace="m")
+    server.kill()
+    with pytest.raises(tierstore.NotFound):
+        b.get(b"k", namespace="m")  # with the server gone, nothing local answers either
+    a.close()
+    b.close()
+
+
+def test_stream_layers_follows_other_nodes_like_get(tmp_path, server):
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    a.put(b"h", tierstore.KVCache(kv(1)), namespace="m")
+    only_server = [layer for _, layer in b.stream_layers(b"h", namespace="m")]  # b holds nothing: fetched
+    assert np.array_equal(np.stack(only_server), kv(1))
+    held(b, b"h", "m")
+    a.put(b"h", tierstore.KVCache(kv(2)), namespace="m")  # overwritten on another node
+    assert np.array_equal(np.stack([x for _, x in b.stream_layers(b"h", namespace="m")]), kv(2))
+    assert np.array_equal(np.stack([x for _, x in b.stream_layers(b"h", namespace="m", layers=[1, 2])]), kv(2)[1:3])
+    held(b, b"h", "m", like=a)
+    assert a.delete(b"h", namespace="m")  # deleted on another node
+    with pytest.raises(tierstore.NotFound):
+        b.stream_layers(b"h", namespace="m")
+    a.close()
+    b.close()
+
+
+def test_a_delete_of_a_key_only_the_server_holds_waits_for_a_server_that_does_not_answer(tmp_path, server):
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url, remote_timeout=0.3, remote_retry_s=0.2)
+    a.put(b"x", tierstore.Blob(b"old"), namespace="m")
+    server.pause()
+    try:
+        assert b.delete(b"x", namespace="m") is False  # not known: the server did not answer
+        assert b.delete_many([b"x"], namespace="m") == [False]
+        assert remote_of(b)["tombstones_pending"] >= 1  # ... but its tombstone waits to be sent
+    finally:
+        server.resume()
+    wait_for(lambda: remote_of(b)["tombstones_pending"] == 0)
+    with pytest.raises(tierstore.NotFound):
+        a.get(b"x", namespace="m")
+    a.close()
+    b.close()
+
+
 def test_a_stale_resend_never_resurrects_a_delete(tmp_path, server):
     """b writes while the server is down and closes with the write unsent; a then puts and deletes
     the key.  b reopens: its re-send is older than a's tombstone, so it is refused, and b's own
@@ -329,6 +383,36 @@ os._exit(0)  # no close: the queue is lost with the process
         wait_for(lambda: remote_of(a)["resent"] >= 5)
         b = node(tmp_path, "b", server2.url)
         assert [b.get(b"k%d" % i, namespace="m").data for i in range(5)] == [b"v%d" % i for i in range(5)]
+        a.close()
+        b.close()
+    finally:
+        server2.stop()
+
+
+def test_unsent_puts_are_resent_after_a_crash_that_follows_a_clean_close(tmp_path, server):
+    """REMOTE says "dirty" from open to a clean close: a crash after an earlier clean close still
+    makes the next open sweep (queued puts live only in memory)."""
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k0", tierstore.Blob(b"v0"), namespace="m")
+    a.close()  # clean: REMOTE says so
+    port = server.port
+    server.kill()
+    script = f"""
+import os, tierstore
+s = tierstore.open({str(tmp_path / 'a')!r}, remote="redis://127.0.0.1:{port}/0", remote_timeout=0.3,
+                   remote_connect_timeout=0.3)
+s.put(b"k1", tierstore.Blob(b"v1"), namespace="m")
+assert s.stats()["tiers"]["remote"]["queue_length"] == 1
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    server2 = RedisServer(tmp_path, port=port).start()
+    try:
+        a = node(tmp_path, "a", server2.url)
+        wait_for(lambda: remote_of(a)["resent"] >= 1)
+        b = node(tmp_path, "b", server2.url)
+        assert b.get(b"k1", namespace="m").data == b"v1"
         a.close()
         b.close()
     finally:

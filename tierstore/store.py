@@ -226,6 +226,7 @@ class Store:
         self.durability = durability
         self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
+        self._deletes_begun = 0  # deletes (and delete_many calls) begun by this handle: see _cache_fetched
         self._tiers: Hierarchy | None = None
         self._remote: RemoteTier | None = None
         self._capacity: Capacity | None = None
@@ -536,6 +537,7 @@ class Store:
         engine = self._engine
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
+        self._deletes_begun += 1  # (a fetched copy still on its way to the log is not kept: _cache_fetched)
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -561,7 +563,11 @@ class Store:
         remote = self._remote
         if remote is None or not remote.writes:
             return [False] * len(ks)
-        found = self._remote_has(ns, ks)
+        try:
+            found = self._remote_has(ns, ks, raise_down=True)
+        except RemoteDown:  # it may hold them: a tombstone for each, sent when it answers (False: not known)
+            self._remote_deleted(ns, ks)
+            return [False] * len(ks)
         self._remote_deleted(ns, [k for k, f in zip(ks, found) if f])
         return found
 
@@ -636,6 +642,7 @@ class Store:
         encoded = [encode_key(key) for key in keys]
         if len({k for k, _ in encoded}) != len(encoded):
             raise InvalidObject("delete_many: a key appears twice in the batch", namespace=namespace)
+        self._deletes_begun += 1
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -1023,6 +1030,7 @@ class Store:
         remote = self._remote
         assert remote is not None
         mine = version_of(loc.header) if loc is not None else None
+        deletes = self._deletes_begun  # (before the fetch: a delete after it cancels keeping the copy)
         tomb = remote.queue.tombstone_of(ns, k) if loc is None else None
         if tomb is not None and (not ask or st is None or st.version <= tomb):
             return None, None  # deleted here, the tombstone not yet sent: the delete is the local version
@@ -1052,9 +1060,9 @@ class Store:
             remote.counters["stale"] += 1
         if not ranged:  # kept in the background: the caller gets the bytes without waiting for the log
             if self._tiers is not None:
-                self._tiers.submit(self._cache_fetched, ns, k, reader, mine)
+                self._tiers.submit(self._cache_fetched, ns, k, reader, mine, deletes)
             else:
-                self._cache_fetched(ns, k, reader, mine)
+                self._cache_fetched(ns, k, reader, mine, deletes)
         return Location(0, 0, reader.hdr), reader
 
     def _drop_stale(self, ns: bytes, k: bytes, loc: Location | None) -> None:
@@ -1072,10 +1080,12 @@ class Store:
         assert self._remote is not None
         self._remote.counters["stale"] += 1
 
-    def _cache_fetched(self, ns: bytes, k: bytes, reader: Any, mine: Version | None) -> None:
+    def _cache_fetched(self, ns: bytes, k: bytes, reader: Any, mine: Version | None, deletes: int) -> None:
         """Keep a fetched record in the local log (its bytes as fetched, with a local LSN) unless
         the local copy changed since the fetch was decided (``mine``: its version then, None for
-        none).  Durable with the log's next sync: a cache copy."""
+        none) or a delete began since (``deletes``: ``_deletes_begun`` then; a delete of a key
+        held only by the server writes nothing here, so only this says it happened).  Durable
+        with the log's next sync: a cache copy."""
         if self.readonly or self._closed:
             return
         engine = self._engine
@@ -1083,7 +1093,7 @@ class Store:
             record = reader.record()
             with self._room_for(record.header.record_len), engine.write_lock:
                 cur = engine.lookup(ns, k)
-                if (version_of(cur.header) if cur is not None else None) != mine:
+                if (version_of(cur.header) if cur is not None else None) != mine or self._deletes_begun != deletes:
                     return
                 where = engine.append(record)
             engine.settle_later(where)
@@ -1105,9 +1115,9 @@ class Store:
             obj.data = out
         return self._delivered(obj, Location(0, 0, hdr), layers, rows)
 
-    def _remote_has(self, ns: bytes, ks: list[bytes]) -> list[bool]:
+    def _remote_has(self, ns: bytes, ks: list[bytes], *, raise_down: bool = False) -> list[bool]:
         """Whether the remote holds an object (not a tombstone) for each key; False where it
-        does not answer."""
+        does not answer (``raise_down``: RemoteDown instead)."""
         remote = self._remote
         if remote is None or not ks:
             return [False] * len(ks)
@@ -1117,6 +1127,8 @@ class Store:
         try:
             states = remote.states(ns, ks)
         except RemoteDown:
+            if raise_down:
+                raise
             return [False] * len(ks)
         return [st is not None and not st.tombstone and (t is None or st.version > t) for st, t in zip(states, tombs)]
 
@@ -1520,7 +1532,11 @@ class Store:
         """
         if device is not None:
             arrays.validate_device(device)
-        ns, k, loc = self._locate(key, namespace)
+        fetched = None
+        if self._remote is None:
+            ns, k, loc = self._locate(key, namespace)
+        else:  # as get: another node's overwrite or delete is seen, an object only the server holds is read
+            ns, k, loc, fetched = self._locate_everywhere(key, namespace, None, None)
         hdr = loc.header
         if hdr.kind not in fmt.LAYERED_KINDS:
             raise InvalidObject(f"stream_layers reads a KVCache or an MLACache; {key!r} is a "
@@ -1530,6 +1546,8 @@ class Store:
         pos = list(range(count)) if layers is None else blk.select_layers(layers, start, count)
 
         def read_layer(lid: int) -> Any:
+            if fetched is not None:  # (the whole record, fetched and checked once)
+                return self._read_fetched(fetched, ns, layers=lid, rows=None, device=device, out=None).data[0]
             return self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)[0].data[0]
 
         assert self._tiers is not None

@@ -718,7 +718,10 @@ class PushQueue:
             self.sweep_needed = True
 
     def start(self) -> None:
-        """Begin sending what an earlier run left (once ``load`` and ``sweep_source`` are set)."""
+        """Begin sending what an earlier run left (once ``load`` and ``sweep_source`` are set).
+        REMOTE says "dirty" from now until a clean ``close``: a put queued (or whose send
+        failed) lives only in memory, so after a crash the next open must sweep."""
+        self.save()
         if self._tombs or self.sweep_needed:
             self._wake()
 
