@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -111,7 +112,7 @@ def test_store_and_retrieve_bit_exact(path):
     assert got == 64 and torch.equal(kv, src)
     b = backend_of(eng)
     ns = namespace_of(_keys(eng, tokens)[0])
-    assert ns == "lmcache~org~model-7b~ws2~w0~float32"
+    assert ns.startswith("lmcache~org~model-7b~ws2~w0~float32~") and len(ns) == 52  # (+ a 16-digit digest)
     assert len(b.store.keys(namespace=ns)) == 4
     info = b.store.info(b.store.keys(namespace=ns)[0], namespace=ns)
     assert info.kind == "kv" and info.shape == (LAYERS, 2, 1, CHUNK, HEADS * DIM)  # typed, one extent per layer
@@ -280,10 +281,35 @@ def test_two_workers_on_one_store(path):
     got0, kv0 = retrieve(e0, tokens)
     got1, kv1 = retrieve(e1, tokens)
     assert got0 == got1 == 32 and torch.equal(kv0, a) and torch.equal(kv1, b)  # each rank its own heads
-    assert sorted(backend_of(e0).store.namespaces()) == ["lmcache~org~model-7b~ws2~w0~float32",
-                                                         "lmcache~org~model-7b~ws2~w1~float32"]
+    assert [n[:-17] for n in sorted(backend_of(e0).store.namespaces())] == ["lmcache~org~model-7b~ws2~w0~float32",
+                                                                         "lmcache~org~model-7b~ws2~w1~float32"]
     close(e1)
     close(e0)
+
+
+def test_namespaces_keep_every_part_of_a_keys_identity():
+    """A long model path (an HF snapshot), two ranks, two dtypes, LMCache tags, or model names that
+    differ only in a character a namespace cannot hold: never one namespace."""
+    from lmcache.utils import CacheEngineKey
+
+    snapshot = "/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/" + "0e9e39f249a16976918f6564b8830" * 2
+    keys = [CacheEngineKey(snapshot, 2, 0, 7, torch.float16), CacheEngineKey(snapshot, 2, 1, 7, torch.float16),
+            CacheEngineKey(snapshot, 2, 0, 7, torch.bfloat16), CacheEngineKey(snapshot + "x", 2, 0, 7, torch.float16),
+            CacheEngineKey(snapshot, 2, 0, 7, torch.float16, request_configs={"lmcache.tag.user": "bob"}),
+            CacheEngineKey("a/b", 1, 0, 7, torch.float16), CacheEngineKey("a~b", 1, 0, 7, torch.float16)]
+    names = [namespace_of(k) for k in keys]
+    assert len(set(names)) == len(keys)
+    assert all(len(n.encode()) <= 100 for n in names) and names[1].startswith("lmcache~~models~hub~models--meta")
+    assert namespace_of(CacheEngineKey(snapshot, 2, 0, 9, torch.float16)) == names[0]  # one per model, not per chunk
+    with tierstore.open(tempfile.mkdtemp()) as s:  # each a valid name
+        for n in names:
+            s.put(b"k", tierstore.Blob(b"v"), namespace=n)
+
+
+def test_layerwise_mode_is_refused(path):
+    with pytest.raises(tierstore.InvalidObject, match="layerwise"):
+        TierstoreBackend(config=LMCacheEngineConfig.from_dict(
+            {"chunk_size": CHUNK, "use_layerwise": True, "extra_config": {"tierstore.path": path}}))
 
 
 def test_bad_configuration_names_the_key(path):

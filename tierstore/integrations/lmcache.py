@@ -23,7 +23,10 @@ formats as a blob.  It uses only tierstore's public API.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,10 +52,19 @@ def _setting(config: Any, name: str, default: Any = None) -> Any:
 
 
 def namespace_of(key: CacheEngineKey) -> str:
-    """Where a key's chunks live: model, world size, worker id and dtype (``/`` is not allowed in
-    a namespace name, so the model name's slashes become ``~``)."""
+    """Where a key's chunks live: one namespace per model, world size, worker id, dtype and
+    LMCache tags (``lmcache.tag.*``: part of a key's identity in LMCache).  The name is readable
+    -- ``lmcache~<model>~ws<N>~w<id>~<dtype>~<digest>``, the model name's characters other than
+    letters, digits, ``.``, ``_`` and ``-`` as ``~`` and cut to fit -- and made exact by the
+    digest: 16 hex digits of SHA-256 over all of those fields in full (a long model path, two
+    ranks or two dtypes never share a namespace)."""
     dtype = str(key.dtype).removeprefix("torch.")
-    return f"lmcache~{key.model_name.replace('/', '~')}~ws{key.world_size}~w{key.worker_id}~{dtype}"[:100]
+    ident = json.dumps([key.model_name, int(key.world_size), int(key.worker_id), dtype,
+                        [list(t) for t in key.tags or ()]], default=str).encode()
+    digest = hashlib.sha256(ident).hexdigest()[:16]
+    tail = f"~ws{key.world_size}~w{key.worker_id}~{dtype}~{digest}"
+    model = re.sub(r"[^A-Za-z0-9._-]", "~", key.model_name)[: 100 - len("lmcache~") - len(tail)]
+    return f"lmcache~{model}{tail}"
 
 
 def key_of(key: CacheEngineKey) -> bytes:
@@ -74,6 +86,9 @@ class TierstoreBackend(StoragePluginInterface):
                  local_cpu_backend: Any = None, loop: Any = None) -> None:
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
+        if getattr(config, "use_layerwise", False):  # (its keys name a layer each, read back layer by layer)
+            raise InvalidObject("the tierstore storage plugin stores whole chunks; LMCache's layerwise mode "
+                                "(use_layerwise: true) is not supported", hint="set use_layerwise: false")
         path = _setting(config, "path")
         if not path:
             raise InvalidObject("the tierstore storage plugin needs extra_config 'tierstore.path'",
