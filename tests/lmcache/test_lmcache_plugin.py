@@ -306,6 +306,40 @@ def test_namespaces_keep_every_part_of_a_keys_identity():
             s.put(b"k", tierstore.Blob(b"v"), namespace=n)
 
 
+def test_a_kv_codec_applies_to_kv_chunks_and_other_formats_are_stored_raw(path):
+    """``tierstore.codec: int8`` (a KV codec): KV_2LTD chunks are stored in it; a chunk of another
+    format (a blob to the store, e.g. an MLA chunk) is stored raw, not dropped; LMCache's callback
+    runs for chunks that were stored, only."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    eng = engine(path, torch.zeros(LAYERS, 2, 32, HEADS, DIM), extra={"tierstore.codec": "int8"})
+    b = backend_of(eng)
+    done = []
+    for fmt, shape in [(MemoryFormat.KV_MLA_FMT, (1, 2, 16, 16)), (MemoryFormat.KV_2LTD, (2, 2, 16, 16))]:
+        o = b.local_cpu_backend.allocate(torch.Size(shape), torch.float32, fmt)
+        o.tensor.normal_()
+        k = CacheEngineKey("m", 1, 0, hash(fmt.name) & 0xFFFF, torch.float32, {})
+        for f in b.batched_submit_put_task([k], [o], on_complete_callback=done.append) or []:
+            f.result()
+        g = b.get_blocking(k)
+        assert g is not None, fmt
+        err = (g.tensor - o.tensor).abs().max().item()
+        assert (err == 0) if fmt == MemoryFormat.KV_MLA_FMT else (0 < err < 0.05)  # raw blob / int8 KV
+        assert b.store.info(key_of(k), namespace=namespace_of(k)).codec == \
+            ("raw" if fmt == MemoryFormat.KV_MLA_FMT else "int8")
+        o.ref_count_down()
+        g.ref_count_down()
+    assert len(done) == 2
+    b.store.close()  # a write that fails: no callback
+    o = b.local_cpu_backend.allocate(torch.Size((2, 2, 16, 16)), torch.float32, MemoryFormat.KV_2LTD)
+    for f in b.batched_submit_put_task([CacheEngineKey("m", 1, 0, 99, torch.float32, {})], [o],
+                                       on_complete_callback=done.append) or []:
+        f.result()
+    assert len(done) == 2
+    close(eng)
+
+
 def test_layerwise_mode_is_refused(path):
     with pytest.raises(tierstore.InvalidObject, match="layerwise"):
         TierstoreBackend(config=LMCacheEngineConfig.from_dict(

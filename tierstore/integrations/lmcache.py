@@ -169,34 +169,42 @@ class TierstoreBackend(StoragePluginInterface):
 
     def _put_batch(self, keys: list[CacheEngineKey], objs: list[MemoryObj],
                    on_complete: Callable[[CacheEngineKey], None] | None) -> None:
+        """Write a batch, one ``put_many`` per namespace; ``tierstore.codec`` applies to KV
+        chunks (other formats are blobs: stored raw).  LMCache's callback runs for each chunk
+        that was stored; a namespace whose write failed is logged and its chunks are misses."""
+        stored: list[CacheEngineKey] = []
         try:
             by_ns: dict[str, list[tuple[CacheEngineKey, bytes, MemoryObj]]] = {}
             for key, obj in zip(keys, objs):
                 by_ns.setdefault(namespace_of(key), []).append((key, key_of(key), obj))
             for ns, items in by_ns.items():
-                size = sum(self._nbytes(obj) for _, _, obj in items)
-                self._make_room(ns, size)
-                batch = []
-                for _, k, obj in items:
-                    m = obj.metadata
-                    meta = {"lmcache_shape": list(m.shape), "lmcache_dtype": str(m.dtype).removeprefix("torch."),
-                            "lmcache_fmt": m.fmt.name}
-                    batch.append((k, self._object(obj), meta))
-                for i in range(0, len(batch), 1024):
-                    self.store.put_many(batch[i : i + 1024], namespace=ns, codec=self.codec)
+                try:
+                    self._make_room(ns, sum(self._nbytes(obj) for _, _, obj in items))
+                    kv, blobs = [], []
+                    for _, k, obj in items:
+                        m = obj.metadata
+                        meta = {"lmcache_shape": list(m.shape), "lmcache_dtype": str(m.dtype).removeprefix("torch."),
+                                "lmcache_fmt": m.fmt.name}
+                        value = self._object(obj)
+                        (kv if isinstance(value, KVCache) else blobs).append((k, value, meta))
+                    for batch, codec in ((kv, self.codec), (blobs, None)):
+                        for i in range(0, len(batch), 1024):
+                            self.store.put_many(batch[i : i + 1024], namespace=ns, codec=codec)
+                except TierstoreError as e:
+                    _log.warning("tierstore: storing %d LMCache chunks failed: %s", len(items), e)
+                    continue
                 with self._lock:
                     for _, k, obj in items:
                         self._lru[(ns, k)] = self._nbytes(obj)
                         self._lru.move_to_end((ns, k))
-        except TierstoreError as e:
-            _log.warning("tierstore: storing %d LMCache chunks failed: %s", len(keys), e)
+                stored += [key for key, _, _ in items]
         finally:
             with self._lock:
                 self._putting.difference_update(keys)
             for obj in objs:
                 obj.ref_count_down()
         if on_complete is not None:
-            for key in keys:
+            for key in stored:
                 try:
                     on_complete(key)
                 except Exception as e:  # LMCache's contract: callback errors are logged, not raised
