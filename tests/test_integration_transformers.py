@@ -198,6 +198,13 @@ def test_refuses_sliding_window_models_and_bad_arguments(store_path):
             pc.load(torch.rand(1, 20))
         with pytest.raises(InvalidObject, match="DynamicCache"):
             pc.save(_ids(20), object())
+        model = _model()
+        static = transformers.StaticCache(config=model.config, max_cache_len=64)
+        with torch.no_grad():
+            model(_ids(40), past_key_values=static, use_cache=True)
+        with pytest.raises(InvalidObject, match="StaticLayer"):  # (its layers are not DynamicLayers)
+            pc.save(_ids(40), static)
+        assert store.keys(namespace=pc.namespace) == []
         with pytest.raises(InvalidObject, match="makes the cache itself"):
             pc.generate(_ids(20), past_key_values=transformers.DynamicCache())
 

@@ -191,6 +191,13 @@ class PrefixCache:
         layers = list(cache.layers) if hasattr(cache, "layers") else None
         if not layers:
             raise InvalidObject(f"save takes a DynamicCache, got {type(cache).__name__}")
+        from transformers.cache_utils import DynamicLayer
+
+        other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        if other:  # quantized layers hold only a residual window in .keys, sliding ones the last window
+            raise InvalidObject(f"save takes a DynamicCache of full-attention layers; this cache has "
+                                f"{', '.join(other)}",
+                                hint="generate with a plain DynamicCache (PrefixCache.generate makes one)")
         held = cache.get_seq_length()
         written = 0
         for b in range(ids.shape[0]):
