@@ -179,7 +179,7 @@ class Engine:
     feeding one sampled token back per finished prefill (``update_from_output``)."""
 
     def __init__(self, tmp_path, store, *, chunk_tokens=32, max_batched=None, extra=None, num_blocks=NUM_BLOCKS,
-                 prefix_caching=True, policy="fail", mla=False, role="kv_both", hnd=True):
+                 prefix_caching=True, policy="fail", mla=False, role="kv_both", hnd=True, async_scheduling=False):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._outputs = (KVConnectorOutput, ModelRunnerOutput)
@@ -190,11 +190,15 @@ class Engine:
         if max_batched:
             cfg.scheduler_config.max_num_scheduled_tokens = max_batched
             cfg.scheduler_config.long_prefill_token_threshold = max_batched
+        cfg.scheduler_config.async_scheduling = async_scheduling
         self.cfg = cfg
         kcc = kv_cache_config(mla)
         kcc.num_blocks = num_blocks
-        self.sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
-                               structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        self.sched = (AsyncScheduler if async_scheduling else Scheduler)(
+            vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
+            block_size=BLOCK)
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
         self.caches = {n: torch.zeros(num_blocks, 1, BLOCK, MLA_DIM, dtype=torch.bfloat16) for n in paged_caches(hnd)} \
             if mla else paged_caches(hnd, num_blocks)
@@ -223,21 +227,7 @@ class Engine:
                 self.tables[rid].extend(c.new_block_ids[i][0])
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         starts.update({rid: c.num_computed_tokens[i] for i, rid in enumerate(c.req_ids)})
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
-        for name, layer in self.caches.items():
-            li = int(name.split(".")[2])
-            w.wait_for_layer_load(name)
-            for rid, n in out.num_scheduled_tokens.items():
-                done, toks, table = starts[rid], self.reqs[rid].all_token_ids, self.tables[rid]
-                kv = token_kv(li, toks[: done + n], done, self.mla)
-                for j, pos in enumerate(range(done, done + n)):
-                    layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
-            w.save_kv_layer(name, layer, None)
-        w.wait_for_save()
-        failed = self.last_failed = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
+        failed = self.last_failed = self.forward(out, starts)
         for rid, n in out.num_scheduled_tokens.items():  # every token the model attends to: right
             end, table = starts[rid] + n, self.tables[rid]
             if failed & set(table):  # a failed load: vLLM drops this step's output and recomputes
@@ -258,6 +248,35 @@ class Engine:
                                                sampled_token_ids=sampled,
                                                kv_connector_output=kv_out(invalid_block_ids=failed)))
         return out
+
+    def forward(self, out, starts):
+        """The worker's part of a step: the model's forward pass, writing each scheduled token's K|V
+        into its block layer by layer, with the connector's hooks in the order vLLM's model runner
+        calls them (its own context manager: metadata bound, ``start_load_kv`` before the forward
+        pass when the step has loads, after it when not).  Returns the blocks that failed to load.
+        (A token not sampled yet -- asynchronous scheduling -- stands in as 0: its KV is not saved.)"""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        w = self.worker
+        kv_transfer_state._KV_CONNECTOR_AGENT = w
+        try:
+            with set_forward_context(None, self.cfg), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(out) as connector_output:
+                for name, layer in self.caches.items():
+                    li = int(name.split(".")[2])
+                    w.wait_for_layer_load(name)
+                    for rid, n in out.num_scheduled_tokens.items():
+                        done, table = starts[rid], self.tables[rid]
+                        toks = (list(self.reqs[rid].all_token_ids) + [0] * n)[: done + n]
+                        kv = token_kv(li, toks, done, self.mla)
+                        for j, pos in enumerate(range(done, done + n)):
+                            layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
+                    w.save_kv_layer(name, layer, None)
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        return set(connector_output.invalid_block_ids)
 
     def run(self, limit=500):
         for _ in range(limit):
@@ -570,12 +589,16 @@ def test_a_failed_load_drops_the_saves_of_its_step(tmp_path):
 
 
 def _worker_step(w, caches, meta):
-    """One step of a worker connector alone (no model: the blocks hold what they hold)."""
+    """One step of a worker connector alone (no model: the blocks hold what they hold), its hooks
+    in vLLM's order: ``start_load_kv`` before the forward pass with loads, after it without."""
     w.bind_connector_metadata(meta)
-    w.start_load_kv(None)
+    if meta.loads:
+        w.start_load_kv(None)
     for name, layer in caches.items():
         w.wait_for_layer_load(name)
         w.save_kv_layer(name, layer, None)
+    if not meta.loads:
+        w.start_load_kv(None)
     w.wait_for_save()
     failed = w.get_block_ids_with_load_errors()
     w.clear_connector_metadata()
@@ -614,20 +637,13 @@ def test_with_asynchronous_scheduling_a_request_sharing_failed_blocks_stores_no_
     """vLLM's AsyncScheduler: R's load of chunk 1 fails in step N; S, with the same prefix, was
     scheduled in step N+1 before vLLM heard of it and reuses R's blocks from vLLM's prefix cache.
     S's chunks computed from them are not stored; a restarted engine loads only right KV."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     store = tmp_path / "kv"
     a = list(range(100, 200))
     serve(tmp_path, store, [a])  # chunks 0, 1, 2 of a
     with tierstore.open(store) as s:
         victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1].key
-    e = Engine(tmp_path, store, policy="recompute")
-    e.cfg.scheduler_config.async_scheduling = True
-    kcc = kv_cache_config()
-    e.sched.shutdown()
-    e.sched = AsyncScheduler(vllm_config=e.cfg, kv_cache_config=kcc, block_size=BLOCK,
-                             structured_output_manager=StructuredOutputManager(e.cfg))
-    e.worker._async = True  # (the worker was made before the config said so)
+    e = Engine(tmp_path, store, policy="recompute", async_scheduling=True)
     e.add("R", a, max_tokens=4)
     out_n = e.sched.schedule()  # R: 96 tokens matched
     with tierstore.open(store) as s:
@@ -641,21 +657,7 @@ def test_with_asynchronous_scheduling_a_request_sharing_failed_blocks_stores_no_
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update({rid: cached.num_computed_tokens[i] for i, rid in enumerate(cached.req_ids)})
-        e.worker.bind_connector_metadata(out.kv_connector_metadata)
-        e.worker.start_load_kv(None)
-        for name, layer in e.caches.items():
-            li = int(name.split(".")[2])
-            e.worker.wait_for_layer_load(name)
-            for rid, n in out.num_scheduled_tokens.items():
-                done, table = starts[rid], e.tables[rid]
-                kv = token_kv(li, (list(e.reqs[rid].all_token_ids) + [0] * n)[: done + n], done)  # (async:
-                # a token not sampled yet stands in: a decode step's KV is never saved)
-                for j, pos in enumerate(range(done, done + n)):
-                    layer[table[pos // BLOCK], :, pos % BLOCK] = kv[j]
-            e.worker.save_kv_layer(name, layer, None)
-        e.worker.wait_for_save()
-        e.worker.get_block_ids_with_load_errors()
-        e.worker.clear_connector_metadata()
+        e.forward(out, starts)
     e.close()
     assert e.worker.counters["saves_dropped"] >= 2
     with tierstore.open(store, readonly=True) as s:
@@ -712,6 +714,31 @@ def test_other_tensor_ranks_delete_what_they_saved_on_top_of_a_failed_load(tmp_p
     sched.shutdown()
     with tierstore.open(tmp_path / "kv", readonly=True) as s:
         assert s.keys(namespace="vllm") == [a[1]]
+
+
+@pytest.mark.parametrize("pp, async_scheduling, steps", [(1, False, 1), (1, True, 2), (2, False, 2)])
+def test_the_scheduler_forgets_saves_of_every_step_built_before_it_heard_of_a_failure(tmp_path, pp,
+                                                                                      async_scheduling, steps):
+    """vLLM builds up to ``max_concurrent_batches`` steps before it hears how the oldest ended
+    (pipeline stages, async scheduling): the saves of all of them that read a failed block are
+    forgotten, and no older ones."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tierstore.integrations.vllm import ChunkSave
+
+    cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute")
+    cfg.parallel_config.pipeline_parallel_size = pp
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    assert cfg.max_concurrent_batches == steps
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    for n in range(3):  # three steps built, each saving a chunk computed from block 0 (and one that is not)
+        sched._recent.append([ChunkSave(f"r{n}", [b"%d" % n * 16], [10 + n], [0]),
+                              ChunkSave(f"q{n}", [b"q%d" % n * 8], [20 + n], [30])])
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={0}))
+    forget = sched.build_connector_meta(SchedulerOutput.make_empty()).forget
+    assert forget == [[b"%d" % n * 16] for n in range(3 - steps, 3)]
+    sched.shutdown()
 
 
 def test_saves_staged_by_a_step_that_never_reached_wait_for_save_are_not_written(tmp_path):

@@ -40,7 +40,8 @@ How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
   loaded as KV: its blocks are reported by ``get_block_ids_with_load_errors`` and vLLM
   recomputes them or fails the request, as its ``kv_load_failure_policy`` says; the saves of
   that step (chunks computed on top of it) are dropped, and so are, with asynchronous
-  scheduling, the next step's saves of chunks computed from those blocks.  Chunks saved by the
+  scheduling or pipeline stages, the saves of chunks computed from those blocks in the steps
+  vLLM built before it heard of the failure.  Chunks saved by the
   other tensor ranks in those steps (their loads succeeded, but their KV depends on the failed
   rank's through the layers' all-reduce) are deleted by every worker at the step after the
   scheduler hears of the failure (``update_connector_output``), and saved again once recomputed.
@@ -235,8 +236,10 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         # the saves of the last steps built (2 with asynchronous scheduling: vLLM builds a step before
         # it hears how the one before ended), and the chunks the next step's workers delete
-        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        self._recent: deque[list[ChunkSave]] = deque(maxlen=2 if self._async else 1)
+        # steps in flight: vLLM builds up to this many before it hears how the oldest ended (async
+        # scheduling, pipeline stages)
+        self._in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
+        self._recent: deque[list[ChunkSave]] = deque(maxlen=self._in_flight)
         self._to_forget: list[list[bytes]] = []
         # worker side
         self._tp_rank = 0
@@ -251,11 +254,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._failed_lock = threading.Lock()
         self._step_failed = False  # a load of this step failed: its saves may hold KV computed on garbage
-        # blocks whose load failed in this step and in the step before: with asynchronous scheduling the
-        # next step was scheduled before vLLM heard of the failure, so what it computes from them (for
-        # any request whose prefix holds them) is computed on garbage too
-        self._bad_now: set[int] = set()
-        self._bad_before: set[int] = set()
+        # per step in flight, the blocks whose load failed in it: the steps vLLM built before it heard
+        # of a failure compute from those blocks (for any request whose prefix holds them) on garbage
+        self._bad_steps: deque[set[int]] = deque([set()], maxlen=self._in_flight)
         self._staged_meta: Any = None
         self._staged: list[tuple[ChunkSave, Any]] = []
         self._staged_layers: set[int] = set()
@@ -482,21 +483,34 @@ class TierstoreConnector(KVConnectorBase_V1):
     def _key(self, keys: list[bytes]) -> bytes:
         return keys[self._worker]
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A step begins: vLLM binds its metadata first, then runs the forward pass, and calls
+        ``start_load_kv`` before it (a step with loads) or after it (without).  So what belongs
+        to the step's start is done here: saves a step staged without reaching ``wait_for_save``
+        are discarded, a new set of failed blocks begins, and the chunks the scheduler names
+        in ``forget`` are deleted before any ``save_kv_layer`` checks what is stored."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._load_thread is not None:  # (the last step's: reported, or finished now)
+            self._load_thread.join()
+            self._load_thread = None
+        if self._staged:
+            self.counters["saves_dropped"] += len(self._staged)
+            self._staged, self._staged_layers, self._staged_meta = [], set(), None
+        with self._failed_lock:
+            self._bad_steps.append(set())
+        meta = connector_metadata
+        if isinstance(meta, TierstoreConnectorMetadata) and meta.forget and self._saves and \
+                not (self._mla and self._tp_rank != 0):
+            self._forget_saved(meta.forget)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._load_thread is not None:  # the last step's loads: all waited for, or finished now
             self._load_thread.join()
             self._load_thread = None
         self._load_error = None
         self._step_failed = False
-        if self._staged:  # staged by a step that never reached wait_for_save: never written
-            self.counters["saves_dropped"] += len(self._staged)
-            self._staged, self._staged_layers, self._staged_meta = [], set(), None
-        with self._failed_lock:
-            self._bad_before, self._bad_now = self._bad_now, set()
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierstoreConnectorMetadata)
-        if meta.forget and self._saves and not (self._mla and self._tp_rank != 0):
-            self._forget_saved(meta.forget)
         events = [threading.Event() for _ in self._layers]
         self._loaded, self._cuda_loaded = events, [None] * len(self._layers)
         if not meta.loads or not self._layers:
@@ -543,7 +557,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                             failed.add(j)
                             with self._failed_lock:
                                 self._failed.update(ld.block_ids)
-                                self._bad_now.update(ld.block_ids)
+                                self._bad_steps[-1].update(ld.block_ids)
                                 self._step_failed = True
                             self.counters["load_errors"] += 1
                             _log.warning("tierstore: chunk %s not loaded (%s); its %d blocks are recomputed (or the "
@@ -612,8 +626,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         _, tensor, paged = self._layers[i]
         if meta is not self._staged_meta:  # the step's first layer (a step without wait_for_save leaves nothing)
             self._staged, self._staged_layers, self._staged_meta = [], set(), meta
-            with self._failed_lock:  # (a step later vLLM recomputes what failed: see _bad_before)
-                bad = self._bad_now | self._bad_before if self._async else set()
+            with self._failed_lock:  # (this step's own failures: _step_failed drops all of its saves)
+                bad = set().union(*self._bad_steps) if self._in_flight > 1 else set()
             saves = [sv for sv in meta.saves if not (bad and sv.reads(bad))]
             self.counters["saves_dropped"] += len(meta.saves) - len(saves)
             keys = [self._key(sv.keys) for sv in saves]
