@@ -148,9 +148,24 @@ def test_a_delete_during_a_fetch_is_not_undone_by_its_cache_copy(tmp_path, serve
     fn, args = deferred.pop()
     fn(*args)  # the background copy, late
     assert b.keys(namespace="m") == [] and not b.contains(b"k", namespace="m")
+    # a get that fetches while a delete is in progress (begun, its tombstone not yet sent)
+    a.put(b"j", tierstore.Blob(b"w"), namespace="m")
+    has, during = b._remote_has, []
+
+    def between(ns, ks, **kw):  # delete() asks the server whether it holds the key: a get comes first
+        during.append(b.get(b"j", namespace="m").data)
+        return has(ns, ks, **kw)
+
+    b._remote_has = between
+    assert b.delete(b"j", namespace="m") and during == [b"w"]
+    b._remote_has = has
+    fn, args = deferred.pop()
+    fn(*args)
+    assert b.keys(namespace="m") == []
     server.kill()
-    with pytest.raises(tierstore.NotFound):
-        b.get(b"k", namespace="m")  # with the server gone, nothing local answers either
+    for key in (b"k", b"j"):
+        with pytest.raises(tierstore.NotFound):
+            b.get(key, namespace="m")  # with the server gone, nothing local answers either
     a.close()
     b.close()
 

@@ -645,16 +645,19 @@ def test_cost_policy_counts_reads_that_fill_in_a_cached_object_and_not_copies_pu
         s.get("a")  # a, read again (all of it): b goes first now, as under LRU
         assert [k for _, k in s._tiers.dram.policy.victims()] == [b"b", b"a"]
         assert tier_stats(s, "dram")["probation_hits"] == 0  # (reading the rest is no re-read)
-    # an object without a session whose history went with it (removed, then put back as a
-    # copy): not a use -- it ranks as unread since the start, not as just read
+    # an object without a session, evicted (removed), then put back as a copy: not a use, and its
+    # own history goes on -- the oldest stays first, a recently read one stays last
     p = pol.CostAware()
     for i in range(20):
         p.admitted(("k", i), 1, ())
         _tick(p, 1, f"t{i}")
-    assert list(p.victims())[0] == ("k", 0)
-    p.removed(("k", 0))
-    p.readmitted(("k", 0), 1, ())
-    assert list(p.victims())[0] == ("k", 0)
+    p.touched(("k", 5))
+    assert list(p.victims())[0] == ("k", 0) and list(p.victims())[-1] == ("k", 5)
+    for key in (("k", 0), ("k", 5)):
+        p.removed(key)
+        p.readmitted(key, 1, ())
+    assert list(p.victims())[0] == ("k", 0) and list(p.victims())[-1] == ("k", 5)
+    assert p._uses[("k", ("k", 5))].turns == 2  # (no turn added by the copy)
 
 
 def test_cost_policy_keeps_a_bounded_number_of_idle_session_histories(monkeypatch):

@@ -226,7 +226,8 @@ class Store:
         self.durability = durability
         self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
-        self._deletes_begun = 0  # deletes (and delete_many calls) begun by this handle: see _cache_fetched
+        self._deletes_begun = self._deletes_ended = 0  # deletes (and delete_many calls) of this handle: see
+        # _cache_fetched
         self._tiers: Hierarchy | None = None
         self._remote: RemoteTier | None = None
         self._capacity: Capacity | None = None
@@ -533,11 +534,17 @@ class Store:
 
         Durability follows the store's mode, as for ``put``.
         """
+        self._deletes_begun += 1  # (a fetched copy on its way to the log meanwhile is not kept: _cache_fetched)
+        try:
+            return self._delete(key, namespace)
+        finally:
+            self._deletes_ended += 1
+
+    def _delete(self, key: Any, namespace: str) -> bool:
         self._check_writable()
         engine = self._engine
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
-        self._deletes_begun += 1  # (a fetched copy still on its way to the log is not kept: _cache_fetched)
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -634,6 +641,13 @@ class Store:
     def delete_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
         """Delete many keys of ``namespace`` as one atomic group (with their session references):
         after a crash all of them are gone or none is.  Returns, per key, whether it existed."""
+        self._deletes_begun += 1  # (as in delete)
+        try:
+            return self._delete_many(keys, namespace)
+        finally:
+            self._deletes_ended += 1
+
+    def _delete_many(self, keys: Any, namespace: str) -> list[bool]:
         self._check_writable()
         engine = self._engine
         ns = encode_namespace(namespace)
@@ -642,7 +656,6 @@ class Store:
         encoded = [encode_key(key) for key in keys]
         if len({k for k, _ in encoded}) != len(encoded):
             raise InvalidObject("delete_many: a key appears twice in the batch", namespace=namespace)
-        self._deletes_begun += 1
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -1030,7 +1043,8 @@ class Store:
         remote = self._remote
         assert remote is not None
         mine = version_of(loc.header) if loc is not None else None
-        deletes = self._deletes_begun  # (before the fetch: a delete after it cancels keeping the copy)
+        ended = self._deletes_ended  # (before the fetch: a delete in progress then, or begun since,
+        deletes = self._deletes_begun if self._deletes_begun == ended else -1  # cancels keeping the copy)
         tomb = remote.queue.tombstone_of(ns, k) if loc is None else None
         if tomb is not None and (not ask or st is None or st.version <= tomb):
             return None, None  # deleted here, the tombstone not yet sent: the delete is the local version
@@ -1083,9 +1097,10 @@ class Store:
     def _cache_fetched(self, ns: bytes, k: bytes, reader: Any, mine: Version | None, deletes: int) -> None:
         """Keep a fetched record in the local log (its bytes as fetched, with a local LSN) unless
         the local copy changed since the fetch was decided (``mine``: its version then, None for
-        none) or a delete began since (``deletes``: ``_deletes_begun`` then; a delete of a key
-        held only by the server writes nothing here, so only this says it happened).  Durable
-        with the log's next sync: a cache copy."""
+        none) or a delete was in progress then or began since (``deletes``: ``_deletes_begun``
+        then, -1 if a delete was in progress; a delete of a key held only by the server writes
+        nothing here, so only this says it happened).  Durable with the log's next sync: a cache
+        copy."""
         if self.readonly or self._closed:
             return
         engine = self._engine
@@ -1093,7 +1108,8 @@ class Store:
             record = reader.record()
             with self._room_for(record.header.record_len), engine.write_lock:
                 cur = engine.lookup(ns, k)
-                if (version_of(cur.header) if cur is not None else None) != mine or self._deletes_begun != deletes:
+                if (version_of(cur.header) if cur is not None else None) != mine or self._deletes_begun != deletes \
+                        or deletes < 0:
                     return
                 where = engine.append(record)
             engine.settle_later(where)

@@ -181,23 +181,24 @@ class TierstoreBackend(StoragePluginInterface):
                 try:
                     self._make_room(ns, sum(self._nbytes(obj) for _, _, obj in items))
                     kv, blobs = [], []
-                    for _, k, obj in items:
+                    for key, k, obj in items:
                         m = obj.metadata
                         meta = {"lmcache_shape": list(m.shape), "lmcache_dtype": str(m.dtype).removeprefix("torch."),
                                 "lmcache_fmt": m.fmt.name}
                         value = self._object(obj)
-                        (kv if isinstance(value, KVCache) else blobs).append((k, value, meta))
+                        (kv if isinstance(value, KVCache) else blobs).append((key, k, obj, value, meta))
                     for batch, codec in ((kv, self.codec), (blobs, None)):
                         for i in range(0, len(batch), 1024):
-                            self.store.put_many(batch[i : i + 1024], namespace=ns, codec=codec)
+                            part = batch[i : i + 1024]
+                            self.store.put_many([(k, value, meta) for _, k, _, value, meta in part], namespace=ns,
+                                                codec=codec)
+                            with self._lock:  # counted against the limit as each part lands
+                                for _, k, obj, _, _ in part:
+                                    self._lru[(ns, k)] = self._nbytes(obj)
+                                    self._lru.move_to_end((ns, k))
+                            stored += [key for key, _, _, _, _ in part]
                 except TierstoreError as e:
                     _log.warning("tierstore: storing %d LMCache chunks failed: %s", len(items), e)
-                    continue
-                with self._lock:
-                    for _, k, obj in items:
-                        self._lru[(ns, k)] = self._nbytes(obj)
-                        self._lru.move_to_end((ns, k))
-                stored += [key for key, _, _ in items]
         finally:
             with self._lock:
                 self._putting.difference_update(keys)
