@@ -585,6 +585,24 @@ def test_get_many_of_small_blobs_names_the_first_damaged_key_in_key_order(store_
             assert (e.value.segment, e.value.offset) == (locs[first].segment, locs[first].offset)
 
 
+def test_get_many_names_a_damaged_blob_before_a_damaged_chunk_in_key_order(store_path):
+    kv = _kv((3, 2, 2, 64, 8), seed=5)
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        s.put("blob", Blob(b"B" * 3000))
+        s.put("chunk", KVCache(kv))
+    path = segment_files(store_path)[0]
+    with open(path, "r+b") as f:
+        data = f.read()
+        for at in (data.index(b"B" * 3000) + 100, data.find(kv[2].tobytes()[:64]) + 9):
+            f.seek(at)
+            f.write(bytes([data[at] ^ 0x04]))
+    with tierstore.open(store_path, dram_bytes=0) as s:
+        for order in (["blob", "chunk"], ["chunk", "blob"]):
+            with pytest.raises(CorruptionError) as e:
+                s.get_many(order)
+            assert e.value.key == order[0]
+
+
 @pytest.mark.parametrize("meanwhile", ["deleted", "replaced"])
 def test_get_many_follows_small_blobs_that_compaction_moved_meanwhile(store_path, meanwhile):
     # between the index snapshot and the reads, another thread deletes or replaces a key and

@@ -1265,7 +1265,7 @@ class Store:
                 except TierstoreError as e:
                     errors[n] = e
                     break  # (the first failure in key order is below every later one)
-            if batch and not errors:
+            if batch and not (errors and min(errors) < batch[0]):  # (a blob may be the first failure)
                 try:
                     blobs = self._read_small_blobs([keys[n] for n in batch], namespace, ns, [ks[n] for n in batch],
                                                    [locs[n] for n in batch])  # type: ignore[misc]
