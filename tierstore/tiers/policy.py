@@ -284,7 +284,8 @@ class CostAware(Policy):
         self._group_of: dict[Hashable, Hashable] = {}
         self._active: OrderedDict[Hashable, None] = OrderedDict()  # announced, not yet read
         self._shared: dict[Hashable, tuple[bytes, ...]] = {}  # objects several sessions hold -> their sessions
-        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # session histories holding nothing here
+        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # histories holding nothing here
+        self._held: dict[Hashable, _Uses] = {}  # histories holding objects here (what victims() ranks)
 
     def fresh(self) -> "CostAware":
         return CostAware(**self._args)  # type: ignore[arg-type]
@@ -353,6 +354,7 @@ class CostAware(Policy):
         elif u is None:  # not a use, and its history is gone (forgotten): as an object unread
             u = self._uses[gid] = _Uses(0)  # since the first turn, not as a new one
         u.keys[key] = None
+        self._held[gid] = u
         self._idle.pop(gid, None)
         self._group_of[key] = gid
         self._log_per_byte[key] = math.log(per_byte) if per_byte > 0 else -math.inf
@@ -375,6 +377,7 @@ class CostAware(Policy):
         u = self._uses[gid]
         u.keys.pop(key, None)
         if not u.keys:
+            del self._held[gid]
             self._forget(gid)
 
     def _forget(self, gid: Hashable) -> None:
@@ -423,9 +426,7 @@ class CostAware(Policy):
         # own clock tick, so (last, newest) is unique and the key lists are never compared.
         ranked: list[tuple[int, float, int, int, list[Hashable]]] = []
         add, log_per_byte = ranked.append, self._log_per_byte
-        for gid, u in self._uses.items():
-            if not u.keys:
-                continue
+        for gid, u in self._held.items():
             rank, worth, last = self._rank(gid, u), self._log_worth(u), u.last
             keys = list(reversed(u.keys))
             values = [log_per_byte[k] for k in keys]
