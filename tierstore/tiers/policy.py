@@ -202,7 +202,8 @@ DEFAULT_DEVICE_FLOPS = 989e12
 DEFAULT_UTILISATION = 0.5
 DEFAULT_REFETCH_BYTES_PER_S = 1e9
 DEFAULT_REUSE = 0.8  # CostAware: the prior probability that a use is followed by another
-IDLE_HISTORIES = 65536  # CostAware: histories kept of sessions (or objects) holding nothing in the tier
+IDLE_HISTORIES = 65536  # CostAware: histories kept of sessions holding nothing in the tier (the most recent)
+IDLE_OBJECT_HISTORIES = 4096  # ... and of objects without a session (evicted: a lossy copy or a put may follow)
 
 
 def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEVICE_FLOPS,
@@ -284,7 +285,8 @@ class CostAware(Policy):
         self._group_of: dict[Hashable, Hashable] = {}
         self._active: OrderedDict[Hashable, None] = OrderedDict()  # announced, not yet read
         self._shared: dict[Hashable, tuple[bytes, ...]] = {}  # objects several sessions hold -> their sessions
-        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # histories holding nothing here
+        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # session histories holding nothing here
+        self._idle_objects: OrderedDict[Hashable, None] = OrderedDict()  # the same, of objects' own
         self._held: dict[Hashable, _Uses] = {}  # histories holding objects here (what victims() ranks)
 
     def fresh(self) -> "CostAware":
@@ -356,6 +358,7 @@ class CostAware(Policy):
         u.keys[key] = None
         self._held[gid] = u
         self._idle.pop(gid, None)
+        self._idle_objects.pop(gid, None)
         self._group_of[key] = gid
         self._log_per_byte[key] = math.log(per_byte) if per_byte > 0 else -math.inf
         if len(sessions) > 1:
@@ -381,13 +384,14 @@ class CostAware(Policy):
             self._forget(gid)
 
     def _forget(self, gid: Hashable) -> None:
-        """A history that holds nothing: kept for the session's next object (or the object's
-        return: put again, or kept as a lossy copy), the most recent ``IDLE_HISTORIES`` of them
-        (a history is ~600 bytes)."""
-        self._idle[gid] = None
-        self._idle.move_to_end(gid)
-        while len(self._idle) > IDLE_HISTORIES:
-            old, _ = self._idle.popitem(last=False)
+        """A history that holds nothing: kept for the session's next object, the most recent
+        ``IDLE_HISTORIES`` of them (a history is ~600 bytes), or for the object's return (put
+        again, or kept as a lossy copy: the most recent ``IDLE_OBJECT_HISTORIES`` of those)."""
+        idle, bound = (self._idle, IDLE_HISTORIES) if gid[0] == "s" else (self._idle_objects, IDLE_OBJECT_HISTORIES)
+        idle[gid] = None
+        idle.move_to_end(gid)
+        while len(idle) > bound:
+            old, _ = idle.popitem(last=False)
             del self._uses[old]
             self._active.pop(old, None)
             if self._last == old:
