@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -376,6 +378,73 @@ def test_close_does_not_wait_for_a_retry_past_its_drain(tmp_path, server):
     t0 = time.monotonic()
     a.close()
     assert time.monotonic() - t0 < 2  # not the whole 5 s drain for a retry that cannot come in it
+
+
+def test_write_through_sends_during_a_group_sync(tmp_path, server):
+    """durability="group": a put that makes the group sync sends to the server during the sync,
+    not after it.  Here the sync itself waits until the server holds the put (and fails if it
+    never does), so a send that came only after the sync would fail the put."""
+    from tierstore.engine.fileio import PosixIO
+
+    client = redis.Redis.from_url(server.url)
+    big_name = remote_key(b"m", b"big")
+
+    class SyncAfterTheSend(PosixIO):
+        armed = False
+
+        def fdatasync(self, fd: int) -> None:
+            deadline = time.monotonic() + 5
+            while self.armed and not client.exists(big_name):
+                if time.monotonic() > deadline:
+                    raise OSError(errno.EIO, "the put was not sent during the sync")
+                time.sleep(0.01)
+            super().fdatasync(fd)
+
+    io = SyncAfterTheSend()
+    a = tierstore.open(str(tmp_path / "a"), remote=server.url, durability="group", group_commit_bytes="64KiB",
+                       group_commit_ms=60_000, _io=io)  # no timed syncs: only the size bound
+    small, big = tierstore.Blob(b"s"), tierstore.Blob(os.urandom(256 << 10))
+    a.put(b"small", small, namespace="m")
+    io.armed = True
+    a.put(b"big", big, namespace="m")  # past the bound: this put's settle syncs
+    io.armed = False
+    st = a.stats()
+    assert st["durable_lsn"] == st["next_lsn"] - 1  # both puts durable when it returned
+    b = node(tmp_path, "b", server.url)
+    assert b.get(b"big", namespace="m").data == big.data
+    assert b.get(b"small", namespace="m").data == small.data
+    b.close()
+    a.close()
+    client.close()
+
+
+def test_a_sender_that_outlives_close_writes_no_remote_state(tmp_path, server):
+    """close waits for the sender a bounded time; a send still in flight after that must not
+    rewrite REMOTE afterwards (it would overwrite what the next open of the store saves)."""
+    a = node(tmp_path, "a", server.url, remote_policy="write-back", remote_timeout=0.2,
+             remote_connect_timeout=0.2)
+    queue = a._remote.queue
+    load, stuck, release = queue.load, threading.Event(), threading.Event()
+
+    def slow_load(ns, k):
+        stuck.set()
+        release.wait(30)
+        return load(ns, k)
+
+    queue.load = slow_load
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    assert stuck.wait(10)
+    state = tmp_path / "a" / "REMOTE"
+    a._remote.close(drain_s=0.1)  # the store's close, with a short drain: the sender is still stuck
+    sender = queue._thread
+    assert sender is not None and sender.is_alive()
+    saved = state.read_bytes()
+    assert json.loads(saved)["dirty"]  # the put was not sent: the next open sweeps
+    release.set()
+    sender.join(10)
+    assert not sender.is_alive()
+    assert state.read_bytes() == saved
+    a.close()
 
 
 @pytest.mark.parametrize("closed_before", [False, True], ids=["first-open", "after-a-clean-close"])

@@ -406,13 +406,37 @@ class Store:
             capacity.landed(nbytes)
 
     def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
-        """Make appended puts durable, then send them to the remote tier (when there is one)."""
+        """Make appended puts durable, then send them to the remote tier (when there is one).
+
+        "write-through" with durability="group": when the settle syncs (enough is waiting), the
+        sends run during the sync.  Nothing is promised durable before that sync in this mode
+        (other handles already see the puts), and a sync that fails poisons the handle with
+        the puts possibly still appearing after a reopen, so sending first promises no less."""
+        engine, remote = self._engine, self._remote
+        if remote is not None and remote.policy == "write-through" and engine.settle_syncs():
+            failed: list[BaseException] = []
+
+            def settle() -> None:
+                try:
+                    engine.settle(where)
+                except BaseException as e:  # raised below, in the caller's thread
+                    failed.append(e)
+
+            syncer = threading.Thread(target=settle, name="tierstore-settle")
+            syncer.start()
+            try:
+                self._remote_put(records, now=True)
+            finally:
+                syncer.join()
+            if failed:
+                raise failed[0]
+            return
         try:
-            self._engine.settle(where)
+            engine.settle(where)
         except BaseException:
             self._remote_unsent(records)
             raise
-        if self._remote is not None:
+        if remote is not None:
             self._remote_put(records, now=True)
 
     def _remote_unsent(self, records: list[rec.EncodedRecord]) -> None:

@@ -557,6 +557,12 @@ class Engine:
             log.sync()
         self._wake_committer()
 
+    def settle_syncs(self) -> bool:
+        """Whether ``settle`` would sync now in "group" mode (enough is waiting)."""
+        log = self.log
+        return (self.durability == "group" and log is not None
+                and log.unsynced_bytes >= self.options.group_commit_bytes)
+
     def settle_later(self, where: Appended) -> None:
         """``settle`` for a write whose durability a ``sync_async`` future reports: the
         "group" mode's size bound still applies; the committer is woken."""

@@ -694,6 +694,7 @@ class PushQueue:
         self.sweep_needed = False
         self.sweeping = False
         self._saved: tuple[Any, ...] | None = None
+        self._closed = False  # the last save is done: a sender still in flight writes no more
         self.failures = 0  # sends that failed (the sender tries again after ``retry_s``)
         if state_path is not None:
             self._read_state()
@@ -725,12 +726,17 @@ class PushQueue:
         if self._tombs or self.sweep_needed:
             self._wake()
 
-    def save(self, *, clean: bool = False) -> None:
+    def save(self, *, clean: bool = False, last: bool = False) -> None:
         """Write REMOTE (atomically, one writer at a time): ``pushed_to``, the tombstones not yet
-        sent, and whether a sweep is still owed."""
+        sent, and whether a sweep is still owed.  After the ``last`` save (close) nothing more
+        is written: a sender that outlived close's wait must not overwrite what the next open
+        of the store saves."""
         if self.state_path is None:
             return
         with self._save_lock:
+            if self._closed:
+                return
+            self._closed = last
             with self._cv:
                 behind = self.sweep_needed or self.sweeping
                 if not behind:
@@ -922,7 +928,7 @@ class PushQueue:
             thread = self._thread
         if thread is not None:  # at most one send in flight, bounded by the client's timeouts
             thread.join(2 * self.tier.timeout + self.tier.connect_timeout + 1)
-        self.save(clean=True)
+        self.save(clean=True, last=True)
 
 
 REMOTE_OPTIONS = ("remote", "remote_policy", "remote_timeout", "remote_connect_timeout", "remote_retry_s",
