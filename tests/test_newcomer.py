@@ -16,6 +16,7 @@ import pytest
 import tierstore
 from tierstore import Blob, InvalidObject, KVCache, Vectors
 from tierstore.engine import repair
+from tierstore.format import record as rec
 
 from .conftest import HAS_TORCH, needs_torch, segment_files
 
@@ -344,6 +345,36 @@ def test_get_returns_the_objects_meta_and_a_copy_keeps_it(store_path):
         assert s.get("a3").meta == {"turn": 4}
 
 
+def test_put_stores_a_copy_of_meta_and_gets_back_what_was_stored(store_path):
+    """Changing the dict given to put changes nothing stored; a tuple comes back as a list in
+    this process as in any other (what the log holds)."""
+    m = {"tokens": [1, 2, 3], "pair": (4, 5)}
+    with tierstore.open(store_path) as s:
+        s.put("b", Blob(b"x"), meta=m)
+        s.put_many([("c", Blob(b"y"), m)])
+        m["tokens"].clear()
+        m["late"] = True
+        want = {"tokens": [1, 2, 3], "pair": [4, 5]}
+        assert s.get("b").meta == want and s.info("b").meta == want and s.get("c").meta == want
+        s.put("b2", s.get("b"))
+        assert s.get("b2").meta == want
+    with tierstore.open(store_path, readonly=True) as s:
+        assert s.get("b").meta == s.get("b2").meta == s.get("c").meta == want
+
+
+def test_meta_depth_counts_dicts_and_lists():
+    def nested(levels: int) -> dict:
+        d: dict = {"leaf": 1}
+        for _ in range(levels - 1):
+            d = {"d": d}
+        return d
+
+    assert rec.check_user_meta(nested(8)) == nested(8)  # 8 levels, as documented
+    assert rec.check_user_meta({"a": [[[[[[[1]]]]]]]})  # a dict and 7 lists
+    with pytest.raises(InvalidObject, match="deeper than 8"):
+        rec.check_user_meta(nested(9))
+
+
 def test_namespace_handles_reach_the_tiers(store_path):
     with tierstore.open(store_path, dram_bytes="8MiB") as s:
         s.put("sys", KVCache(np.ones((2, 2, 1, 8, 4), np.float16)), namespace="system")
@@ -355,6 +386,29 @@ def test_namespace_handles_reach_the_tiers(store_path):
             assert "dram" in s.info("sys", namespace="system").tiers
         with pytest.raises(tierstore.AccessDenied):
             t.prefetch("x", namespace="other")
+
+
+def test_namespace_handles_have_the_batch_calls(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("sys", Blob(b"system"), namespace="system")
+        t = s.namespace("tenant", shared=["system"])
+        t.put_many([("a", Blob(b"1")), ("b", Blob(b"2"))])
+        assert t.put_async("c", Blob(b"3")).result() is None
+        assert [o.data for o in t.get_many(["a", "b", "c"])] == [b"1", b"2", b"3"]
+        assert t.get_many(["sys", "x"], namespace="system")[0].data == b"system"
+        assert t.contains_many(["a", "x"]) == [True, False]
+        assert t.delete_many(["a", "x"], namespace="tenant") == [True, False]
+        assert s.keys(namespace="tenant") == ["b", "c"]
+        for write in (lambda: t.put_many([("d", Blob(b"4"))], namespace="system"),
+                      lambda: t.put("d", Blob(b"4"), namespace="other"),
+                      lambda: t.delete_many(["sys"], namespace="system")):
+            with pytest.raises(tierstore.AccessDenied):
+                write()
+        with pytest.raises(tierstore.AccessDenied):
+            t.get_many(["a"], namespace="other")
+        assert s.keys(namespace="system") == ["sys"] and s.keys(namespace="tenant") == ["b", "c"]
+        with pytest.raises(tierstore.ReadOnlyError):
+            s.namespace("tenant", readonly=True).put_many([("e", Blob(b"5"))])
 
 
 def test_readonly_namespace_handle_hint(store_path):

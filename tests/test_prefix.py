@@ -166,9 +166,9 @@ def test_a_tenant_handle_cannot_reach_another_tenants_keys(store_path):
                      lambda: a.match_prefix([b"k"], namespace="tenant-b"), lambda: a.keys(namespace="default")):
             with pytest.raises(tierstore.AccessDenied):
                 call()
-        with pytest.raises(TypeError):
-            a.put(b"k", Blob(b"x"), namespace="tenant-b")  # writes take no namespace at all
-        with pytest.raises(TypeError):
+        with pytest.raises(tierstore.AccessDenied):
+            a.put(b"k", Blob(b"x"), namespace="tenant-b")  # writes go to the handle's own namespace only
+        with pytest.raises(tierstore.AccessDenied):
             a.delete(b"k", namespace="tenant-b")
         assert a.drop_session("s1") == 0  # a's drop cannot touch b's session
         assert b.get(b"k").data == b"b's" and b.session_keys("s1") == [b"k"] and a.session_keys("s1") == []

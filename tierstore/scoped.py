@@ -9,6 +9,7 @@ own and never bypasses the Store's checks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,10 +22,13 @@ class NamespaceHandle:
     """The part of a Store one tenant may use: its own namespace, plus read-only shared ones.
 
     ``namespace=`` arguments default to the handle's own namespace; naming a shared one is
-    allowed for reads (``get``, ``contains``, ``keys``, ``info``, ``match_prefix``, and the
-    tiers' ``prefetch``, ``stream_layers``, ``pin`` / ``unpin`` / ``pinned``); any other
-    raises ``AccessDenied``.  Writes (``put``, ``delete``, ``drop_session``) go only to
-    the handle's own namespace (``readonly=True`` forbids them too).
+    allowed for reads (``get``, ``get_many``, ``contains``, ``contains_many``, ``keys``,
+    ``info``, ``match_prefix``, and the tiers' ``prefetch``, ``stream_layers``, ``pin`` /
+    ``unpin`` / ``pinned``); any other raises ``AccessDenied``.  Writes (``put``,
+    ``put_many``, ``put_async``, ``delete``, ``delete_many``, ``drop_session``) go only to the
+    handle's own namespace (``readonly=True`` forbids them too); a ``namespace=`` given to
+    a write must be that namespace (``AccessDenied`` otherwise).  Each method is the Store's
+    method of the same name, scoped.
     """
 
     def __init__(self, store: Any, namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
@@ -50,7 +54,10 @@ class NamespaceHandle:
             return namespace
         raise AccessDenied(f"this handle may not read namespace {namespace!r}", namespace=namespace)
 
-    def _write_ns(self) -> str:
+    def _write_ns(self, namespace: str | None = None) -> str:
+        if namespace is not None and namespace != self.name:
+            raise AccessDenied(f"this handle writes only to namespace {self.name!r}, not {namespace!r}",
+                               namespace=namespace, hint="leave namespace= out: a handle writes to its own")
         if self.readonly:
             raise ReadOnlyError(f"this handle of namespace {self.name!r} is read-only", namespace=self.name,
                                 hint="write through a handle from store.namespace(name) without readonly=True, "
@@ -60,11 +67,20 @@ class NamespaceHandle:
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, key: str | bytes, *, namespace: str | None = None, layers: Any = None, rows: Any = None,
-            device: str | None = None) -> KVCache | Vectors | Blob:
-        return self._store.get(key, namespace=self._read_ns(namespace), layers=layers, rows=rows, device=device)
+            device: str | None = None, out: Any = None) -> KVCache | Vectors | Blob:
+        return self._store.get(key, namespace=self._read_ns(namespace), layers=layers, rows=rows, device=device,
+                               out=out)
+
+    def get_many(self, keys: Any, *, namespace: str | None = None, layers: Any = None, rows: Any = None,
+                 device: str | None = None, out: Any = None) -> list[Any]:
+        return self._store.get_many(keys, namespace=self._read_ns(namespace), layers=layers, rows=rows,
+                                    device=device, out=out)
 
     def contains(self, key: str | bytes, *, namespace: str | None = None) -> bool:
         return self._store.contains(key, namespace=self._read_ns(namespace))
+
+    def contains_many(self, keys: Any, *, namespace: str | None = None) -> list[bool]:
+        return self._store.contains_many(keys, namespace=self._read_ns(namespace))
 
     def __contains__(self, key: str | bytes) -> bool:
         return self.contains(key)
@@ -107,12 +123,25 @@ class NamespaceHandle:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, meta: dict[str, Any] | None = None,
-            session: str | None = None) -> None:
-        self._store.put(key, obj, namespace=self._write_ns(), meta=meta, session=session)
+    def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str | None = None,
+            meta: dict[str, Any] | None = None, session: str | None = None, codec: str | None = None) -> None:
+        self._store.put(key, obj, namespace=self._write_ns(namespace), meta=meta, session=session, codec=codec)
 
-    def delete(self, key: str | bytes) -> bool:
-        return self._store.delete(key, namespace=self._write_ns())
+    def put_many(self, items: Any, *, namespace: str | None = None, session: str | None = None,
+                 codec: str | None = None) -> None:
+        self._store.put_many(items, namespace=self._write_ns(namespace), session=session, codec=codec)
 
-    def drop_session(self, session: str) -> int:
-        return self._store.drop_session(session, namespace=self._write_ns())
+    def put_async(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str | None = None,
+                  meta: dict[str, Any] | None = None, session: str | None = None,
+                  codec: str | None = None) -> Future:
+        return self._store.put_async(key, obj, namespace=self._write_ns(namespace), meta=meta, session=session,
+                                     codec=codec)
+
+    def delete(self, key: str | bytes, *, namespace: str | None = None) -> bool:
+        return self._store.delete(key, namespace=self._write_ns(namespace))
+
+    def delete_many(self, keys: Any, *, namespace: str | None = None) -> list[bool]:
+        return self._store.delete_many(keys, namespace=self._write_ns(namespace))
+
+    def drop_session(self, session: str, *, namespace: str | None = None) -> int:
+        return self._store.drop_session(session, namespace=self._write_ns(namespace))

@@ -665,15 +665,18 @@ def _depth(x: Any, limit: int = fmt.META_MAX_DEPTH + 1) -> int:
 
 
 def check_user_meta(meta: Any) -> dict[str, Any]:
-    """Validate the ``meta=`` argument of put: a msgpack-able map of bounded depth and size."""
+    """Validate the ``meta=`` argument of put: a msgpack-able map of bounded depth (maps and
+    lists, the top-level map being level 1) and size.  Returns the metadata as stored and as
+    every reader gets it back (a copy: the caller's dict may change afterwards; tuples are
+    lists)."""
     if meta is None:
         return {}
     if not isinstance(meta, dict):
         raise InvalidObject(f"meta must be a dict, got {type(meta).__name__}")
 
     def walk(v: Any, depth: int) -> None:
-        if depth > fmt.USER_META_MAX_DEPTH:
-            raise InvalidObject(f"meta is nested deeper than {fmt.USER_META_MAX_DEPTH} levels")
+        if isinstance(v, (dict, list, tuple)) and depth > fmt.USER_META_MAX_DEPTH:
+            raise InvalidObject(f"meta is nested deeper than {fmt.USER_META_MAX_DEPTH} levels of maps and lists")
         if isinstance(v, dict):
             for k, w in v.items():
                 if not isinstance(k, str):
@@ -692,9 +695,10 @@ def check_user_meta(meta: Any) -> dict[str, Any]:
                                 f"got {type(v).__name__}")
 
     walk(meta, 1)
-    if len(pack_meta(meta)) > fmt.USER_META_MAX_BYTES:
+    packed = pack_meta(meta)
+    if len(packed) > fmt.USER_META_MAX_BYTES:
         raise InvalidObject(f"meta is larger than {fmt.USER_META_MAX_BYTES} bytes packed")
-    return meta
+    return unpack_meta(packed)
 
 
 def _req(meta: dict[str, Any], name: str, typ: type | tuple[type, ...], **where: Any) -> Any:
