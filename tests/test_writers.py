@@ -402,3 +402,49 @@ def test_a_failed_write_never_cuts_what_another_writer_appended(store_path, fail
     assert {k: got[k] for k in ("init", "x")} == {"init": b"i", "x": b"X" * 3000} and "y" not in got
     for i in range(1, 4):
         assert got[f"a-{i}"] == value("a", i)  # A's acknowledged puts survive B's failure
+
+
+def test_a_forked_child_opens_its_own_handle_and_leaves_the_parents_alone(store_path):
+    """multiprocessing's "fork" workers: the child opens the store itself (its own engine and
+    LMDB environment, not the parent's inherited ones); the inherited handle refuses every call
+    and its close touches nothing.  Parent and child write at once; nothing is lost."""
+    import multiprocessing
+
+    s = tierstore.open(store_path)
+    s.put("p-init", Blob(b"x"))
+    n = 200
+
+    def child(conn) -> None:  # type: ignore[no-untyped-def]
+        report = {}
+        for name, call in (("put", lambda: s.put("c-x", Blob(b"x"))), ("get", lambda: s.get("p-init"))):
+            try:
+                call()
+                report[name] = "no error"
+            except tierstore.StoreClosed as e:
+                report[name] = "StoreClosed: " + e.message
+        s.close()  # the parent's: nothing happens
+        with tierstore.open(store_path) as c:
+            for i in range(n):
+                c.put(f"c-{i}", Blob(b"c%d" % i))
+            report["child sees the parent"] = c.get("p-init").data == b"x"
+        conn.send(report)
+        conn.close()
+
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=child, args=(theirs,))
+    p.start()
+    for i in range(n):
+        s.put(f"p-{i}", Blob(b"p%d" % i))
+    report = mine.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    assert report["put"].startswith("StoreClosed: this handle was opened before fork()")
+    assert report["get"].startswith("StoreClosed") and report["child sees the parent"]
+    s.put("p-last", Blob(b"last"))  # the parent's handle is unharmed by the child's close
+    s.close()
+    with tierstore.open(store_path) as s:
+        assert s.recovery["damage"] == []
+        for who in "pc":
+            assert [s.get(f"{who}-{i}").data for i in range(n)] == [b"%s%d" % (who.encode(), i) for i in range(n)]
+        assert s.get("p-last").data == b"last" and "c-x" not in s

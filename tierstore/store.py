@@ -14,7 +14,8 @@ Batches:     Store.put_many -> (encode every item first) -> Engine.append_group 
 Threads: a Store may be shared by threads.  Processes: any number of writers (the engine holds a
 shared ``flock`` on LOCK for a writable handle's life and serialises each append across processes,
 SPEC.md §7.8) and any number of read-only handles.
-Never use a Store across ``fork()``.
+Never use a Store across ``fork()``: a child opens its own (an inherited handle raises
+StoreClosed; the engine and index modules forget the parent's state in the child).
 """
 
 from __future__ import annotations
@@ -103,10 +104,25 @@ _REMOTE_ENGINES: dict[int, int] = {}
 _REMOTE_LOCK = threading.Lock()
 
 
+def _forked() -> None:
+    """In the child of a ``fork()``: the parent's remote handles are not the child's (their
+    descriptors are left open: closing a copy never releases the parent's lock)."""
+    global _REMOTE_LOCK
+    _REMOTE_ENGINES.clear()
+    _REMOTE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def release(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None = None,
             capacity: Capacity | None = None, trace: TraceWriter | None = None) -> None:
     """Close a handle's tiers and its share of the engine (what ``close`` does); the eviction
-    thread and the remote tier first, while they can still use the log."""
+    thread and the remote tier first, while they can still use the log.  In a fork()ed
+    child a handle inherited from the parent releases nothing: all of it is the parent's."""
+    if engine.inherited:
+        engine.close()
+        return
     try:
         if capacity is not None:
             capacity.close()
@@ -337,6 +353,7 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is closed", path=self.path)
+        self._engine.check_process()
 
     def _check_writable(self) -> None:
         self._check_open()

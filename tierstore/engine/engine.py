@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,6 +37,7 @@ from ..errors import (
     FormatVersionError,
     InvalidObject,
     ReadOnlyError,
+    StoreClosed,
     StoreNotFound,
     TierstoreError,
 )
@@ -80,6 +82,23 @@ SHRINK_PAUSE_S = 0.01
 _WRITERS: dict[str, "Engine"] = {}
 _WRITERS_LOCK = threading.Lock()
 _OPENING: dict[str, threading.Lock] = {}  # one open at a time per path
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # every engine of this process (for fork)
+
+
+def _forked() -> None:
+    """In the child of a ``fork()``: the engines it inherited stay the parent's.  They are
+    marked ``inherited`` (their handles refuse every call and their close touches nothing: a
+    child writing through the parent's log position, or unlocking the parent's flocks, would
+    corrupt the store), and a ``tierstore.open`` in the child makes an engine of its own."""
+    global _WRITERS_LOCK
+    for engine in list(_ENGINES):
+        engine.inherited = True
+    _WRITERS.clear()
+    _OPENING.clear()
+    _WRITERS_LOCK = threading.Lock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_forked)
 
 # called under the log's append lock, in LSN order, for every record appended:
 # (namespace, key) and the record's header for a PUT, None for a DELETE
@@ -222,6 +241,7 @@ class Engine:
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
+        self.inherited = False  # True in a fork()ed child: the engine is the parent's (_forked)
         self.index_damage: str | None = None  # damage a read found in the index (rebuilt at the next open)
         self._warned_index = False
         self._close_lock = threading.Lock()
@@ -236,6 +256,7 @@ class Engine:
             self._teardown()
             raise
         self.closed = False
+        _ENGINES.add(self)
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -422,7 +443,11 @@ class Engine:
     def close(self) -> None:
         """Make every write durable and visible; the last of the handles sharing this engine
         (``open_engine``) also releases everything.  Each handle that opened the engine closes
-        it once (``Store`` makes its own ``close`` idempotent)."""
+        it once (``Store`` makes its own ``close`` idempotent).  In a fork()ed child the
+        parent's engine is left as it is."""
+        if self.inherited:
+            self.closed = True
+            return
         with self._close_lock:  # a closer never commits on an engine another closer tears down
             with _WRITERS_LOCK:
                 if self.closed:
@@ -494,9 +519,17 @@ class Engine:
         reading other processes' records first (call ``see_all`` under it before deciding)."""
         return self._append if self._append is not None else self.write_lock
 
+    def check_process(self) -> None:
+        """StoreClosed in a fork()ed child: the engine (and every handle on it) is the parent's."""
+        if self.inherited:
+            raise StoreClosed("this handle was opened before fork(): it belongs to the parent process",
+                              path=self.path, hint="open the store again in this process (tierstore.open(path)); "
+                                                   "a handle is never used across fork()")
+
     def check_writable(self) -> Log:
         """The log, if this engine may write now; else why not (ReadOnlyError, the committer's
         error, or the log's poisoning)."""
+        self.check_process()
         if self.readonly or self.log is None:
             raise ReadOnlyError("the store was opened read-only", path=self.path)
         if self._committer_error is not None:

@@ -241,6 +241,25 @@ _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount, lock]
 _ENVS_LOCK = threading.Lock()
 
 
+def _forked() -> None:
+    """In the child of a ``fork()``: an LMDB environment is not usable across fork (LMDB's
+    documentation) and py-lmdb refuses a second open of one still open in the process, so the
+    child closes its copies of the parent's (which releases nothing of the parent's: LMDB's
+    fcntl locks are not inherited and a reader slot is cleared only by the process that owns
+    it) and opens its own when a handle of its own needs one."""
+    global _ENVS_LOCK
+    for env, _, _ in _ENVS.values():
+        try:
+            env.close()
+        except lmdb.Error:  # (a closed copy needs nothing more)
+            pass
+    _ENVS.clear()
+    _ENVS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class Index:
     """Handle on the shared LMDB environment of one store."""
 
