@@ -9,6 +9,7 @@ is never half applied), and every batch checks all of its items before writing a
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -840,3 +841,36 @@ def test_large_scattered_put_is_one_gathered_write(store_path):
 def test_repr_of_a_scattered_chunk():
     c = KVCache.from_layers([(np.ones((1, 2, 3), np.float32), np.zeros((1, 2, 3), np.float32))], layer_start=4)
     assert repr(c) == "KVCache(shape=[1, 2, 1, 2, 3], dtype=float32, layer_start=4)"
+
+
+def test_get_many_reads_a_group_in_one_version_while_compaction_moves_it(store_path, monkeypatch):
+    """The keys are looked up in one snapshot and their segments held while the batch reads:
+    a put_many group replaced and its old segment compacted away between two keys' reads is
+    still read whole in the snapshot's version (it was read half old, half new)."""
+    from tierstore.store import Store
+
+    size = 200_000  # not a small blob: each is read on its own
+    s = tierstore.open(store_path)
+    s.put_many([(f"grp-{j}", Blob(b"v1" * (size // 2))) for j in range(4)])
+    orig, calls, lock, replaced = Store._read, [], threading.Lock(), threading.Event()
+
+    def read_then_replace(self, *a, **k):  # type: ignore[no-untyped-def]
+        with lock:  # (the reads run on several threads)
+            first = not calls
+            calls.append(1)
+        if not first:  # the other keys are read once the group was replaced and compacted
+            assert replaced.wait(10)
+            return orig(self, *a, **k)
+        try:
+            return orig(self, *a, **k)
+        finally:  # after the first key's read: a new group, and compaction retires the old segment
+            self.put_many([(f"grp-{j}", Blob(b"v2" * (size // 2))) for j in range(4)])
+            assert self.compact()["victims"]
+            replaced.set()
+
+    monkeypatch.setattr(Store, "_read", read_then_replace)
+    got = s.get_many([f"grp-{j}" for j in range(4)])
+    monkeypatch.setattr(Store, "_read", orig)
+    assert [bytes(g.data[:2]) for g in got] == [b"v1"] * 4
+    assert [bytes(g.data[:2]) for g in s.get_many([f"grp-{j}" for j in range(4)])] == [b"v2"] * 4
+    s.close()

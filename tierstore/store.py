@@ -1207,7 +1207,8 @@ class Store:
                  device: str | None = None, out: Any = None) -> list[KVCache | MLACache | Vectors | Blob | None]:
         """``get`` of many keys of ``namespace``: a list in the order of ``keys``, None where a
         key does not exist (a miss is an answer here, as in Redis' MGET).  The keys are looked
-        up in one index snapshot; small blobs stored near each other are read with one system
+        up in one index snapshot and read in it (a ``put_many`` group is read in one version,
+        even if it is replaced and compacted meanwhile); small blobs stored near each other are read with one system
         call per run; larger objects that no memory tier holds are read side by side on a few
         threads (one object's device read overlaps another's checksum and copy).
         ``layers`` / ``rows`` / ``device`` apply to every key.  ``out``: a list with one
@@ -1231,7 +1232,28 @@ class Store:
                                 + (f" of {len(out)}" if isinstance(out, (list, tuple)) else ""))
         ns = encode_namespace(namespace)
         ks = key_bytes(keys)
-        locs = self._engine.lookup_many(ns, ks)
+        locs, held = self._held_snapshot(ns, ks)
+        with held:
+            return self._get_many_at(keys, namespace, ns, ks, locs, layers=layers, rows=rows, device=device, out=out)
+
+    def _held_snapshot(self, ns: bytes, ks: list[bytes]) -> tuple[list[Location | None], Any]:
+        """The keys' locations in one index snapshot, with their segments held open
+        (``Engine.hold_segments``) until the batch's reads end: compaction moving the objects
+        meanwhile cannot send one key's read to a newer version while another read the
+        snapshot's (a ``put_many`` group is read whole in one version).  A segment already gone
+        when held: the snapshot is taken again."""
+        engine = self._engine
+        for _ in range(3):
+            locs = engine.lookup_many(ns, ks)
+            try:
+                return locs, engine.hold_segments(loc.segment for loc in locs if loc is not None)
+            except FileNotFoundError:
+                continue
+        return locs, contextlib.nullcontext()  # (compaction keeps racing: each read follows its object)
+
+    def _get_many_at(self, keys: list[Any], namespace: str, ns: bytes, ks: list[bytes], locs: list[Location | None],
+                     *, layers: Any, rows: Any, device: str | None, out: Any) -> list[Any]:
+        """``get_many`` of the located keys (their segments held)."""
         result: list[Any] = [None] * len(keys)
         for w in self._watchers:
             w.missed(ns, [k for k, loc in zip(ks, locs) if loc is None])

@@ -20,6 +20,7 @@ offline tools (repair.py) are its neighbours, given the engine; recovery.py is b
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import heapq
@@ -1141,6 +1142,18 @@ class Engine:
         or -1), kept open for the block even if compaction retires it meanwhile;
         FileNotFoundError if it is already gone."""
         return HeldSegment(self.files, seg)
+
+    def hold_segments(self, segs: Iterable[int]) -> contextlib.ExitStack:
+        """``hold_segment`` of several segments at once, for reads of one index snapshot: a
+        context manager; FileNotFoundError, with none held, if one is already gone."""
+        stack = contextlib.ExitStack()
+        try:
+            for seg in sorted(set(segs)):
+                stack.enter_context(HeldSegment(self.files, seg))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
 
     def segment_path(self, seg: int) -> str:
         return self.files.path(seg)
