@@ -448,3 +448,29 @@ def test_a_forked_child_opens_its_own_handle_and_leaves_the_parents_alone(store_
         for who in "pc":
             assert [s.get(f"{who}-{i}").data for i in range(n)] == [b"%s%d" % (who.encode(), i) for i in range(n)]
         assert s.get("p-last").data == b"last" and "c-x" not in s
+
+
+def test_an_open_beside_a_compaction_that_retires_the_applied_segment(store_path, monkeypatch):
+    """A handle opening beside another writer (here: read-only) reads the index's applied
+    position; compaction then commits its copies and removes that position's segment before
+    the opener looks for it.  The opener looks again (it raised "index and log disagree" with a
+    hint to run recover, on a store with nothing wrong)."""
+    from tierstore.engine import recovery
+
+    w = tierstore.open(store_path)
+    for i in range(20):
+        w.put(f"k{i % 5}", Blob(bytes([i]) * 1000))  # overwrites: dead bytes to compact
+    w.flush()
+    orig, seen = recovery.check_applied, []
+
+    def compact_first(io, root, applied):  # type: ignore[no-untyped-def]
+        if not seen:
+            assert w.compact()["victims"] == [applied.segment]
+        seen.append(applied)
+        return orig(io, root, applied)
+
+    monkeypatch.setattr(recovery, "check_applied", compact_first)
+    with tierstore.open(store_path, readonly=True) as r:
+        assert [r.get(f"k{i}").data for i in range(5)] == [bytes([15 + i]) * 1000 for i in range(5)]
+    assert len(seen) == 2 and seen[1].segment != seen[0].segment
+    w.close()

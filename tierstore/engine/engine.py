@@ -389,6 +389,25 @@ class Engine:
         self.recovery.setdefault("damage", []).extend(d.__dict__ for d in scan.damage)
         self.recovery.setdefault("removed_segments", []).extend(scan.removed_segments)
 
+    def _scan_from_applied(self, uuid: bytes) -> recovery.LogScan:
+        """The log from the index's applied position on.  Beside other writers (or read-only),
+        compaction in another process may commit its copies and remove the segment that
+        position named between our reads of the two: while the applied position keeps moving
+        the scan starts again from the new one; only a position that stays missing is
+        IndexAhead."""
+        assert self.index is not None
+        for attempt in range(50):
+            applied = self.index.applied()
+            try:
+                if not recovery.check_applied(self.io, self.path, applied):
+                    raise recovery.IndexAhead("the index's applied position is not in the log")
+                return recovery.scan_log(self.io, self.path, uuid, applied, writable=not self.readonly, repair=False)
+            except (recovery.IndexAhead, FileNotFoundError):
+                if self.alone and not self.readonly or attempt == 49 or self.index.applied() == applied:
+                    raise
+                time.sleep(0.001 * attempt)  # another process moved the index on: look again
+        raise AssertionError("unreachable")
+
     def _replay(self) -> recovery.LogScan:
         """Bring the index up to the end of the log (see recovery.py)."""
         assert self.index is not None
@@ -400,11 +419,8 @@ class Engine:
         if version[0] != fmt.FORMAT_MAJOR:
             raise FormatVersionError(f"index written by format {version[0]}.{version[1]}", path=self.index.path)
         self.store_uuid = uuid
-        applied = self.index.applied()
         try:
-            if not recovery.check_applied(self.io, self.path, applied):
-                raise recovery.IndexAhead("the index's applied position is not in the log")
-            scan = recovery.scan_log(self.io, self.path, uuid, applied, writable=not self.readonly, repair=False)
+            scan = self._scan_from_applied(uuid)
         except recovery.IndexAhead as e:
             if self.readonly or not self.alone:
                 raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
