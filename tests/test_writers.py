@@ -474,3 +474,38 @@ def test_an_open_beside_a_compaction_that_retires_the_applied_segment(store_path
         assert [r.get(f"k{i}").data for i in range(5)] == [bytes([15 + i]) * 1000 for i in range(5)]
     assert len(seen) == 2 and seen[1].segment != seen[0].segment
     w.close()
+
+
+def test_segments_another_process_compacted_away_are_let_go(store_path):
+    """A long-lived handle that read from segments which compaction in another process then
+    removed closes its descriptors of them (within about a second: the committer, or its next
+    read, looks): they kept the files' disk space in use until the handle closed."""
+    b = tierstore.open(store_path, segment_bytes="1MiB")
+    for _ in range(3):
+        for i in range(8):
+            b.put(f"k{i}", Blob(os.urandom(256 << 10)))  # overwrites: most segments end up dead
+    for i in range(8):
+        b.get(f"k{i}")  # descriptors of the segments these live in: cached
+    segs = os.path.join(store_path, "segments")
+
+    def held_deleted() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(segs) and target.endswith("(deleted)"):
+                out.append(target)
+        return out
+
+    compactor = "import sys, tierstore; s = tierstore.open(sys.argv[1]); print(len(s.compact()['victims'])); s.close()"
+    out = subprocess.run([sys.executable, "-c", compactor, store_path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 0 and held_deleted()  # removed while this handle holds them
+    deadline = time.monotonic() + 10
+    while held_deleted() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held_deleted() == []
+    assert [len(b.get(f"k{i}").data) for i in range(8)] == [256 << 10] * 8  # reads go on, from the copies
+    b.close()

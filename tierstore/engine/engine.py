@@ -877,6 +877,7 @@ class Engine:
                     return
             try:
                 self.commit(force=False, sync=False)
+                self.files.sweep()  # segments other processes' compaction removed: their space freed
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
                 return

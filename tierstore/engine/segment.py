@@ -351,6 +351,7 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
 SPLIT_MIN = 4 << 20  # a warm extent this large is read and checksummed as two halves in parallel
 COLD_FRACTION = 0.5  # a read with less than this fraction in the page cache counts as cold
 DIRECT_READS = {"auto": 8 << 20, "always": 1, "never": None}  # smallest cold read that goes O_DIRECT
+SWEEP_S = 1.0  # how often a handle looks for segments another process removed (SegmentFiles.sweep)
 DIRECT_READS_WITH_DRAM_TIER = 64 << 10  # "auto" when a DRAM tier caches repeated reads instead
 
 
@@ -571,7 +572,9 @@ class SegmentFiles:
     reads of 8 MiB or more go O_DIRECT, or of 64 KiB or more when the store has a DRAM tier
     (``dram_tier``): that tier, not the page cache, is then where a repeated read finds them.
     A segment retired by compaction is closed when its last reader releases it, so a read in
-    flight never sees its descriptor closed (or reused) under it.
+    flight never sees its descriptor closed (or reused) under it.  A segment that compaction in
+    another process removed is found by ``sweep`` (its link count is 0) and retired the same
+    way: an open descriptor would keep its disk space in use for as long as this handle lives.
     """
 
     def __init__(self, io: PosixIO, seg_dir: str, dio: DirectIO | None = None, *, direct_reads: str = "auto",
@@ -584,6 +587,7 @@ class SegmentFiles:
         self._lock = threading.Lock()
         self._fds: dict[int, list[int]] = {}  # id -> [fd, direct fd or -1, refs]
         self._retired: set[int] = set()
+        self._next_sweep = 0.0
 
     def path(self, seg_id: int) -> str:
         return os.path.join(self.seg_dir, segment_name(seg_id))
@@ -591,6 +595,8 @@ class SegmentFiles:
     def acquire(self, seg_id: int) -> tuple[int, int]:
         """(fd, O_DIRECT fd or -1) of a segment, opened on first use; FileNotFoundError if gone."""
         with self._lock:
+            if time.monotonic() >= self._next_sweep:
+                self._sweep()
             ent = self._fds.get(seg_id)
             if ent is None:
                 path = self.path(seg_id)
@@ -620,6 +626,23 @@ class SegmentFiles:
             if ent is not None and ent[2] == 0:
                 self._close(seg_id)
             elif ent is not None:
+                self._retired.add(seg_id)
+
+    def sweep(self) -> None:
+        """Retire the segments whose files another process removed (at most once per
+        ``SWEEP_S``; reads call it too, so an idle handle's committer is not the only one)."""
+        with self._lock:
+            if time.monotonic() >= self._next_sweep:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        self._next_sweep = time.monotonic() + SWEEP_S
+        for seg_id, ent in list(self._fds.items()):
+            if seg_id in self._retired or os.fstat(ent[0]).st_nlink:
+                continue
+            if ent[2] == 0:
+                self._close(seg_id)
+            else:
                 self._retired.add(seg_id)
 
     def _close(self, seg_id: int) -> None:
