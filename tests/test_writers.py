@@ -509,3 +509,30 @@ def test_segments_another_process_compacted_away_are_let_go(store_path):
     assert held_deleted() == []
     assert [len(b.get(f"k{i}").data) for i in range(8)] == [256 << 10] * 8  # reads go on, from the copies
     b.close()
+
+
+def test_an_append_in_progress_past_the_end_read_is_not_damage(store_path):
+    """Reading other writers' records (``_see_range``) scans to the end of the file, where
+    another writer's append may be half written: that is not a torn record (it was reported as
+    damage, warned about and kept in ``recovery["damage"]``, thousands of times under load)."""
+    from tierstore.format import constants as fmt
+    from tierstore.format import record as rec
+
+    s = tierstore.open(store_path, index_commit_ms=60_000)  # nothing applied: the range is read
+    s.put("a", Blob(b"1" * 5000))
+    s.flush()
+    seg, end, lsn = s._engine.log.position()
+    r = rec.encode_put(b"default", b"c", fmt.FLAG_KEY_STR, fmt.KIND_BLOB, {"size": 9000, "media_type": ""},
+                       [memoryview(b"3" * 9000)], 12)
+    r = r._replace(header=r.header.stamped(lsn))
+    whole = b"".join(bytes(rec.byte_view(b)) for b in r.iovecs())
+    path = s._engine.segment_path(seg)
+    fd = os.open(path, os.O_WRONLY)
+    try:  # the first half of the next writer's record, still being written
+        os.pwrite(fd, whole[: len(whole) // 2], end)
+    finally:
+        os.close(fd)
+    before = len(s.recovery.get("damage", []))
+    s._engine._see_range((seg, fmt.SEGMENT_HEADER_SIZE, 1), (seg, end, lsn))
+    assert len(s.recovery.get("damage", [])) == before
+    s.close()

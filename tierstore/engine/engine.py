@@ -751,6 +751,9 @@ class Engine:
         except recovery.IndexAhead:  # compaction retired the segment: go on from the index's position
             scan = recovery.scan_log(self.io, self.path, self.store_uuid, self.index.applied(), writable=False,
                                      repair=False, verify_tail=False)
+        # past ``end`` the scan meets appends in progress (another writer's, not yet published):
+        # a record cut there is not torn, only not finished
+        scan.damage = [d for d in scan.damage if (d.segment, d.offset) < end[:2]]
         self._report_damage(scan, "reading other writers' records")
         foreign = [op for op in scan.ops if applied.lsn < op.lsn < end[2]]
         if foreign:
