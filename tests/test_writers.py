@@ -536,3 +536,22 @@ def test_an_append_in_progress_past_the_end_read_is_not_damage(store_path):
     s._engine._see_range((seg, fmt.SEGMENT_HEADER_SIZE, 1), (seg, end, lsn))
     assert len(s.recovery.get("damage", [])) == before
     s.close()
+
+
+def test_an_idle_writer_sees_what_a_killed_writer_left_unapplied(store_path):
+    """Writer B's put is acknowledged (durable), then B is killed before its committer applies
+    it to the index.  Writer A, open all along and only reading, sees it within a few seconds
+    (its committer applies records left unapplied for a second); it saw them only after an
+    append or flush of its own."""
+    a = tierstore.open(store_path)
+    a.put("a0", Blob(b"a"))
+    script = ("import os, sys, tierstore; s = tierstore.open(sys.argv[1], index_commit_ms=60_000); "
+              "s.put('from-b', tierstore.Blob(b'acknowledged')); os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", script, store_path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    deadline = time.monotonic() + 10
+    while "from-b" not in a and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.get("from-b").data == b"acknowledged"
+    assert a.stats()["counters"]["abandoned_catch_ups"] >= 1
+    a.close()

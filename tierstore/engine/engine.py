@@ -77,6 +77,9 @@ RESERVE_AUTO_FROM = 256 << 20
 # the next put's sync waits for (measured: docs/placement.md)
 SHRINK_STEP = 16 << 20
 SHRINK_PAUSE_S = 0.01
+# records another writer appended and the index has not applied after this long are applied by
+# any writer's committer (their writer died before applying them): Engine._apply_abandoned
+ABANDONED_S = 1.0
 
 # The writable engines of this process, by the store's real path: a second writable handle on a
 # store this process already writes shares that engine (the writer lock is per process).
@@ -210,7 +213,8 @@ class Engine:
         self.log: Log | None = None
         self.store_uuid: bytes | None = None
         self.recovery: dict[str, Any] = {}  # what opening found and did (replay, rebuild, damage)
-        self.counters = {"sync_requests": 0, "index_commits": 0}  # and "syncs", from the log (stats)
+        # (and "syncs", from the log: stats)
+        self.counters = {"sync_requests": 0, "index_commits": 0, "abandoned_catch_ups": 0}
         self.write_lock: Any = threading.RLock()  # the append lock once opened writable
         self._append: AppendLock | None = None
         self.alone = True  # no other process had the store open for writing when this one opened
@@ -243,6 +247,8 @@ class Engine:
         self._committer_error: BaseException | None = None
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
         self.inherited = False  # True in a fork()ed child: the engine is the parent's (_forked)
+        self._next_abandoned_check = 0.0  # _apply_abandoned
+        self._abandoned_suspect = 0
         self.index_damage: str | None = None  # damage a read found in the index (rebuilt at the next open)
         self._warned_index = False
         self._close_lock = threading.Lock()
@@ -881,9 +887,31 @@ class Engine:
             try:
                 self.commit(force=False, sync=False)
                 self.files.sweep()  # segments other processes' compaction removed: their space freed
+                self._apply_abandoned()
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
                 return
+
+    def _apply_abandoned(self) -> None:
+        """Records another writer appended that the index still has not applied a whole
+        ``ABANDONED_S`` later (that writer died before its committer applied them, or stalls):
+        applied here, as ``flush`` would, so that a writer that only reads sees another's
+        acknowledged puts too (it saw them only at its next append, flush or reopen).  Costs a
+        read of APPEND and of the index's position once per period, nothing more while the
+        index keeps up."""
+        now = time.monotonic()
+        if self._append is None or self.index is None or now < self._next_abandoned_check:
+            return
+        self._next_abandoned_check = now + ABANDONED_S
+        raw = self._append.read_state()
+        if len(raw) != fmt.APPEND_STATE.size:
+            return
+        magic, _, _, _, next_lsn = fmt.APPEND_STATE.unpack(raw)
+        behind = magic == fmt.APPEND_MAGIC and self.index.applied().lsn < next_lsn - 1
+        suspect, self._abandoned_suspect = self._abandoned_suspect, next_lsn if behind else 0
+        if behind and suspect and self.index.applied().lsn < suspect - 1:  # still not applied a period later
+            self.counters["abandoned_catch_ups"] += 1
+            self.commit(force=True, sync=True)
 
     def _next_due(self) -> float:
         """Seconds until the committer has work: the oldest pending record's index deadline
