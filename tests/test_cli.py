@@ -59,7 +59,22 @@ def test_fsck_exit_code_on_bad_checksum(filled):
     assert code == 1 and "checksum mismatch" in out and "ERRORS FOUND" in out
     assert "key=0x0102" in out  # a bytes key is shown in hex
     code, out = run("fsck", filled, "--deep", "--json")
-    assert code == 1 and not json.loads(out)["ok"]
+    assert code == 1 and not json.loads(out)["ok"] and json.loads(out)["deep"]
+    code, out = run("fsck", filled, "--fix", "--json")  # damage found and repaired: a code of its own
+    rep = json.loads(out[: out.rindex("}") + 1])
+    assert code == 6 and not rep["before"]["ok"] and rep["ok"] and rep["repaired"]
+    assert run("fsck", filled, "--fix")[0] == 0  # nothing left to repair
+
+
+def test_json_output_is_strict_json(store_path, capsys):
+    """NaN, infinities and bytes in metadata: JSON has no NaN and no bytes (Python's json wrote
+    NaN, and str() of bytes, which reads as a string)."""
+    with tierstore.open(store_path) as s:
+        s.put("k", Blob(b"x"), meta={"a": float("nan"), "i": float("-inf"), "b": b"\xff\x00", "s": "0xff00"})
+    assert main(["dump", store_path, "k", "--json"]) == 0
+    out = capsys.readouterr().out
+    meta = json.loads(out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))["info"]["meta"]
+    assert meta == {"a": "NaN", "i": "-Infinity", "b": {"$bytes": "ff00"}, "s": "0xff00"}
 
 
 def test_output_into_a_closed_pipe_stops_quietly(store_path):
@@ -99,6 +114,7 @@ def test_cannot_open_exit_codes(tmp_path, filled):
 def test_help_documents_exit_codes():
     code, out = run("--help")
     assert code == 0 and "exit codes" in out and "1 damage found" in out and "5 no such object" in out
+    assert "6 damage found and repaired" in out
 
 
 def test_exit_codes_of_dump(filled, tmp_path):

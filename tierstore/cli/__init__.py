@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .. import __version__
 from ..errors import CorruptionError, FormatVersionError, NotFound, StoreLocked, StoreNotFound, TierstoreError
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5
+EXIT_REPAIRED = 6  # fsck --fix found damage and repaired it (the store is ok now)
 
 
 def _progress(total: int | None, desc: str, enabled: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -48,9 +50,29 @@ def _segments_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(seg, n)) for n in os.listdir(seg)) if os.path.isdir(seg) else 0
 
 
+def _jsonable(x: Any) -> Any:
+    """``x`` as strict JSON values: bytes as ``{"$bytes": hex}``, NaN and infinities as the
+    strings "NaN", "Infinity", "-Infinity" (JSON has neither), anything else unknown as str."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return {"$bytes": bytes(x).hex()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+    if x is None or isinstance(x, (str, int, float)):
+        return x
+    return str(x)
+
+
+def _print_json(data: Any, indent: int | None = 2) -> None:
+    print(json.dumps(_jsonable(data), indent=indent, allow_nan=False))
+
+
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None:
     if args.json:
-        print(json.dumps(data, indent=2, default=str))
+        _print_json(data)
     else:
         text()
 
@@ -149,9 +171,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             print(f"  {f.severity}: {f.what}" + (f" {where}" if where else ""))
         print("ok" if report.ok else "ERRORS FOUND")
 
-    data = report.as_dict()
+    data = {**report.as_dict(), "deep": bool(args.deep)}
     if repaired is not None:
-        data = {"before": before, "repair": repaired, "after": data, "ok": report.ok}
+        data = {"before": before, "repair": repaired, "after": data, "ok": report.ok, "repaired": report.ok}
 
     def text_fix() -> None:
         if repaired is not None:
@@ -159,7 +181,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         text()
 
     _emit(args, data, text_fix)
-    return EXIT_OK if report.ok else EXIT_FINDINGS
+    if not report.ok:
+        return EXIT_FINDINGS
+    return EXIT_REPAIRED if repaired is not None else EXIT_OK
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -397,7 +421,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(args.path, quiet=args.json)
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        _print_json(result)
     return EXIT_OK
 
 
@@ -407,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
                        sections=args.section)
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        _print_json(result)
     return EXIT_OK
 
 
@@ -433,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore", description="tierstore: typed KV-cache / vector / blob storage for LLM systems.",
         epilog="exit codes: 0 ok; 1 damage found (fsck, dump); 2 bad arguments; 3 the store cannot be opened "
-               "(missing, corrupt, newer format); 4 another writer holds the store; 5 no such object",
+               "(missing, corrupt, newer format); 4 another writer holds the store; 5 no such object; "
+               "6 damage found and repaired (fsck --fix)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -507,7 +532,7 @@ def _fail(args: argparse.Namespace, code: int, message: str) -> int:
     """An error: one line on stderr, and with --json also ``{"error", "exit_code"}`` on stdout."""
     print(f"tierstore: {message}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"error": message, "exit_code": code}))
+        _print_json({"error": message, "exit_code": code}, indent=None)  # one line
     return code
 
 
