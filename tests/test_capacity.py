@@ -124,6 +124,16 @@ def test_a_put_larger_than_the_budget_is_refused_before_anything_is_evicted(tmp_
         assert s.get("small").data == b"x" * 1000 and s.stats()["tiers"]["ssd"]["evictions"] == 0
 
 
+def test_a_put_between_where_puts_stop_and_the_budget_says_it_cannot_fit(tmp_path):
+    """Puts stop a slack below the budget: a put that fits under the budget but not under that
+    is "cannot fit", not "what is left is pinned or retained" (an empty store pins nothing)."""
+    with tierstore.open(str(tmp_path / "s"), ssd_bytes=2 * MiB) as s:
+        with pytest.raises(tierstore.StoreFull) as err:
+            s.put("big", Blob(b"y" * 1_904_096))
+        assert "cannot fit" in err.value.message and "below the budget" in err.value.message
+        assert "pinned" not in (err.value.hint or "") and s.keys() == []
+
+
 def test_objects_a_session_references_go_after_the_others_and_take_their_references(tmp_path):
     path = str(tmp_path / "s")
     with tierstore.open(path, ssd_bytes=8 * MiB, durability="none") as s:

@@ -68,6 +68,62 @@ def test_tombstones_carried_when_older_segment_survives(store_path):
         assert not s.contains("old") and s.get("churn").data == b"final" * 1000
 
 
+def test_deletes_of_keys_no_survivor_holds_are_dropped_and_reclaim_ends(store_path):
+    """A DELETE is carried forward only when an older segment that survives holds a PUT of its
+    key.  It was carried whenever any older segment survived (here one of a namespace the
+    budget retains): every eviction's DELETE was kept forever, and reclaim -- which counts them
+    as dead -- compacted the same DELETEs round and round (a put under ssd_bytes hung)."""
+    from tierstore.engine import compaction
+
+    s = tierstore.open(store_path, segment_bytes="512KiB", durability="none")
+    s.put("old", Blob(os.urandom(400_000)), namespace="keep")  # an older segment that survives
+    s.put("pad", Blob(os.urandom(100_000)), namespace="keep")
+    s.put_many([(f"t{i}", Blob(b"x")) for i in range(1500)])
+    s.delete_many([f"t{i}" for i in range(1500)])  # their PUTs are in the same segment as the DELETEs
+    for j in range(4):
+        s.put(f"b{j}", Blob(os.urandom(105_000)), namespace="keep")
+    s.flush()
+    engine = s._engine
+    passes = []
+    real = compaction._compact_victims
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        passes.append(1)
+        assert len(passes) < 20, "reclaim does not end"
+        return real(*a, **k)
+
+    compaction._compact_victims = counted
+    try:
+        done = compaction.reclaim(engine, lambda: 1 << 20, min_dead_ratio=0.1)  # more than can ever be freed
+    finally:
+        compaction._compact_victims = real
+    assert done["carried_deletes"] == 0 and done["victims"] and len(passes) <= 3
+    s.close()
+    shutil.rmtree(os.path.join(store_path, "index"))  # rebuilt from the segments alone
+    with tierstore.open(store_path) as s:
+        assert not any(s.contains(f"t{i}") for i in range(1500))
+        assert s.keys(namespace="keep") == ["b0", "b1", "b2", "b3", "old", "pad"]
+
+
+def test_a_delete_is_carried_while_an_older_survivor_holds_an_old_put_of_its_key(store_path):
+    """The twin: the key's dead PUT sits in an older segment that survives (its other bytes
+    live), so the DELETE is carried and the PUT never comes back, not even after a rebuild."""
+    with tierstore.open(store_path, segment_bytes="64KiB") as s:
+        s.put("k", Blob(b"v1" * 1000))
+        s.put("big", Blob(os.urandom(50_000)))  # keeps segment 1 mostly live: it survives
+        s.put("churn", Blob(b"first" * 4000))  # segment 1 is full: what follows goes to later ones
+        s.delete("k")
+        for i in range(8):  # the DELETE's segment fills with garbage: a victim
+            s.put("churn", Blob(bytes([i]) * 20_000))
+        s.put("churn", Blob(b"final" * 1000))
+        done = s.compact(min_dead_ratio=0.5)
+        assert 1 not in done["victims"] and done["carried_deletes"] >= 1
+        assert not s.contains("k")
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert not s.contains("k") and len(s.get("big").data) == 50_000
+
+
 def test_compact_then_write_then_compact(store_path):
     with tierstore.open(store_path, segment_bytes="64KiB", durability="group") as s:
         for round_ in range(4):

@@ -44,6 +44,9 @@ BATCH_SEGMENTS = 16
 # sealed segments smaller than segment_bytes / SMALL_FRACTION are merged whatever their dead
 # fraction, and compaction rolls the log over only when the active segment is at least that big
 SMALL_FRACTION = 4
+# at most this many record headers of surviving segments are read to decide exactly which
+# DELETEs a compaction must carry forward (_carry_rule); past it, the rule is conservative
+CARRY_SCAN_RECORDS = 2_000_000
 
 
 def compact(engine: Engine, *, min_dead_ratio: float,
@@ -95,9 +98,14 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         t0 = time.perf_counter()
         engine.commit(force=True, sync=True)
         done: list[int] = []
-        counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0}
+        counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0, "stalled": 0}
         sealed = False
+        last_need = None
         while (need := excess()) > 0:
+            if last_need is not None and need >= last_need:
+                counts["stalled"] = 1  # a pass freed nothing: stop rather than compact the same bytes again
+                break
+            last_need = need
             stats, segs = engine.segment_stats(), engine.segments()
             ranked = []
             for seg in segs[:-1]:
@@ -114,6 +122,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             if covered < need and not sealed and stats.get(segs[-1], (0, 0))[0] > 0:
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
+                last_need = None  # (sealing freed nothing yet)
                 continue
             if not victims:
                 break
@@ -130,9 +139,7 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
                      gradual: bool = False) -> dict[str, Any]:
     """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
     keeps what it finished."""
-    victim_set = set(victims)
-    # the oldest segment that survives: a DELETE must be carried forward from any victim newer than it
-    oldest_survivor = min((s for s in engine.segments() if s not in victim_set), default=None)
+    carry = _carry_rule(engine, set(victims))
     bytes_before = sum(os.path.getsize(engine.segment_path(s)) for s in victims)
     counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
@@ -141,20 +148,55 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
         batch.append(seg)
         batch_bytes += os.path.getsize(engine.segment_path(seg))
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
-            compact_batch(engine, batch, oldest_survivor, counts, progress, gradual=gradual)
+            compact_batch(engine, batch, carry, counts, progress, gradual=gradual)
             batch, batch_bytes = [], 0
     return {**counts, "bytes_before": bytes_before}
 
 
-def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None, counts: dict[str, int],
-                  progress: Callable[[int], None] | None = None, *, gradual: bool = False) -> None:
+def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, int], bool]:
+    """Whether a DELETE of (namespace, key) in victim segment ``seg`` must be carried forward:
+    a segment that survives and is older than ``seg`` holds a PUT of that key (dropping the
+    DELETE would bring that PUT back at the next index rebuild).  A PUT of a deleted key is dead,
+    so only survivors with dead bytes can hold one; their PUT keys are read from their record
+    headers (``Engine.put_keys``: once per sealed segment), and past ``CARRY_SCAN_RECORDS``
+    records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
+    segment survived -- say one of a retained namespace -- kept every eviction's DELETE forever,
+    and the budget's reclaim compacted them round and round: SPEC.md §7.5.)"""
+    stats = engine.segment_stats()
+    newest = max(victims, default=0)  # (survivors older than a victim are sealed: their keys never change)
+    survivors = [seg for seg in engine.segments()
+                 if seg < newest and seg not in victims and stats.get(seg, (0, 0))[0] > 0]
+    keys: dict[int, frozenset[tuple[bytes, bytes]]] | None = {}
+    budget = CARRY_SCAN_RECORDS
+    for seg in survivors:
+        try:
+            got = engine.put_keys(seg, limit=budget)
+        except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
+            got = frozenset()
+        if got is None:
+            keys = None  # too many to read: any older survivor with dead bytes may hold the key
+            break
+        keys[seg] = got  # type: ignore[index]
+        budget -= len(got)
+
+    def carry(ns: bytes, k: bytes, seg: int) -> bool:
+        older = [s for s in survivors if s < seg]
+        if keys is None:
+            return bool(older)
+        return any((ns, k) in keys[s] for s in older)
+
+    return carry
+
+
+def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, bytes, int], bool],
+                  counts: dict[str, int], progress: Callable[[int], None] | None = None, *,
+                  gradual: bool = False) -> None:
     """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, delete (``gradual``:
     shrunk away, ``Engine.retire_segments``)."""
     io = engine.io
     moved: list[tuple[bytes, bytes]] = []
     sizes = {seg: os.path.getsize(engine.segment_path(seg)) for seg in batch}
     for seg in batch:
-        older_survivor = oldest_survivor is not None and oldest_survivor < seg
         path = engine.segment_path(seg)
         with engine.hold_segment(seg) as (fd, _):
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
@@ -169,7 +211,7 @@ def compact_batch(engine: Engine, batch: list[int], oldest_survivor: int | None,
                         moved.append((hdr.namespace, hdr.key))
                         counts["copied"] += 1
                     elif hdr.type == fmt.REC_DELETE:
-                        if cur is not None or not older_survivor:
+                        if cur is not None or not carry(hdr.namespace, hdr.key, seg):
                             counts["dropped"] += 1
                             continue
                         engine.append(rec.EncodedRecord(hdr))

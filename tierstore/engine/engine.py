@@ -248,6 +248,8 @@ class Engine:
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
         self.inherited = False  # True in a fork()ed child: the engine is the parent's (_forked)
         self._next_abandoned_check = 0.0  # _apply_abandoned
+        self._put_keys: dict[int, frozenset[tuple[bytes, bytes]]] = {}  # put_keys, per sealed segment
+        self._put_keys_lock = threading.Lock()
         self._abandoned_suspect = 0
         self.index_damage: str | None = None  # damage a read found in the index (rebuilt at the next open)
         self._warned_index = False
@@ -1191,6 +1193,29 @@ class Engine:
         FileNotFoundError if it is already gone."""
         return HeldSegment(self.files, seg)
 
+    def put_keys(self, seg: int, *, limit: int) -> frozenset[tuple[bytes, bytes]] | None:
+        """The (namespace, key) of every PUT record in sealed segment ``seg``, from its record
+        headers (payloads are not read); kept while the segment lives (it never changes).  None
+        when it holds more than ``limit`` records (then nothing is kept).  Compaction's rule for
+        carrying DELETEs forward (compaction._carry_rule)."""
+        with self._put_keys_lock:
+            got = self._put_keys.get(seg)
+        if got is not None:
+            return got
+        keys: set[tuple[bytes, bytes]] = set()
+        path = self.files.path(seg)
+        with self.hold_segment(seg) as (fd, _):
+            scanner = seglib.SegmentScanner(self.io, fd, seg, path=path, verify_payload=False)
+            for n, (_, hdr) in enumerate(scanner.records()):
+                if n >= limit:
+                    return None
+                if hdr.type == fmt.REC_PUT:
+                    keys.add((hdr.namespace, hdr.key))
+        got = frozenset(keys)
+        with self._put_keys_lock:
+            self._put_keys[seg] = got
+        return got
+
     def hold_segments(self, segs: Iterable[int]) -> contextlib.ExitStack:
         """``hold_segment`` of several segments at once, for reads of one index snapshot: a
         context manager; FileNotFoundError, with none held, if one is already gone."""
@@ -1292,6 +1317,8 @@ class Engine:
                 pass  # a writer that opened alone meanwhile deleted it (it was marked dead)
             # the name is gone, so no new descriptor; this process's close once no read uses them
             self.files.retire(seg)
+            with self._put_keys_lock:
+                self._put_keys.pop(seg, None)
             if size:
                 self._shrink_away(path + fmt.RETIRED_SUFFIX, size)
         self.io.fsync_dir(self.seg_dir)

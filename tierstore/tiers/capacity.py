@@ -403,9 +403,11 @@ class Capacity:
         if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
             self._adopt()
         floor = engine.disk_usage()[1]  # the index and the reserve: not evictable
-        if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > budget:
-            raise StoreFull(f"a put of {nbytes} bytes cannot fit in ssd_bytes={budget} (the index and reserve "
-                            f"take {floor})", hint="raise ssd_bytes=, or store the object in smaller pieces")
+        if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > stop:
+            raise StoreFull(f"a put of {nbytes} bytes cannot fit in ssd_bytes={budget}: puts stop {budget - stop} "
+                            f"bytes below the budget (a segment, or 1/{SLACK_SHARE} of the budget if more: room "
+                            f"for padding and compaction's copies) and the index and reserve take {floor}",
+                            hint="raise ssd_bytes=, or store the object in smaller pieces")
         self.counters["eviction_runs" if strict else "background_runs"] += 1
         stuck = False
         for ratio in RECLAIM_RATIOS:
@@ -416,7 +418,8 @@ class Capacity:
             self.counters["compacted_bytes"] += done["bytes_before"]
             self.counters["records_copied"] += done["copied"]
             used = engine.disk_bytes()
-            stuck = not evicted and not done["victims"] and ratio == RECLAIM_RATIOS[-1]
+            # (a reclaim that stalled -- compacting freed nothing -- with nothing evicted is stuck too)
+            stuck = not evicted and (not done["victims"] or done["stalled"]) and ratio == RECLAIM_RATIOS[-1]
             if used + inflight + nbytes <= target or stuck:
                 break
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
