@@ -174,7 +174,7 @@ def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, in
         except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
             got = frozenset()
         if got is None:
-            keys = None  # too many to read: any older survivor with dead bytes may hold the key
+            keys = None  # too many to read, or damaged: any older survivor with dead bytes may hold the key
             break
         keys[seg] = got  # type: ignore[index]
         budget -= len(got)

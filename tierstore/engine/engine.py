@@ -1196,7 +1196,8 @@ class Engine:
     def put_keys(self, seg: int, *, limit: int) -> frozenset[tuple[bytes, bytes]] | None:
         """The (namespace, key) of every PUT record in sealed segment ``seg``, from its record
         headers (payloads are not read); kept while the segment lives (it never changes).  None
-        when it holds more than ``limit`` records (then nothing is kept).  Compaction's rule for
+        when it holds more than ``limit`` records or cannot be read to its end (then nothing is
+        kept).  Compaction's rule for
         carrying DELETEs forward (compaction._carry_rule)."""
         with self._put_keys_lock:
             got = self._put_keys.get(seg)
@@ -1211,6 +1212,8 @@ class Engine:
                     return None
                 if hdr.type == fmt.REC_PUT:
                     keys.add((hdr.namespace, hdr.key))
+            if scanner.stop is not None and scanner.stop.reason != "end":
+                return None  # not read to its end (damage): it may hold any key
         got = frozenset(keys)
         with self._put_keys_lock:
             self._put_keys[seg] = got
