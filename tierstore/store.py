@@ -1542,7 +1542,8 @@ class Store:
             **engine,
             "counters": {**self._counters, **engine.pop("counters")},
             "recovery": dict(self.recovery),
-            "tiers": {"ssd": {"bytes_used": engine["segment_bytes"], "capacity_bytes": None, "io_path": "posix",
+            # bytes_used: what ssd_bytes would bound (segments, index, reserve), with a budget or without
+            "tiers": {"ssd": {"bytes_used": self._engine.disk_bytes(), "capacity_bytes": None, "io_path": "posix",
                               **(self._capacity.stats() if self._capacity is not None else {})},
                       **{name: t.stats() for name, t in (self._tiers.tiers().items() if self._tiers else ())},
                       **({"remote": self._remote.stats()} if self._remote is not None else {})},
