@@ -874,3 +874,20 @@ def test_get_many_reads_a_group_in_one_version_while_compaction_moves_it(store_p
     assert [bytes(g.data[:2]) for g in got] == [b"v1"] * 4
     assert [bytes(g.data[:2]) for g in s.get_many([f"grp-{j}" for j in range(4)])] == [b"v2"] * 4
     s.close()
+
+
+def test_batch_refusals_name_the_key_and_give_a_true_limit(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([("a", Blob(b"1")), ("b", Blob(b"2"))])
+        with pytest.raises(InvalidObject, match="key 'a' appears twice") as e:
+            s.delete_many(k for k in ["a", "zz", "a"])  # (a generator: read once)
+        assert e.value.key == "a" and e.value.hint
+        assert s.keys() == ["a", "b"]  # nothing deleted
+        with pytest.raises(InvalidObject) as e:  # no session: one record per put, so 4096 fit
+            s.put_many([(f"k{i}", Blob(b"x")) for i in range(5000)])
+        assert f"batches of {fmt.GROUP_MAX} puts or fewer" in e.value.hint
+        s.put_many([(f"k{i}", Blob(b"x")) for i in range(fmt.GROUP_MAX)])  # the hint is true
+        s.put("kv", KVCache(np.ones((2, 2, 1, 4, 4), np.float16)))
+        with pytest.raises(InvalidObject, match="do not apply to a Blob") as e:
+            s.get_many(["kv", "a"], layers=range(1, 2))
+        assert e.value.key == "a"

@@ -546,9 +546,10 @@ class Store:
                 dedup += all(r is not record for r in got)
                 records += got
         if len(records) > fmt.GROUP_MAX:
+            per = -(-len(records) // len(puts))  # records per put, rounded up
             raise InvalidObject(f"a batch of {len(puts)} puts makes {len(records)} records; one atomic group "
                                 f"holds at most {fmt.GROUP_MAX}",
-                                hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
+                                hint=f"split it into batches of {fmt.GROUP_MAX // per} puts or fewer")
         own = self._capacity.own_puts(ns, [k for k, _, _ in puts]) if self._capacity is not None \
             else contextlib.nullcontext()
         if not records:  # every object already stored and referenced: make sure they are durable
@@ -694,9 +695,14 @@ class Store:
         ns = encode_namespace(namespace)
         if isinstance(keys, (str, bytes, bytearray, memoryview)):
             raise InvalidObject("delete_many takes a sequence of keys, got one key", hint="delete(key) deletes one")
+        keys = list(keys)
         encoded = [encode_key(key) for key in keys]
-        if len({k for k, _ in encoded}) != len(encoded):
-            raise InvalidObject("delete_many: a key appears twice in the batch", namespace=namespace)
+        seen: set[bytes] = set()
+        for key, (k, _) in zip(keys, encoded):
+            if k in seen:
+                raise InvalidObject(f"delete_many: key {key!r} appears twice in the batch", key=key,
+                                    namespace=namespace, hint="a batch is one atomic group: give each key once")
+            seen.add(k)
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -704,9 +710,10 @@ class Store:
                     records = [r for (k, flags), loc in zip(encoded, found) if loc is not None
                                for r in engine.deletion(ns, k, flags)]
                     if records and len(records) > fmt.GROUP_MAX:
+                        per = -(-len(records) // max(1, sum(loc is not None for loc in found)))
                         raise InvalidObject(f"a batch of {len(encoded)} deletes makes {len(records)} records; one "
                                             f"atomic group holds at most {fmt.GROUP_MAX}",
-                                            hint=f"split it into batches of {fmt.GROUP_MAX // 2} or fewer")
+                                            hint=f"split it into batches of {fmt.GROUP_MAX // per} deletes or fewer")
                     where = engine.append_group(records) if records else None
                 if where is None:  # nothing held here; the server is asked outside the lock
                     return self._remote_only_deleted(ns, [k for k, _ in encoded])
@@ -1436,7 +1443,12 @@ class Store:
                 return self._tiers.read(ns, k, at, where, dictionaries=dicts, **sel), at
             return blk.read_object(at.header, self._engine.reader(at, where), dictionaries=dicts, **sel), at
 
-        return self._follow(key, namespace, ns, k, loc, read, same=same)
+        try:
+            return self._follow(key, namespace, ns, k, loc, read, same=same)
+        except InvalidObject as e:  # a selection that does not apply to this object: name it
+            if e.key is None:
+                e.key, e.namespace = key, namespace
+            raise
 
     def _follow(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location,
                 fn: Callable[[Location, dict[str, Any]], Any], *, same: bool = False) -> Any:
