@@ -231,3 +231,32 @@ def test_recover_reports_bytes_keys_in_hex_and_dump_reads_the_quarantined_range(
     (item,) = json.loads(run("quarantine", filled, "--json")[1])["items"]
     code, out = run("dump", os.path.join(filled, "quarantine", item["name"]))
     assert code == 0 and "minilm/0x0102" in out and "put" in out
+
+
+def test_text_and_bytes_keys_that_look_alike_are_told_apart(store_path, capsys):
+    with tierstore.open(store_path) as s:
+        s.put("0xab", Blob(b"text key"), namespace="n")
+        s.put(b"\xab", Blob(b"bytes key"), namespace="n")
+    assert main(["ls", store_path]) == 0
+    out = capsys.readouterr().out
+    keys = [line.split()[1] for line in out.splitlines()[1:3]]
+    assert sorted(keys) == ["'0xab'", "0xab"]  # the text key quoted, the bytes key bare
+    assert main(["dump", store_path, "--namespace", "n", "0xab", "--json"]) == 0  # KEY after an option
+    assert json.loads(capsys.readouterr().out)["info"]["key"] in ("0xab", "0xAB")
+    assert main(["dump", store_path, "0xab", "--namespace", "n", "--text-key", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["info"]["key"] == "0xab"
+    assert main(["dump", store_path, "0xzz", "--namespace", "n"]) == 2  # not hex: a usage error, with a hint
+    assert "--text-key" in capsys.readouterr().err
+
+
+def test_bad_arguments_with_json_say_so_as_json(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["stats", "somewhere", "--bogus", "--json"])
+    assert e.value.code == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 2 and "--bogus" in doc["error"]
+
+
+def test_bench_makes_its_scratch_directory(tmp_path):
+    code, out = run("bench", "--quick", "--section", "codecs", "--json", "--path", str(tmp_path / "new" / "dir"))
+    assert code == 0, out

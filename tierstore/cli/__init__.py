@@ -26,7 +26,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import CorruptionError, FormatVersionError, NotFound, StoreLocked, StoreNotFound, TierstoreError
@@ -242,7 +242,12 @@ def cmd_dump(args: argparse.Namespace) -> int:
         result = dump_segment(args.path)
         segments = [result]
     elif args.key is not None:
-        key: str | bytes = bytes.fromhex(args.key[2:]) if args.key.startswith("0x") else args.key
+        try:
+            key: str | bytes = bytes.fromhex(args.key[2:]) if args.key.startswith("0x") and not args.text_key \
+                else args.key
+        except ValueError:
+            return _fail(args, EXIT_USAGE, f"{args.key!r} is not a bytes key in hex (0x...); give --text-key "
+                                           "if it is a text key")
         result = dump_store(args.path, key, namespace=args.namespace)
         segments = []
     else:
@@ -351,7 +356,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     def text() -> None:
         table = [("NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED")]
         for r in rows:
-            table.append((r["namespace"], r["key"], r["kind"], "x".join(map(str, r["shape"])) or "-",
+            key = repr(r["key"]) if r["key_type"] == "text" and r["key"].startswith(("0x", "'")) else r["key"]
+            table.append((r["namespace"], key, r["kind"], "x".join(map(str, r["shape"])) or "-",
                           r["dtype"] or "-", r["codec"], _size(r["bytes"]), _size(r["stored_bytes"])))
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
@@ -428,6 +434,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench import run_bench
 
+    if args.path is not None:
+        os.makedirs(args.path, exist_ok=True)  # a scratch directory: made if missing
     result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
                        sections=args.section)
     if args.json:
@@ -453,8 +461,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if follow else EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line given ``--json`` also says so as JSON on stdout (as
+    every other error does), before the usual usage message on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        if "--json" in (_ARGV if _ARGV is not None else sys.argv[1:]):
+            _print_json({"error": f"{self.prog}: {message}", "exit_code": EXIT_USAGE}, indent=None)
+        super().error(message)
+
+
+_ARGV: list[str] | None = None  # main()'s argv (tests call main with a list)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tierstore", description="tierstore: typed KV-cache / vector / blob storage for LLM systems.",
         epilog="exit codes: 0 ok; 1 damage found (fsck, dump); 2 bad arguments; 3 the store cannot be opened "
                "(missing, corrupt, newer format); 4 another writer holds the store; 5 no such object; "
@@ -499,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", help="a store directory or a .tseg segment file")
     sp.add_argument("key", nargs="?", default=None, help="an object's key (0x... for bytes keys)")
     sp.add_argument("--namespace", default="default", help="the namespace of KEY (default: default)")
+    sp.add_argument("--text-key", action="store_true",
+                    help="KEY is a text key even if it starts with 0x (ls shows such keys quoted)")
     sp = add("compact", cmd_compact, "reclaim the space of overwritten and deleted objects (crash-safe)")
     sp.add_argument("path")
     sp.add_argument("--min-dead-ratio", type=float, default=0.0,
@@ -551,7 +574,14 @@ def _warn_if_waiting(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    global _ARGV
+    _ARGV = argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "dump" and args.key is None and len(extra) == 1 and not extra[0].startswith("-"):
+        args.key = extra[0]  # `dump PATH --namespace NS KEY`: KEY after an option
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         # recover and quarantine --clear need the store to themselves; compact runs beside writers
         if args.command == "recover" or args.command == "quarantine" and args.clear:

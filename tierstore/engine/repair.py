@@ -261,6 +261,8 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
+        if "key" in d:  # as `tierstore ls --json` shows keys
+            d["key_type"] = "bytes" if isinstance(d["key"], bytes) else "text"
         if isinstance(d.get("key"), bytes):
             d["key"] = "0x" + d["key"].hex()
         return d
