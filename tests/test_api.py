@@ -342,3 +342,10 @@ def test_errors_form_one_tree():
     assert issubclass(tierstore.NotFound, KeyError) and issubclass(tierstore.InvalidObject, ValueError)
     e = tierstore.CorruptionError("bad", path="/p", offset=7, segment=3)
     assert "offset=7" in str(e) and "hint" in str(e) and e.reason == "bad"
+
+
+def test_create_and_readonly_must_be_bools(store_path):
+    for bad in ({"create": "no"}, {"readonly": 1}):
+        with pytest.raises(tierstore.InvalidObject, match="must be True or False"):
+            tierstore.open(store_path, **bad)
+    assert not os.path.exists(store_path)  # nothing was created

@@ -224,6 +224,9 @@ class Store:
     def __init__(self, path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
                  durability: str = "sync", _io: PosixIO | None = None, **options: Any) -> None:
         self._closed = True
+        for name, flag in (("create", create), ("readonly", readonly)):
+            if not isinstance(flag, bool):  # ("no" would be true)
+                raise InvalidObject(f"{name}= must be True or False, got {flag!r}")
         self.codecs = codec_table(options.pop("codecs", None))
         tiers = tier_options(options)
         remote = remote_options(options)

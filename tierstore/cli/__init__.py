@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--section", action="append",
                     choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote",
                              "writers", "placement", "paged"],
-                    help="run only these sections")
+                    help="run only this section (repeat --section for several)")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
     sp.add_argument("path", nargs="?", default=None)

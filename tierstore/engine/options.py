@@ -21,7 +21,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECAS
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
-    """Bytes from an int or a string like "16GiB", "512MB", "4096"."""
+    """Bytes from an int or a string like "16GiB", "512MB", "4096": KiB/MiB/GiB/TiB and the
+    bare K/M/G/T are powers of 1024, KB/MB/GB/TB powers of 1000 (as in "512MB" of a disk)."""
     if isinstance(value, bool):
         raise InvalidObject(f"{name} must be a size, got {value!r}")
     if isinstance(value, int):
