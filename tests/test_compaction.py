@@ -346,3 +346,33 @@ def test_a_failed_step_of_a_shrink_unlinks_the_segment(store_path, monkeypatch):
         assert s._engine.disk_usage()[0] == sum(os.path.getsize(p) for p in segment_files(store_path))
         assert {k: s.get(k).data for k in s.keys()} == want
         assert repair.check_store(DEFAULT_IO, store_path, s._engine.index, deep=True).ok
+
+
+def test_a_delete_that_lands_just_before_the_victims_are_sealed_is_carried(store_path, monkeypatch):
+    """A delete from another thread (or writer) after compaction's first commit lands in the
+    segment about to be sealed as a victim, not applied to the index yet: the older segment
+    holding the key's PUT shows no dead bytes until it is.  The carry rule applies everything
+    first, so the DELETE is carried and the PUT stays hidden after an index rebuild."""
+    from tierstore.engine.engine import Engine
+
+    s = tierstore.open(store_path, segment_bytes="1MiB", index_commit_ms=60_000)
+    s.put("k", Blob(b"v1" * 1000))
+    s.put("big", Blob(os.urandom(1_000_000)))  # segment 1: all live, large: survives
+    s.put("fill", Blob(os.urandom(100_000)))  # segment 2
+    s.put("x", Blob(b"a"))
+    s.put("x", Blob(b"b"))  # the active segment holds dead bytes: sealed, a victim
+    s.flush()
+    real_seal = Engine.seal_active
+
+    def seal(self, n):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(Engine, "seal_active", real_seal)
+        s.delete("k")  # lands after compaction's commit, before the seal
+        return real_seal(self, n)
+
+    monkeypatch.setattr(Engine, "seal_active", seal)
+    done = s.compact(min_dead_ratio=0.5)
+    assert 1 not in done["victims"] and done["carried_deletes"] == 1 and not s.contains("k")
+    s.close()
+    shutil.rmtree(os.path.join(store_path, "index"))
+    with tierstore.open(store_path) as s:
+        assert not s.contains("k") and len(s.get("big").data) == 1_000_000

@@ -424,6 +424,8 @@ def test_a_forked_child_opens_its_own_handle_and_leaves_the_parents_alone(store_
                 report[name] = "StoreClosed: " + e.message
         s.close()  # the parent's: nothing happens
         with tierstore.open(store_path) as c:
+            report["own engine and index"] = c._engine is not s._engine and \
+                c._engine.index.env is not s._engine.index.env  # (LMDB forbids using one across fork)
             for i in range(n):
                 c.put(f"c-{i}", Blob(b"c%d" % i))
             report["child sees the parent"] = c.get("p-init").data == b"x"
@@ -441,6 +443,7 @@ def test_a_forked_child_opens_its_own_handle_and_leaves_the_parents_alone(store_
     assert p.exitcode == 0
     assert report["put"].startswith("StoreClosed: this handle was opened before fork()")
     assert report["get"].startswith("StoreClosed") and report["child sees the parent"]
+    assert report["own engine and index"]
     s.put("p-last", Blob(b"last"))  # the parent's handle is unharmed by the child's close
     s.close()
     with tierstore.open(store_path) as s:

@@ -162,10 +162,15 @@ def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, in
     records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
     segment survived -- say one of a retained namespace -- kept every eviction's DELETE forever,
     and the budget's reclaim compacted them round and round: SPEC.md §7.5.)"""
+    # the victims are sealed: every DELETE in them is applied to the index now, so the dead bytes
+    # of every segment holding a PUT they delete are counted below (not only those applied so far)
+    engine.commit(force=True, sync=True)
     stats = engine.segment_stats()
     newest = max(victims, default=0)  # (survivors older than a victim are sealed: their keys never change)
+    # a segment marked dead but still on disk counts too (an index rebuild would read it)
     survivors = [seg for seg in engine.segments()
-                 if seg < newest and seg not in victims and stats.get(seg, (0, 0))[0] > 0]
+                 if seg < newest and seg not in victims and (stats.get(seg, (0, 0))[0] > 0 or
+                                                            stats.get(seg, (0, 0))[1] != 0)]
     keys: dict[int, frozenset[tuple[bytes, bytes]]] | None = {}
     budget = CARRY_SCAN_RECORDS
     for seg in survivors:

@@ -248,7 +248,7 @@ def _forked() -> None:
     fcntl locks are not inherited and a reader slot is cleared only by the process that owns
     it) and opens its own when a handle of its own needs one."""
     global _ENVS_LOCK
-    for env, _, _ in _ENVS.values():
+    for env, *_ in _ENVS.values():
         try:
             env.close()
         except lmdb.Error:  # (a closed copy needs nothing more)
