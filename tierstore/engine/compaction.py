@@ -80,7 +80,9 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
         dead = stats.get(seg, (0, 0))[0]
         if size <= 0 or file_size < small or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
-    return {"victims": victims, **_compact_victims(engine, victims, progress), "seconds": time.perf_counter() - t0}
+    got = _compact_victims(engine, victims, progress)
+    del got["blockers"]  # (reclaim's business)
+    return {"victims": victims, **got, "seconds": time.perf_counter() - t0}
 
 
 def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
@@ -101,8 +103,10 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0, "stalled": 0}
         sealed = False
         last_need = None
+        blockers: set[int] = set()  # survivors whose dead PUTs made the last pass carry DELETEs
+        tried: set[int] = set()
         while (need := excess()) > 0:
-            if last_need is not None and need >= last_need:
+            if last_need is not None and need >= last_need and not blockers:
                 counts["stalled"] = 1  # a pass freed nothing: stop rather than compact the same bytes again
                 break
             last_need = need
@@ -119,15 +123,22 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                     break
                 victims.append(seg)
                 covered += dead
-            if covered < need and not sealed and stats.get(segs[-1], (0, 0))[0] > 0:
+            if covered < need and not sealed and stats.get(segs[-1], (0, 0))[0] > 0 and not blockers:
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
                 last_need = None  # (sealing freed nothing yet)
                 continue
+            # the survivors that held the PUTs of DELETEs the last pass had to carry join in, whatever
+            # their dead share: with them gone those DELETEs are dropped (carried again and again
+            # otherwise, their dead bytes never freed)
+            victims = sorted(set(victims) | (blockers & set(segs[:-1])))
+            blockers = set()
             if not victims:
                 break
-            victims.sort()
-            for k, v in _compact_victims(engine, victims, None, gradual=gradual).items():
+            got = _compact_victims(engine, victims, None, gradual=gradual)
+            blockers = set(got.pop("blockers")) - tried
+            tried |= blockers
+            for k, v in got.items():
                 counts[k] += v
             done += victims
         return {"victims": done, **counts, "seconds": time.perf_counter() - t0}
@@ -139,7 +150,7 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
                      gradual: bool = False) -> dict[str, Any]:
     """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
     keeps what it finished."""
-    carry = _carry_rule(engine, set(victims))
+    carry, blockers = _carry_rule(engine, set(victims))
     bytes_before = sum(os.path.getsize(engine.segment_path(s)) for s in victims)
     counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
@@ -150,10 +161,10 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
         if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
             compact_batch(engine, batch, carry, counts, progress, gradual=gradual)
             batch, batch_bytes = [], 0
-    return {**counts, "bytes_before": bytes_before}
+    return {**counts, "bytes_before": bytes_before, "blockers": sorted(blockers)}
 
 
-def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, int], bool]:
+def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, bytes, int], bool], set[int]]:
     """Whether a DELETE of (namespace, key) in victim segment ``seg`` must be carried forward:
     a segment that survives and is older than ``seg`` holds a PUT of that key (dropping the
     DELETE would bring that PUT back at the next index rebuild).  A PUT of a deleted key is dead,
@@ -161,7 +172,8 @@ def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, in
     headers (``Engine.put_keys``: once per sealed segment), and past ``CARRY_SCAN_RECORDS``
     records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
     segment survived -- say one of a retained namespace -- kept every eviction's DELETE forever,
-    and the budget's reclaim compacted them round and round: SPEC.md §7.5.)"""
+    and the budget's reclaim compacted them round and round: SPEC.md §7.5.)  Also returns the
+    set it fills with the survivors that made a DELETE carried (reclaim compacts them next)."""
     # the victims are sealed: every DELETE in them is applied to the index now, so the dead bytes
     # of every segment holding a PUT they delete are counted below (not only those applied so far)
     engine.commit(force=True, sync=True)
@@ -172,6 +184,7 @@ def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, in
                  if seg < newest and seg not in victims and (stats.get(seg, (0, 0))[0] > 0 or
                                                             stats.get(seg, (0, 0))[1] != 0)]
     keys: dict[int, frozenset[tuple[bytes, bytes]]] | None = {}
+    blockers: set[int] = set()
     budget = CARRY_SCAN_RECORDS
     for seg in survivors:
         try:
@@ -188,9 +201,11 @@ def _carry_rule(engine: Engine, victims: set[int]) -> Callable[[bytes, bytes, in
         older = [s for s in survivors if s < seg]
         if keys is None:
             return bool(older)
-        return any((ns, k) in keys[s] for s in older)
+        holders = [s for s in older if (ns, k) in keys[s]]
+        blockers.update(holders)
+        return bool(holders)
 
-    return carry
+    return carry, blockers
 
 
 def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, bytes, int], bool],
