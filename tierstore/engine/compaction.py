@@ -46,7 +46,7 @@ BATCH_SEGMENTS = 16
 SMALL_FRACTION = 4
 # at most this many record headers of surviving segments are read to decide exactly which
 # DELETEs a compaction must carry forward (_carry_rule); past it, the rule is conservative
-CARRY_SCAN_RECORDS = 2_000_000
+CARRY_SCAN_RECORDS = 250_000  # (~55k headers/s here: a few seconds at most, once per segment)
 
 
 def compact(engine: Engine, *, min_dead_ratio: float,
@@ -169,8 +169,8 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
     a segment that survives and is older than ``seg`` holds a PUT of that key (dropping the
     DELETE would bring that PUT back at the next index rebuild).  A PUT of a deleted key is dead,
     so only survivors with dead bytes can hold one; their PUT keys are read from their record
-    headers (``Engine.put_keys``: once per sealed segment), and past ``CARRY_SCAN_RECORDS``
-    records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
+    headers when first needed (``Engine.put_keys``: once per sealed segment), and past
+    ``CARRY_SCAN_RECORDS`` records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
     segment survived -- say one of a retained namespace -- kept every eviction's DELETE forever,
     and the budget's reclaim compacted them round and round: SPEC.md §7.5.)  Also returns the
     set it fills with the survivors that made a DELETE carried (reclaim compacts them next)."""
@@ -183,27 +183,36 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
     survivors = [seg for seg in engine.segments()
                  if seg < newest and seg not in victims and (stats.get(seg, (0, 0))[0] > 0 or
                                                             stats.get(seg, (0, 0))[1] != 0)]
-    keys: dict[int, frozenset[tuple[bytes, bytes]]] | None = {}
+    keys: dict[int, frozenset[tuple[bytes, bytes]] | None] = {}
     blockers: set[int] = set()
-    budget = CARRY_SCAN_RECORDS
-    for seg in survivors:
-        try:
-            got = engine.put_keys(seg, limit=budget)
-        except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
-            got = frozenset()
-        if got is None:
-            keys = None  # too many to read, or damaged: any older survivor with dead bytes may hold the key
-            break
-        keys[seg] = got  # type: ignore[index]
-        budget -= len(got)
+    left = [CARRY_SCAN_RECORDS]
+
+    def keys_of(seg: int) -> frozenset[tuple[bytes, bytes]] | None:
+        """A survivor's PUT keys, read when first needed (None: unknown, it may hold any)."""
+        if seg not in keys:
+            try:
+                got = engine.put_keys(seg, limit=left[0]) if left[0] > 0 else None
+            except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
+                got = frozenset()
+            if got is None:
+                left[0] = 0  # too many to read, or damaged: from here on, unknown
+            else:
+                left[0] -= len(got)
+            keys[seg] = got
+        return keys[seg]
 
     def carry(ns: bytes, k: bytes, seg: int) -> bool:
-        older = [s for s in survivors if s < seg]
-        if keys is None:
-            return bool(older)
-        holders = [s for s in older if (ns, k) in keys[s]]
+        holders, unknown = [], False
+        for s in survivors:
+            if s >= seg:
+                break
+            got = keys_of(s)
+            if got is None:
+                unknown = True
+            elif (ns, k) in got:
+                holders.append(s)
         blockers.update(holders)
-        return bool(holders)
+        return bool(holders) or unknown
 
     return carry, blockers
 
@@ -221,6 +230,8 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
         with engine.hold_segment(seg) as (fd, _):
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
             for off, hdr in scanner.records():
+                # (outside the write lock: it may read survivors' record headers; they never change)
+                carried = hdr.type == fmt.REC_DELETE and carry(hdr.namespace, hdr.key, seg)
                 with engine.write_lock:
                     cur = engine.lookup(hdr.namespace, hdr.key)
                     if hdr.type == fmt.REC_PUT:
@@ -231,7 +242,7 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
                         moved.append((hdr.namespace, hdr.key))
                         counts["copied"] += 1
                     elif hdr.type == fmt.REC_DELETE:
-                        if cur is not None or not carry(hdr.namespace, hdr.key, seg):
+                        if cur is not None or not carried:
                             counts["dropped"] += 1
                             continue
                         engine.append(rec.EncodedRecord(hdr))
