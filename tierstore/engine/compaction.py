@@ -178,16 +178,17 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
     # of every segment holding a PUT they delete are counted below (not only those applied so far)
     engine.commit(force=True, sync=True)
     stats = engine.segment_stats()
+    engine.prune_put_keys(engine.segments())  # (segments other processes retired: not kept)
     newest = max(victims, default=0)  # (survivors older than a victim are sealed: their keys never change)
     # a segment marked dead but still on disk counts too (an index rebuild would read it)
     survivors = [seg for seg in engine.segments()
                  if seg < newest and seg not in victims and (stats.get(seg, (0, 0))[0] > 0 or
                                                             stats.get(seg, (0, 0))[1] != 0)]
-    keys: dict[int, frozenset[tuple[bytes, bytes]] | None] = {}
+    keys: dict[int, frozenset[int] | None] = {}
     blockers: set[int] = set()
     left = [CARRY_SCAN_RECORDS]
 
-    def keys_of(seg: int) -> frozenset[tuple[bytes, bytes]] | None:
+    def keys_of(seg: int) -> frozenset[int] | None:
         """A survivor's PUT keys, read when first needed (None: unknown, it may hold any)."""
         if seg not in keys:
             try:
@@ -202,17 +203,16 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
         return keys[seg]
 
     def carry(ns: bytes, k: bytes, seg: int) -> bool:
-        holders, unknown = [], False
+        holders = []  # older survivors that hold (or, unknown, may hold) a PUT of the key
+        h = hash((ns, k))
         for s in survivors:
             if s >= seg:
                 break
             got = keys_of(s)
-            if got is None:
-                unknown = True
-            elif (ns, k) in got:
+            if got is None or h in got:
                 holders.append(s)
-        blockers.update(holders)
-        return bool(holders) or unknown
+        blockers.update(holders)  # reclaim compacts them next: then the DELETE goes
+        return bool(holders)
 
     return carry, blockers
 

@@ -248,7 +248,7 @@ class Engine:
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
         self.inherited = False  # True in a fork()ed child: the engine is the parent's (_forked)
         self._next_abandoned_check = 0.0  # _apply_abandoned
-        self._put_keys: dict[int, frozenset[tuple[bytes, bytes]]] = {}  # put_keys, per sealed segment
+        self._put_keys: dict[int, frozenset[int]] = {}  # put_keys, per sealed segment
         self._put_keys_lock = threading.Lock()
         self._abandoned_suspect = 0
         self.index_damage: str | None = None  # damage a read found in the index (rebuilt at the next open)
@@ -1193,9 +1193,10 @@ class Engine:
         FileNotFoundError if it is already gone."""
         return HeldSegment(self.files, seg)
 
-    def put_keys(self, seg: int, *, limit: int) -> frozenset[tuple[bytes, bytes]] | None:
-        """The (namespace, key) of every PUT record in sealed segment ``seg``, from its record
-        headers (payloads are not read); kept while the segment lives (it never changes).  None
+    def put_keys(self, seg: int, *, limit: int) -> frozenset[int] | None:
+        """``hash((namespace, key))`` of every PUT record in sealed segment ``seg`` (a collision
+        only makes compaction carry a DELETE it could drop), from its record headers (payloads
+        are not read); kept while the segment lives (it never changes).  None
         when it holds more than ``limit`` records or cannot be read to its end (then nothing is
         kept).  Compaction's rule for
         carrying DELETEs forward (compaction._carry_rule)."""
@@ -1203,7 +1204,7 @@ class Engine:
             got = self._put_keys.get(seg)
         if got is not None:
             return got
-        keys: set[tuple[bytes, bytes]] = set()
+        keys: set[int] = set()
         path = self.files.path(seg)
         with self.hold_segment(seg) as (fd, _):
             scanner = seglib.SegmentScanner(self.io, fd, seg, path=path, verify_payload=False)
@@ -1211,13 +1212,20 @@ class Engine:
                 if n >= limit:
                     return None
                 if hdr.type == fmt.REC_PUT:
-                    keys.add((hdr.namespace, hdr.key))
+                    keys.add(hash((hdr.namespace, hdr.key)))
             if scanner.stop is not None and scanner.stop.reason != "end":
                 return None  # not read to its end (damage): it may hold any key
         got = frozenset(keys)
         with self._put_keys_lock:
             self._put_keys[seg] = got
         return got
+
+    def prune_put_keys(self, alive: Iterable[int]) -> None:
+        """Forget ``put_keys`` of segments not in ``alive`` (another process retired them)."""
+        keep = set(alive)
+        with self._put_keys_lock:
+            for seg in [s for s in self._put_keys if s not in keep]:
+                del self._put_keys[seg]
 
     def hold_segments(self, segs: Iterable[int]) -> contextlib.ExitStack:
         """``hold_segment`` of several segments at once, for reads of one index snapshot: a
