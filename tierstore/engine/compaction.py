@@ -170,8 +170,9 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
     DELETE would bring that PUT back at the next index rebuild).  A PUT of a deleted key is dead,
     so only survivors with dead bytes can hold one; their PUT keys are read from their record
     headers when first needed (``Engine.put_keys``: once per sealed segment), and past
-    ``CARRY_SCAN_RECORDS`` records any older survivor with dead bytes counts.  (Carrying every DELETE while any older
-    segment survived -- say one of a retained namespace -- kept every eviction's DELETE forever,
+    ``CARRY_SCAN_RECORDS`` records any older survivor with dead bytes counts.  (Carrying every
+    DELETE while any older segment survived -- say one of a retained namespace -- kept every
+    eviction's DELETE forever,
     and the budget's reclaim compacted them round and round: SPEC.md §7.5.)  Also returns the
     set it fills with the survivors that made a DELETE carried (reclaim compacts them next)."""
     # the victims are sealed: every DELETE in them is applied to the index now, so the dead bytes
@@ -186,19 +187,17 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
                                                             stats.get(seg, (0, 0))[1] != 0)]
     keys: dict[int, frozenset[int] | None] = {}
     blockers: set[int] = set()
-    left = [CARRY_SCAN_RECORDS]
+    left = CARRY_SCAN_RECORDS
 
     def keys_of(seg: int) -> frozenset[int] | None:
         """A survivor's PUT keys, read when first needed (None: unknown, it may hold any)."""
+        nonlocal left
         if seg not in keys:
             try:
-                got = engine.put_keys(seg, limit=left[0]) if left[0] > 0 else None
+                got = engine.put_keys(seg, limit=left) if left > 0 else None
             except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
                 got = frozenset()
-            if got is None:
-                left[0] = 0  # too many to read, or damaged: from here on, unknown
-            else:
-                left[0] -= len(got)
+            left = 0 if got is None else left - len(got)  # None: too many, or damaged: unknown from here on
             keys[seg] = got
         return keys[seg]
 
