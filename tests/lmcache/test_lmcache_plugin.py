@@ -52,7 +52,8 @@ class CPUConnector(GPUConnectorInterface):
         return torch.Size([2, LAYERS, num_tokens, HEADS * DIM])
 
 
-def engine(path: str, kv: torch.Tensor, *, worker: int = 0, extra: dict | None = None, disk: str | None = None):
+def engine(path: str, kv: torch.Tensor, *, worker: int = 0, extra: dict | None = None, disk: str | None = None,
+           model: str = "org/model-7b"):
     """An LMCacheEngine with the tierstore plugin only (no CPU tier), or LMCache's own disk backend."""
     cfg = {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.05, "save_unfull_chunk": False}
     if disk is not None:
@@ -62,7 +63,7 @@ def engine(path: str, kv: torch.Tensor, *, worker: int = 0, extra: dict | None =
             "storage_plugin.tierstore.module_path": "tierstore.integrations.lmcache",
             "storage_plugin.tierstore.class_name": "TierstoreBackend",
             "tierstore.path": path, **(extra or {})}})
-    meta = LMCacheMetadata(model_name="org/model-7b", world_size=2, local_world_size=2, worker_id=worker,
+    meta = LMCacheMetadata(model_name=model, world_size=2, local_world_size=2, worker_id=worker,
                            local_worker_id=worker, kv_dtype=torch.float32, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM))
     eng = LMCacheEngineBuilder.get_or_create(f"e{next(_ids)}", LMCacheEngineConfig.from_dict(cfg), meta,
                                              CPUConnector(kv), lambda t, r: None, lambda o, r: o)
@@ -268,6 +269,45 @@ def test_max_bytes_holds_across_restarts_evicting_the_oldest(path):
     assert len(b.store.keys(namespace=ns)) == 6  # 8 chunks put, the 2 oldest evicted
     assert eng.lookup(first) == 0 and eng.lookup(second) == 64  # the first prompt's chunks 0, 1 went
     close(eng)
+
+
+def _chunks(store) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {ns.split("~")[2] + ns.split("~")[4]: len(store.keys(namespace=ns)) for ns in store.namespaces()}
+
+
+def test_max_bytes_counts_the_chunks_of_another_model_stored_before_a_restart(path):
+    """The limit is the store's: a restart with another model (or rank, or dtype) counts what the
+    earlier run stored and evicts it first (it was written first)."""
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+    extra = {"tierstore.max_bytes": 6 * chunk_bytes}
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    eng = engine(path, src.clone(), extra=extra, model="org/model-a")
+    eng.store(torch.arange(0, 64))
+    wait_stored(eng, torch.arange(0, 64), 64)
+    close(eng)
+    eng = engine(path, src.clone(), extra=extra, model="org/model-b")
+    eng.store(torch.arange(1000, 1064))
+    wait_stored(eng, torch.arange(1000, 1064), 64)
+    assert _chunks(backend_of(eng).store) == {"model-aw0": 2, "model-bw0": 4}  # 8 chunks put, model a's 2 oldest went
+    close(eng)
+
+
+def test_max_bytes_is_shared_by_two_workers_on_one_store(path, monkeypatch):
+    """Two workers (two plugin instances, as two processes would have) with one limit: each takes in
+    what the other stored (at most every SYNC_S seconds: 0 here) and the store stays within it."""
+    monkeypatch.setattr("tierstore.integrations.lmcache.SYNC_S", 0.0)
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+    extra = {"tierstore.max_bytes": 6 * chunk_bytes}
+    src = torch.randn(LAYERS, 2, 128, HEADS, DIM)
+    e0, e1 = engine(path, src.clone(), worker=0, extra=extra), engine(path, src.clone(), worker=1, extra=extra)
+    for eng, start in ((e0, 0), (e1, 0), (e0, 1000), (e1, 2000)):
+        tokens = torch.arange(start, start + 64)
+        eng.store(tokens)
+        wait_stored(eng, tokens, 64)
+        assert sum(_chunks(backend_of(e0).store).values()) <= 6
+    assert eng.lookup(torch.arange(2000, 2064)) == 64  # the newest stay
+    close(e1)
+    close(e0)
 
 
 def test_two_workers_on_one_store(path):

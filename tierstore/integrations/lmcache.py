@@ -8,7 +8,7 @@ Configuration only (LMCache's ``storage_plugins``), no code:
       storage_plugin.tierstore.module_path: tierstore.integrations.lmcache
       storage_plugin.tierstore.class_name: TierstoreBackend
       tierstore.path: /data/kv
-      tierstore.max_bytes: 50GiB        # optional: least recently used unpinned chunks go first
+      tierstore.max_bytes: 50GiB        # optional: the store's limit (every worker, model); LRU unpinned go first
       tierstore.codec: int8             # optional: the store codec of the chunks (default lossless)
       tierstore.durability: group       # optional (default "group": a put is durable within 10 ms)
       tierstore.remote: redis://cache-1:6379/0   # optional: share chunks between nodes (docs/remote.md)
@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ from .. import open as open_store
 _log = logging.getLogger("tierstore")
 CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
+SYNC_S = 1.0  # at the limit, how often to take in what other processes stored or removed (seconds)
 
 
 def _setting(config: Any, name: str, default: Any = None) -> Any:
@@ -104,7 +106,7 @@ class TierstoreBackend(StoragePluginInterface):
         self._putting: set[CacheEngineKey] = set()
         self._pins: dict[tuple[str, bytes], int] = {}
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # (ns, key) -> stored bytes, oldest first
-        self._loaded: set[str] = set()
+        self._synced: float | None = None  # when the LRU order last took in the store's contents
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lmcache")
 
     def __str__(self) -> str:
@@ -112,18 +114,36 @@ class TierstoreBackend(StoragePluginInterface):
 
     # -- the size limit -------------------------------------------------------------------------
 
-    def _known(self, ns: str) -> None:
-        """Load a namespace's entries into the LRU order once (caller holds the lock): after a
-        restart the order is the order they were written in (LSN), then this process's use."""
-        if ns in self._loaded:
-            return
-        self._loaded.add(ns)
-        entries = []
-        for k in self.store.keys(namespace=ns):
-            info = self.store.info(k, namespace=ns)
-            entries.append((info.lsn, (ns, k), info.logical_bytes))
-        for _, nk, size in sorted(entries):
+    def _sync(self) -> None:
+        """Bring the LRU order up to date with what the store holds (caller holds the lock).
+        The limit is the store's: chunks of every LMCache namespace count -- other models, ranks
+        or dtypes, written before a restart or by another worker process -- and chunks removed
+        by someone else stop counting.  Chunks this process has not seen go in as the newest
+        uses, in the order they were written (LSN): after a restart, all of them, oldest
+        written first; later, another process's as of when this one learns of them."""
+        held: dict[str, set[bytes]] = {}
+        for ns, k in self._lru:
+            held.setdefault(ns, set()).add(k)
+        fresh = []
+        for ns in self.store.namespaces():
+            if not ns.startswith("lmcache~"):
+                continue
+            present = set(self.store.keys(namespace=ns))
+            mine = held.pop(ns, set())
+            for k in mine - present:
+                del self._lru[(ns, k)]
+            for k in present - mine:
+                try:
+                    info = self.store.info(k, namespace=ns)
+                except NotFound:  # removed since the listing
+                    continue
+                fresh.append((info.lsn, (ns, k), info.logical_bytes))
+        for ns, gone in held.items():  # namespaces now empty
+            for k in gone:
+                del self._lru[(ns, k)]
+        for _, nk, size in sorted(fresh):
             self._lru[nk] = size
+        self._synced = time.monotonic()
 
     def _used(self) -> int:
         return sum(self._lru.values())
@@ -134,8 +154,11 @@ class TierstoreBackend(StoragePluginInterface):
             return
         victims: dict[str, list[bytes]] = {}
         with self._lock:
-            self._known(ns)
             used = self._used()
+            if self._synced is None or (used + incoming > self.max_bytes
+                                        and time.monotonic() - self._synced >= SYNC_S):
+                self._sync()
+                used = self._used()
             for nk in list(self._lru):
                 if used + incoming <= self.max_bytes:
                     break
