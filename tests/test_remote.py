@@ -293,14 +293,20 @@ def test_a_damaged_remote_value_is_a_miss_never_data(tmp_path, server, damage, c
     else:
         r.set(name, b"not a tierstore value")
     with caplog.at_level(logging.WARNING, logger="tierstore.remote"):
+        # contains reads the envelope and the length: a body not read yet counts (documented)
+        assert b.contains(b"k", namespace="m") is (damage in ("flip-payload", "flip-header", "other-key"))
         with pytest.raises(tierstore.NotFound):
             b.get(b"k", namespace="m")
         with pytest.raises(tierstore.NotFound):
             b.get(b"k", namespace="m")
+        assert b.contains_many([b"k", b"other"], namespace="m") == [False, True]  # once read: known damaged
+        assert b.match_prefix([b"k"], namespace="m") == 0
     assert remote_of(b)["bad_values"] >= 1
     assert len([m for m in caplog.messages if "damaged" in m]) == 1  # logged once
     assert np.array_equal(a.get(b"k", namespace="m").data, kv(1))  # the writer's own copy is untouched
     assert np.array_equal(b.get(b"other", namespace="m").data, kv(2))  # the twin: a valid value still loads
+    a.put(b"k", tierstore.KVCache(kv(3)), namespace="m")  # replaced: present again
+    assert b.contains(b"k", namespace="m") and np.array_equal(b.get(b"k", namespace="m").data, kv(3))
     a.close()
     b.close()
 

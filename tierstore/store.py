@@ -1122,7 +1122,7 @@ class Store:
             self._drop_stale(ns, k, loc)
             return None, None
         if mine is not None:
-            remote.counters["stale"] += 1
+            remote.count("stale")
         if not ranged:  # kept in the background: the caller gets the bytes without waiting for the log
             if self._tiers is not None:
                 self._tiers.submit(self._cache_fetched, ns, k, reader, mine, deletes)
@@ -1143,7 +1143,7 @@ class Store:
             where = engine.append_group(engine.deletion(ns, k, loc.header.flags & fmt.FLAG_KEY_STR))
         engine.settle_later(where)
         assert self._remote is not None
-        self._remote.counters["stale"] += 1
+        self._remote.count("stale")
 
     def _cache_fetched(self, ns: bytes, k: bytes, reader: Any, mine: Version | None, deletes: int) -> None:
         """Keep a fetched record in the local log (its bytes as fetched, with a local LSN) unless
@@ -1168,7 +1168,7 @@ class Store:
                 w.admitted(ns, k, record.header.record_len, (), tokens_of(record.header))
         except StoreFull:  # no room for a copy: served from the fetched bytes, not kept
             assert self._remote is not None
-            self._remote.counters["not_cached"] = self._remote.counters.get("not_cached", 0) + 1
+            self._remote.count("not_cached")
 
     def _read_fetched(self, reader: Any, ns: bytes, *, layers: Any, rows: Any, device: str | None,
                       out: Any) -> Any:

@@ -349,11 +349,13 @@ class RemoteTier:
         self.clock = Clock()
         self.counters = {"hits": 0, "misses": 0, "stale": 0, "bad_values": 0, "bytes_in": 0, "bytes_out": 0,
                          "puts": 0, "put_conflicts": 0, "tombstones": 0, "errors": 0, "full": 0, "skipped": 0,
-                         "queued": 0, "queue_dropped": 0, "resent": 0}
+                         "queued": 0, "queue_dropped": 0, "resent": 0, "not_cached": 0}
         self._latency: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self._down_until = 0.0
         self._down_logged = False
         self._bad_logged: set[bytes] = set()
+        self._damaged: dict[bytes, Version] = {}  # name -> the version of a value whose body failed its checks
+        self._counting = threading.Lock()
         self._refusals_logged: set[str] = set()
         self._errors = _redis_errors()
         self._client: Any = None  # connected on first use: a server down at open is a failure counted
@@ -390,7 +392,7 @@ class RemoteTier:
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.down:
-            self.counters["skipped"] += 1
+            self.count("skipped")
             raise RemoteDown("remote marked down")
         t0 = time.perf_counter()
         try:
@@ -413,27 +415,40 @@ class RemoteTier:
 
         text = self._scrub(str(e))
         if "OOM" in text or "maxmemory" in text:
-            self.counters["full"] += 1  # a full server (noeviction): an error counted, not down
+            self.count("full")  # a full server (noeviction): an error counted, not down
             if not self._down_logged:
                 _log.warning("remote %s is full: %s", self.url, text)
             return
         if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type,
-            self.counters["errors"] += 1  # a database out of range): counted and logged once per kind;
+            self.count("errors")  # a database out of range): counted and logged once per kind;
             kind = text.split(" ")[0][:40]  # the server itself answers, so it is not down
             if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
                 self._refusals_logged.add(kind)
                 _log.warning("remote %s refused a command: %s", self.url, text)
             return
-        self.counters["errors"] += 1
+        self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
             _log.warning("remote %s unavailable (%s: %s); serving local data only, retrying every %.1f s",
                          self.url, type(e).__name__, text, self.retry_s)
             self._down_logged = True
 
-    def bad_value(self, name: bytes, why: str) -> None:
-        """A value that failed its checks: a miss, counted, logged once per key."""
-        self.counters["bad_values"] += 1
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter (callers' threads and the push queue's count at once)."""
+        with self._counting:
+            self.counters[name] += n
+
+    def bad_value(self, name: bytes, why: str, head: Any = None) -> None:
+        """A value that failed its checks: a miss, counted, logged once per key.  ``head``: the
+        value's first bytes, when fetched; if its envelope is sound, that version of the key is
+        remembered as damaged, so ``states`` (``contains``) stops reporting it until it is
+        replaced."""
+        self.count("bad_values")
+        if head is not None and len(self._damaged) < 10_000:
+            try:
+                self._damaged[name] = parse_envelope(bytes(head[:fmt.REMOTE_ENVELOPE.size])).version
+            except CorruptionError:
+                pass
         if name not in self._bad_logged and len(self._bad_logged) < 10_000:
             self._bad_logged.add(name)
             _log.warning("remote %s: ignoring damaged value of %r: %s", self.url, name, why)
@@ -474,11 +489,16 @@ class RemoteTier:
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1)
+                pipe.strlen(name)
             return pipe.execute()
 
-        return [self._envelope(name, head) for name, head in zip(names, self._call(run))]
+        got = self._call(run)
+        return [self._envelope(name, head, size) for name, head, size in zip(names, got[0::2], got[1::2])]
 
-    def _envelope(self, name: bytes, head: bytes) -> Remote | None:
+    def _envelope(self, name: bytes, head: bytes, size: int | None = None) -> Remote | None:
+        """A value's state from its first bytes (and ``size``, its length, when known): None if
+        nothing, or a value known damaged -- its envelope unsound, its length not the envelope's,
+        or this version's body failed its checks when fetched."""
         if not head:
             return None
         try:
@@ -487,6 +507,12 @@ class RemoteTier:
             self.bad_value(name, e.message)
             return None
         self.clock.seen(env.version.stamp)
+        expected = fmt.REMOTE_ENVELOPE.size + env.record_len
+        if size is not None and size != expected:
+            self.bad_value(name, f"value of {size} bytes, its envelope says {expected}")
+            return None
+        if self._damaged.get(name) == env.version:
+            return None
         return env
 
     def fetch(self, ns: bytes, k: bytes) -> tuple[Remote, BufferReader | None] | None:
@@ -495,20 +521,20 @@ class RemoteTier:
         name = remote_key(ns, k)
         value = self._call(lambda: self.client.get(name))
         if value is None:
-            self.counters["misses"] += 1
+            self.count("misses")
             return None
-        self.counters["bytes_in"] += len(value)
+        self.count("bytes_in", len(value))
         try:
             env, hdr = check_fetched(ns, k, value)
         except CorruptionError as e:
-            self.bad_value(name, e.message)
-            self.counters["misses"] += 1
+            self.bad_value(name, e.message, value)
+            self.count("misses")
             return None
         self.clock.seen(env.version.stamp)
         if env.tombstone:
-            self.counters["misses"] += 1
+            self.count("misses")
             return env, None
-        self.counters["hits"] += 1
+        self.count("hits")
         return env, BufferReader(hdr, value)
 
     def fetch_extents(self, ns: bytes, k: bytes, wanted: Callable[[rec.RecordHeader], list[int]]
@@ -519,19 +545,19 @@ class RemoteTier:
         size = fmt.REMOTE_ENVELOPE.size
         head = self._call(lambda: self.client.getrange(name, 0, size + HEADER_GUESS - 1))
         if not head:
-            self.counters["misses"] += 1
+            self.count("misses")
             return None
-        self.counters["bytes_in"] += len(head)
+        self.count("bytes_in", len(head))
         try:
             env = parse_envelope(head)
             if env.tombstone:
-                self.counters["misses"] += 1
+                self.count("misses")
                 return env, None
             hdr_len = rec.parse_fixed(memoryview(head)[size:]).header_len  # bounds checked (SPEC.md §4.4)
             if size + hdr_len > len(head):
                 start = len(head)
                 more = self._call(lambda: self.client.getrange(name, start, size + hdr_len - 1))
-                self.counters["bytes_in"] += len(more)
+                self.count("bytes_in", len(more))
                 head += more
             _, hdr = check_fetched(ns, k, head, full=False)
             want = wanted(hdr)
@@ -552,7 +578,7 @@ class RemoteTier:
             parts = self._call(ranges)
             extents = {}
             for run, part in zip(runs, parts):
-                self.counters["bytes_in"] += len(part)
+                self.count("bytes_in", len(part))
                 base = hdr.offsets[run[0]]
                 view = memoryview(part)
                 for i in run:
@@ -561,11 +587,11 @@ class RemoteTier:
                         raise CorruptionError("remote value: extent truncated or checksum mismatch")
                     extents[i] = ext
         except CorruptionError as e:
-            self.bad_value(name, e.message)
-            self.counters["misses"] += 1
+            self.bad_value(name, e.message, head)
+            self.count("misses")
             return None
         if want:  # a header alone (``info``) is not a hit
-            self.counters["hits"] += 1
+            self.count("hits")
         return env, BufferReader(hdr, b"", extents=extents)
 
     def scan(self, ns: bytes | None = None, count: int = 1000) -> Iterator[bytes]:
@@ -629,8 +655,8 @@ class RemoteTier:
         out = self._call(run)
         if out == -1:
             raise RemoteDown("the staged value vanished before it was swapped in (server evicting)")
-        self.counters["bytes_out"] += total
-        self.counters["puts" if out == 1 else "put_conflicts"] += 1
+        self.count("bytes_out", total)
+        self.count("puts" if out == 1 else "put_conflicts")
         return out == 1
 
     def tombstone(self, ns: bytes, k: bytes, version: Version) -> bool:
@@ -642,7 +668,7 @@ class RemoteTier:
             return int(self._cas(keys=[remote_key(ns, k)], args=[env], client=client))
 
         out = self._call(run)
-        self.counters["tombstones" if out == 1 else "put_conflicts"] += 1
+        self.count("tombstones" if out == 1 else "put_conflicts")
         return out == 1
 
 
@@ -780,11 +806,11 @@ class PushQueue:
             if old is not None:
                 self._release(old.stamp)  # superseded by the newer put
             self._items[key] = Version(stamp, b"")
-            self.tier.counters["queued"] += 1
+            self.tier.count("queued")
             while len(self._items) > self.limit:
                 _, dropped = self._items.popitem(last=False)
                 self._release(dropped.stamp)
-                self.tier.counters["queue_dropped"] += 1
+                self.tier.count("queue_dropped")
                 self.sweep_needed = True
             self._wake_locked()
 
@@ -900,7 +926,7 @@ class PushQueue:
                 if version.stamp > floor and version.origin == self.tier.origin:
                     self._send(ns, k)
                     sent += 1
-                    self.tier.counters["resent"] += 1
+                    self.tier.count("resent")
         except BaseException:
             with self._cv:
                 self.sweep_needed, self.sweeping = True, False
