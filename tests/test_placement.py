@@ -12,6 +12,7 @@ import pytest
 import tierstore
 from tierstore import Blob, KVCache
 from tierstore.cli import main as cli
+from tierstore.tiers import policy as pol
 from tierstore.tiers import simulate as sim
 from tierstore.tiers import trace as tr
 from tierstore.tiers import workloads
@@ -230,3 +231,29 @@ def test_simulate_cli(tmp_path, capsys):
     assert cli(["simulate", "--trace", saved, "--dram", "60%", "--ssd", "50%"]) == 2
     assert cli(["simulate", "--generate", "tenants", "--models", "tenants=oops"]) == 2
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("name", ["lru", "session", "cost"])
+def test_a_built_in_order_may_be_taken_in_parts(name):
+    """The SSD budget takes a resumable policy's order a batch at a time, with reads, puts and
+    removals told to the policy in between: the rest of the order still comes, each key once, and
+    only keys the policy held."""
+    p = pol.make(name)
+    assert p.victims_resumable
+    held = set()
+    for i in range(60):
+        key = (b"ns", b"%d" % i)
+        p.admitted(key, 1000 + 10 * (i % 3), (b"s%d" % (i % 7),) if i % 2 else ())
+        held.add(key)
+    it = p.victims()
+    got = [next(it) for _ in range(10)]
+    for i in range(20, 40):  # between two batches
+        p.touched((b"ns", b"%d" % i))
+    for i in range(40, 50):
+        p.removed((b"ns", b"%d" % i))
+    p.admitted((b"ns", b"new"), 500, (b"s1",))
+    p.session_active(b"s3")
+    got += list(it)
+    assert len(got) == len(set(got)) and set(got) <= held | {(b"ns", b"new")}
+    assert set(got) >= held - {(b"ns", b"%d" % i) for i in range(40, 50)}  # every key held throughout came
+    assert not pol.Policy.victims_resumable  # a policy of the user's is listed whole unless it says so

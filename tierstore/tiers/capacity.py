@@ -25,6 +25,7 @@ that re-encodes an object (down-tiering).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -49,6 +50,7 @@ SSD_MIN = 1 << 20  # the smallest budget
 # evicts down to 3 slack below it; a put stops 1 slack below it (and, if it must evict itself,
 # evicts down to 2 below), leaving that slack to padding, the thread's deletes and copies, the index
 SLACK_SHARE = 64
+ORDER_BATCH = 512  # keys of a resumable policy's eviction order taken per hold of the policy lock
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
 USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
@@ -509,7 +511,7 @@ class Capacity:
         if counted >= deficit:
             return 0
         with self._policy_lock:
-            order = list(self.policy.victims())
+            order = self._order()
             self._since = set()  # objects put or read from here on are not victims of this run
         gone: list[Hashable] = []
         copies: list[tuple[Hashable, Any, cdc.Choice]] = []
@@ -591,6 +593,27 @@ class Capacity:
         self.counters["evictions"] += len(chosen) - kept
         self.counters["evicted_bytes"] += freed - replaced
         return freed - taken
+
+    def _order(self) -> Iterator[Hashable]:
+        """The policy's eviction order (caller holds the policy lock): listed whole now, or --
+        for a policy whose order may be taken in parts (``Policy.victims_resumable``) -- ranked
+        now and then taken ``ORDER_BATCH`` keys at a time under the policy lock, so that reads
+        and puts telling the policy wait for a batch, not for every object to be listed."""
+        victims = self.policy.victims()
+        if not getattr(self.policy, "victims_resumable", False):
+            return iter(list(victims))
+        first = list(itertools.islice(victims, ORDER_BATCH))  # the ranking itself, under the caller's lock
+
+        def rest() -> Iterator[Hashable]:
+            yield from first
+            while True:
+                with self._policy_lock:
+                    batch = list(itertools.islice(victims, ORDER_BATCH))
+                if not batch:
+                    return
+                yield from batch
+
+        return rest()
 
     def _lossy_choice(self, key: Hashable, hdr: rec.RecordHeader) -> cdc.Choice | None:
         """The lossy codec that ``key``'s victim is re-encoded with before it is evicted, or None

@@ -20,6 +20,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
+from typing import Any
 
 from ..errors import InvalidObject
 
@@ -30,6 +31,12 @@ class Policy:
     tier (``Store`` copies it with ``fresh()``)."""
 
     name = "policy"
+    #: Whether ``victims()`` may be consumed in parts, with other calls to the policy in between
+    #: (it works on what it snapshotted, or on its own structures, never on a live dict's
+    #: iterator): the SSD budget then takes the order a few hundred keys at a time instead of
+    #: holding the policy (and the reads and puts that tell it) while it lists every object.
+    #: The built-in policies are; a policy of yours is listed whole unless it says so.
+    victims_resumable = False
 
     def admitted(self, key: Hashable, nbytes: int, sessions: tuple[bytes, ...]) -> None:
         raise NotImplementedError
@@ -69,6 +76,7 @@ class LRU(Policy):
     """Least recently used first (the default)."""
 
     name = "lru"
+    victims_resumable = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()
@@ -116,6 +124,7 @@ class SessionAware(Policy):
     """
 
     name = "session"
+    victims_resumable = True
 
     def __init__(self, half_life: float = 16.0) -> None:
         if not half_life > 0:
@@ -219,13 +228,14 @@ def recompute_seconds_per_token(params: float, device_flops: float = DEFAULT_DEV
 class _Uses:
     """The use history of one session (or of one object without a session) for ``CostAware``."""
 
-    __slots__ = ("turns", "first", "last", "keys", "ended")
+    __slots__ = ("turns", "first", "last", "keys", "ended", "log_per_byte")
 
     def __init__(self, now: int) -> None:
         self.turns = 0
         self.first = self.last = now  # clock of its first and last turn
         self.keys: OrderedDict[Hashable, None] = OrderedDict()
         self.ended = False
+        self.log_per_byte: float | None = None  # log(C / S) shared by all its keys; None: they differ
 
 
 class CostAware(Policy):
@@ -254,6 +264,7 @@ class CostAware(Policy):
     """
 
     name = "cost"
+    victims_resumable = True
 
     def __init__(self, *, seconds_per_token: float | None = None, models: dict[str, float] | None = None,
                  refetch_bytes_per_s: float = DEFAULT_REFETCH_BYTES_PER_S,
@@ -356,11 +367,16 @@ class CostAware(Policy):
         elif u is None:  # not a use, and its history is gone (forgotten): as an object unread
             u = self._uses[gid] = _Uses(0)  # since the first turn, not as a new one
         u.keys[key] = None
+        lpb = math.log(per_byte) if per_byte > 0 else -math.inf
+        if len(u.keys) == 1:
+            u.log_per_byte = lpb
+        elif u.log_per_byte != lpb:
+            u.log_per_byte = None  # mixed until it holds nothing again
         self._held[gid] = u
         self._idle.pop(gid, None)
         self._idle_objects.pop(gid, None)
         self._group_of[key] = gid
-        self._log_per_byte[key] = math.log(per_byte) if per_byte > 0 else -math.inf
+        self._log_per_byte[key] = lpb
         if len(sessions) > 1:
             self._shared[key] = sessions
 
@@ -426,23 +442,34 @@ class CostAware(Policy):
 
     def victims(self) -> Iterator[Hashable]:
         # least worth first; then the longest silent, newest first.  A history's objects of one
-        # cost per byte (the common case) are one item, newest first; a history's ``last`` is its
-        # own clock tick, so (last, newest) is unique and the key lists are never compared.
-        ranked: list[tuple[int, float, int, int, list[Hashable]]] = []
+        # cost per byte (the common case) are one item, newest first, listed when it comes up
+        # (a heap: a caller that needs the first few pays for ranking the histories, not for
+        # listing and sorting every object); the newest key breaks ties, so the payloads are
+        # never compared.
+        ranked: list[tuple[int, float, int, int, Hashable, Any]] = []
         add, log_per_byte = ranked.append, self._log_per_byte
         for gid, u in self._held.items():
             rank, worth, last = self._rank(gid, u), self._log_worth(u), u.last
+            if u.log_per_byte is not None:
+                add((rank, worth + u.log_per_byte, last, 0, next(reversed(u.keys)), u))
+                continue
             keys = list(reversed(u.keys))
             values = [log_per_byte[k] for k in keys]
             lo = min(values)
             if lo == max(values):
-                add((rank, worth + lo, last, 0, keys))
+                add((rank, worth + lo, last, 0, keys[0], keys))
             else:
                 for newest, (key, v) in enumerate(zip(keys, values)):
-                    add((rank, worth + v, last, newest, [key]))
-        ranked.sort()
-        for item in ranked:
-            yield from item[4]
+                    add((rank, worth + v, last, newest, key, None))
+        heapq.heapify(ranked)
+        while ranked:
+            *_, first, payload = heapq.heappop(ranked)
+            if payload is None:
+                yield first
+            elif type(payload) is list:
+                yield from payload
+            else:  # a history: its keys as they are now (the caller may have gone on meanwhile)
+                yield from list(reversed(payload.keys))
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "session": SessionAware, "cost": CostAware}

@@ -14,9 +14,10 @@ promotion).  Invariant, under the lock: used + reserved <= capacity.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,9 +121,9 @@ class Tier:
             over = self.probation_bytes + nbytes - self.probation_cap if probation else 0
             if nbytes > free or over > 0:
                 plan, gain, pgain = [], 0, 0
-                order = list(self.probation)
-                if not probation:
-                    order += [k for k in self.policy.victims() if k not in self.probation]
+                order: Iterable[Hashable] = list(self.probation)
+                if not probation:  # taken as far as needed (under the lock: nothing changes meanwhile)
+                    order = itertools.chain(order, (k for k in self.policy.victims() if k not in self.probation))
                 for key in order:
                     if free + gain >= nbytes and pgain >= over:
                         break
