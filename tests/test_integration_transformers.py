@@ -148,7 +148,28 @@ def test_a_damaged_chunk_ends_the_prefix_there(store_path, caplog):
             cache, n = pc.load(ids)
         assert n == 32 and cache.get_seq_length() == 32  # chunks 0 and 1, then recompute
         assert sum("damaged" in r.message for r in caplog.records) == 1
-        assert torch.equal(pc.generate(ids, max_new_tokens=16, do_sample=False), _greedy(model, ids, 16))
+        assert pc.cached_tokens(ids) == 32  # the damaged chunk was deleted: the answers agree
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            assert torch.equal(pc.generate(ids, max_new_tokens=16, do_sample=False), _greedy(model, ids, 16))
+            assert pc.cached_tokens(ids) == 96 and pc.load(ids)[1] == 96  # stored again by that generate
+        assert sum("damaged" in r.message for r in caplog.records) == 1  # warned once, not per call
+
+
+def test_over_a_read_only_store_it_loads_and_generates_and_saves_nothing(store_path, caplog):
+    model = _model()
+    ids = _ids(40)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, model, chunk_tokens=16).generate(ids, max_new_tokens=1, do_sample=False)
+    with tierstore.open(store_path, readonly=True) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        assert pc.load(ids)[1] == 32
+        longer = _ids(80, seed=5)
+        assert torch.equal(pc.generate(longer, max_new_tokens=8, do_sample=False), _greedy(model, longer, 8))
+        assert len(store.keys(namespace="transformers")) == 2  # nothing saved
+        cache = transformers.DynamicCache(config=model.config)
+        model(longer, **{pc.cache_argument: cache})
+        with pytest.raises(tierstore.ReadOnlyError):
+            pc.save(longer, cache)
 
 
 def test_a_session_owns_its_chunks(store_path):
@@ -194,6 +215,12 @@ def test_refuses_sliding_window_models_and_bad_arguments(store_path):
         pc = PrefixCache(store, _model(), chunk_tokens=16)
         with pytest.raises(InvalidObject, match="chunk_tokens"):
             PrefixCache(store, _model(), chunk_tokens=0)
+        with pytest.raises(InvalidObject, match="int9"):  # refused before any generation, not after it
+            PrefixCache(store, _model(), codec="int9")
+        with pytest.raises(InvalidObject, match="session"):
+            PrefixCache(store, _model(), session="a/b")
+        with pytest.raises(InvalidObject, match="namespace"):
+            PrefixCache(store, _model(), session="ok", namespace="")
         with pytest.raises(InvalidObject, match="integer token ids"):
             pc.load(torch.rand(1, 20))
         with pytest.raises(InvalidObject, match="DynamicCache"):

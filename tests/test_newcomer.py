@@ -419,6 +419,19 @@ def test_readonly_namespace_handle_hint(store_path):
         assert "readonly=True" in str(e.value) and "create=True" not in str(e.value)
 
 
+def test_a_namespace_handle_shared_with_one_name_as_a_string_is_refused(store_path):
+    """shared="system" meant ["system"]: as a string it granted the tenants s, y, t, e and m."""
+    with tierstore.open(store_path) as s:
+        s.put("secret", Blob(b"tenant s"), namespace="s")
+        with pytest.raises(InvalidObject, match=r"shared=\['system'\]"):
+            s.namespace("tenant-a", shared="system")
+        with pytest.raises(InvalidObject, match="readonly"):
+            s.namespace("tenant-a", readonly="no")
+        t = s.namespace("tenant-a", shared=("system",))  # the twin: a tuple is a list of names
+        with pytest.raises(tierstore.AccessDenied):
+            t.get("secret", namespace="s")
+
+
 def test_object_info_repr_is_short(store_path):
     with tierstore.open(store_path) as s:
         s.put("k", KVCache(np.ones((300, 2, 1, 4, 4), np.float16)))

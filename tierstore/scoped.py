@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import AccessDenied, ReadOnlyError
+from .errors import AccessDenied, InvalidObject, ReadOnlyError
 from .names import check_namespace
 from .objects import Blob, KVCache, ObjectInfo, Vectors
 
@@ -33,6 +33,11 @@ class NamespaceHandle:
 
     def __init__(self, store: Any, namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
         check_namespace(namespace)
+        if isinstance(shared, (str, bytes)):  # one name, not its letters
+            raise InvalidObject(f"shared must be a list of namespace names, got the string {shared!r}",
+                                hint=f"shared=[{shared!r}]")
+        if not isinstance(readonly, bool):
+            raise InvalidObject(f"readonly must be True or False, got {readonly!r}")
         self._shared = frozenset(shared)
         for name in self._shared:
             check_namespace(name)

@@ -22,10 +22,14 @@ import json
 import logging
 from typing import Any
 
-import torch
-from transformers import DynamicCache
+try:
+    import torch
+    from transformers import DynamicCache
+except ImportError as _missing:  # an optional extra: say which
+    raise ImportError(f"tierstore.integrations.transformers needs torch and transformers ({_missing}); "
+                      "pip install 'tierstore[transformers]'") from _missing
 
-from .. import CorruptionError, InvalidObject, KVCache, TierstoreError, chunk_hashes
+from .. import CorruptionError, InvalidObject, KVCache, TierstoreError, chunk_hashes, codecs
 
 _log = logging.getLogger("tierstore")
 
@@ -81,7 +85,9 @@ class PrefixCache:
     ``namespace``: where the chunks go (default "transformers"); ``codec``: the store codec of
     the chunks (e.g. "int8"; default lossless); ``session``: tie the chunks to a conversation
     so ``store.drop_session(session, namespace=...)`` frees what only it used;
-    ``weights_digest``: see ``model_fingerprint``.
+    ``weights_digest``: see ``model_fingerprint``.  Over a read-only store it loads and
+    generates but saves nothing (``save`` raises ReadOnlyError).  A chunk found damaged is
+    deleted (over a writable store), so the next ``save`` stores it again.
     """
 
     def __init__(self, store: Any, model: Any, *, chunk_tokens: int = 256, namespace: str = "transformers",
@@ -90,6 +96,11 @@ class PrefixCache:
         if type(chunk_tokens) is not int or chunk_tokens < 1:
             raise InvalidObject(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         _full_attention_only(model.config)
+        if codec is not None:
+            codecs.parse(codec, "kv")  # a codec that cannot store KV: refused now, not after a generation
+        if session is not None:
+            store.session_keys(session, namespace=namespace)  # checks the session's and namespace's names
+        self._warned: set[bytes] = set()  # damaged chunks a read-only store cannot delete: warned once each
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
@@ -161,8 +172,15 @@ class PrefixCache:
                 why = "is damaged" if isinstance(e, CorruptionError) else \
                     "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
                     else "could not be read"
-                _log.warning("tierstore: chunk %d of a stored prefix %s (%s); recomputing from token %d",
-                             i, why, e, i * tc)
+                removed = False
+                if isinstance(e, CorruptionError) and not self.store.readonly:
+                    removed = self.store.delete(chunks[i], namespace=self.namespace)  # the next save replaces it
+                if chunks[i] not in self._warned:
+                    _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; recomputing from "
+                                 "token %d", i, chunks[i].hex()[:16], why, getattr(e, "message", e),
+                                 ", deleted" if removed else "", i * tc)
+                    if not removed and len(self._warned) < 10_000:
+                        self._warned.add(chunks[i])
                 todo = i  # the chunks before it, again (the call returned none of them)
                 continue
             got = next((i for i, obj in enumerate(objs) if obj is None), todo)
@@ -230,5 +248,6 @@ class PrefixCache:
         kwargs.setdefault("attention_mask", torch.ones_like(ids))
         out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        self.save(sequences[:, : cache.get_seq_length()], cache)
+        if not self.store.readonly:
+            self.save(sequences[:, : cache.get_seq_length()], cache)
         return out
