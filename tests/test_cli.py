@@ -129,6 +129,33 @@ def test_exit_codes_of_dump(filled, tmp_path):
     assert code == 3 and "create=True" not in out and "check the path" in out
 
 
+def test_dump_reports_a_damaged_object_and_goes_on_past_it(filled, capsys):
+    """dump KEY checks the object's checksums (exit 1 when they fail); dump of the log shows the
+    damaged record and every record after it, as the store still serves them."""
+    assert main(["dump", filled, "0x0102", "--namespace", "minilm", "--json"]) == 0  # the twin: intact
+    assert json.loads(capsys.readouterr().out)["damaged"] is None
+    info = tierstore.open(filled, readonly=True).info(b"\x01\x02", namespace="minilm")
+    (seg,) = segment_files(filled)
+    with open(seg, "r+b") as f:  # flip a payload byte of the KV chunk's first layer
+        at = info.offset + info.stored_bytes // 2
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert main(["dump", filled, "0x0102", "--namespace", "minilm", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert "checksum mismatch" in got["damaged"]["detail"] and got["info"]["key_type"] == "bytes"
+    assert main(["dump", filled, "--json"]) == 1
+    (sg,) = json.loads(capsys.readouterr().out)["segments"]
+    assert [d["record"]["key"] for d in sg["damaged"]] == ["0x0102"]
+    assert {(r.get("namespace"), r.get("key"), r.get("key_type")) for r in sg["records"] if r["type"] == "put"} \
+        == {("rag", "doc", "text"), ("default", "note", "text")}  # the records after it
+    assert sg["end"]["reason"] == "end"
+    assert main(["dump", filled]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "default/note" in out
+
+
 def test_ls_has_a_header_codec_and_stored_size(filled):
     code, out = run("ls", filled)
     lines = out.splitlines()

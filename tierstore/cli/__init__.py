@@ -265,13 +265,19 @@ def cmd_dump(args: argparse.Namespace) -> int:
             print(f"  meta: {r.get('meta')}")
             for e in r.get("extents", []):
                 print(f"  extent @+{e['offset']}: {e['length']} bytes, crc32c {e['crc32c']}")
+            if result["damaged"] is not None:
+                print(f"  DAMAGED: {result['damaged']['detail']} (tierstore fsck PATH reports it, "
+                      f"recover quarantines it)")
             return
         for sg in segments:
             h = sg["header"]
             print(f"{sg['path']}: {sg['size']} bytes, " + (f"format {h['format']}, segment {h['segment_id']}, "
                                                           f"base LSN {h['base_lsn']}" if "error" not in h
                                                           else f"bad header: {h['error']}"))
+            bad = sorted(sg.get("damaged", []), key=lambda d: d["offset"])
             for r in sg.get("records", []):
+                while bad and bad[0]["offset"] < r["offset"]:
+                    _print_damage(bad.pop(0))
                 if r["type"] == "pad":
                     continue
                 if r["type"] == "sync":
@@ -292,14 +298,28 @@ def cmd_dump(args: argparse.Namespace) -> int:
                     what = f"{r.get('namespace')}/{r.get('key')}"
                     extra = f" {r['kind']} {_n(len(r['extents']), 'extent')}" if r["type"] == "put" else ""
                 print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
+            for d in bad:
+                _print_damage(d)
             if "end" in sg:
                 e = sg["end"]
                 print(f"  end @{e['offset']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else ""))
 
     _emit(args, result, text)
-    damaged = [sg for sg in segments if "error" in sg["header"]
+    if args.key is not None and not os.path.isfile(args.path):
+        return EXIT_FINDINGS if result["damaged"] is not None else EXIT_OK
+    damaged = [sg for sg in segments if "error" in sg["header"] or sg.get("damaged")
                or sg.get("end", {}).get("reason") not in (None, "end", "torn")]
     return EXIT_FINDINGS if damaged else EXIT_OK
+
+
+def _print_damage(d: dict[str, Any]) -> None:
+    r = d.get("record")
+    if r is not None:
+        what = f"{r.get('namespace')}/{r.get('key')}" if "key" in r else r["type"]
+        print(f"  @{d['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what} ({r['record_len']} B): DAMAGED, "
+              f"{d['detail']}")
+    else:
+        print(f"  @{d['offset']:<10} {d['length']} bytes do not decode: {d['detail']} (the log goes on after them)")
 
 
 def cmd_compact(args: argparse.Namespace) -> int:

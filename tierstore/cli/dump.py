@@ -44,7 +44,8 @@ def describe_record(off: int, h: rec.RecordHeader) -> dict[str, Any]:
             out.update(kind="ref", key=_key_text(h.meta["key"], fmt.FLAG_KEY_STR if h.meta["key_str"] else 0))
         return out
     if h.type in (fmt.REC_PUT, fmt.REC_DELETE):
-        out.update(namespace=h.namespace.decode("utf-8", "replace"), key=_key_text(h.key, h.flags))
+        out.update(namespace=h.namespace.decode("utf-8", "replace"), key=_key_text(h.key, h.flags),
+                   key_type="text" if h.flags & fmt.FLAG_KEY_STR else "bytes")
     if h.type == fmt.REC_PUT:
         meta = dict(h.meta)
         if "dtype" in meta:
@@ -57,7 +58,9 @@ def describe_record(off: int, h: rec.RecordHeader) -> dict[str, Any]:
 
 
 def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) -> dict[str, Any]:
-    """Header and records of one segment file, and where/why its valid part ends."""
+    """Header and records of one segment file, where its log ends (``end``) and the damage on
+    the way (``damaged``: each record whose payload fails its checksums, with its header, and
+    each run of bytes that does not decode; the scan goes on after it, as reads do)."""
     name = os.path.basename(path)
     seg_id = seglib.parse_segment_name(name)
     fd = seglib.open_segment(io, path)
@@ -70,10 +73,25 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
         except TierstoreError as e:
             out["header"] = {"error": e.message}
             return out
-        scanner = seglib.SegmentScanner(io, fd, h.segment_id, path=path, verify_payload=verify)
-        out["records"] = [describe_record(off, hdr) for off, hdr in scanner.records()]
-        stop = scanner.stop
-        assert stop is not None
+        out["records"], out["damaged"] = [], []
+        start = fmt.SEGMENT_HEADER_SIZE
+        while True:
+            scanner = seglib.SegmentScanner(io, fd, h.segment_id, path=path, start=start, verify_payload=verify)
+            out["records"] += [describe_record(off, hdr) for off, hdr in scanner.records()]
+            stop = scanner.stop
+            assert stop is not None
+            if stop.reason == "end" or not stop.valid_after:
+                break
+            bad: dict[str, Any] = {"offset": stop.offset, "reason": stop.reason, "detail": stop.detail}
+            if stop.header is not None:  # only its payload failed: the next record follows it
+                bad["record"] = describe_record(stop.offset, stop.header)
+                nxt = rec.align_up(stop.offset + stop.header.record_len, fmt.RECORD_ALIGN)
+            else:
+                nxt = scanner.next_valid(stop.offset)
+                assert nxt is not None  # (valid_after)
+                bad["length"] = nxt - stop.offset
+            out["damaged"].append(bad)
+            start = nxt
         out["end"] = {"offset": stop.offset, "reason": stop.reason, "detail": stop.detail,
                       "valid_records_after": stop.valid_after}
         return out
@@ -123,9 +141,12 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
         fd = seglib.open_segment(DEFAULT_IO, seg)
         try:
             hdr = rec.decode_header(DEFAULT_IO.pread(fd, fmt.HEADER_MAX_BYTES, info.offset))
+            bad = seglib.verify_extents(DEFAULT_IO, fd, info.offset, hdr)
         finally:
             DEFAULT_IO.close(fd)
         return {"path": path, "namespace": namespace, "segment": info.segment,
                 "record": describe_record(info.offset, hdr),
+                "damaged": None if bad is None else {"extent": bad, "detail": f"extent {bad} checksum mismatch"},
                 "info": {k: (list(v) if isinstance(v, tuple) else v) for k, v in info.__dict__.items()
-                         if k not in ("key",)} | {"key": _key_text(hdr.key, hdr.flags)}}
+                         if k not in ("key",)} | {"key": _key_text(hdr.key, hdr.flags),
+                                                   "key_type": "text" if hdr.flags & fmt.FLAG_KEY_STR else "bytes"}}
