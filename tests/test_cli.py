@@ -127,6 +127,8 @@ def test_exit_codes_of_dump(filled, tmp_path):
     assert code == 1 and "bad header" in out
     code, out = run("ls", str(tmp_path / "nothing"))
     assert code == 3 and "create=True" not in out and "check the path" in out
+    code, out = run("dump", str(tmp_path / "0000000000000001.tseg"))
+    assert code == 3 and "no segment file" in out and "demo" not in out
 
 
 def test_dump_reports_a_damaged_object_and_goes_on_past_it(filled, capsys):
@@ -287,3 +289,10 @@ def test_bad_arguments_with_json_say_so_as_json(capsys):
 def test_bench_makes_its_scratch_directory(tmp_path):
     code, out = run("bench", "--quick", "--section", "codecs", "--json", "--path", str(tmp_path / "new" / "dir"))
     assert code == 0, out
+
+
+def test_clearing_an_empty_quarantine_beside_a_writer_does_not_say_it_waits(store_path):
+    with tierstore.open(store_path) as s:
+        s.put("k", Blob(b"x"))
+        code, out = run("quarantine", store_path, "--clear", "--lock-timeout", "1")
+        assert code == 0 and "is empty" in out and "waiting" not in out

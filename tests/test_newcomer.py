@@ -432,6 +432,27 @@ def test_a_namespace_handle_shared_with_one_name_as_a_string_is_refused(store_pa
             t.get("secret", namespace="s")
 
 
+def test_options_and_errors_a_newcomer_met(store_path):
+    """dram_bytes="0" is 0 (it raised "must be positive"); compact's ratio is checked (2 did nothing);
+    a writable open beside this process's read-only handle is StoreLocked with a hint (a bare
+    TierstoreError); a read-only refusal's hint does not talk about format versions."""
+    for off in ("0", "0GiB", 0):
+        with tierstore.open(store_path, dram_bytes=off) as s:
+            assert "dram" not in s.stats()["tiers"]
+    with tierstore.open(store_path) as s:
+        for bad in (2, -0.1, "0.5", True):
+            with pytest.raises(InvalidObject, match="min_dead_ratio"):
+                s.compact(min_dead_ratio=bad)
+        assert s.compact(min_dead_ratio=1)["victims"] == []  # the twin: in range
+    with tierstore.open(store_path, readonly=True) as r:
+        with pytest.raises(tierstore.StoreLocked) as e:
+            tierstore.open(store_path)
+        assert "read-only handles" in e.value.hint
+        with pytest.raises(tierstore.ReadOnlyError) as e2:
+            r.put("k", Blob(b"x"))
+        assert "format version" not in str(e2.value)
+
+
 def test_object_info_repr_is_short(store_path):
     with tierstore.open(store_path) as s:
         s.put("k", KVCache(np.ones((300, 2, 1, 4, 4), np.float16)))

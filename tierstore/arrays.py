@@ -144,7 +144,7 @@ def wrap(buf: np.ndarray, name: str, shape: tuple[int, ...], framework: str, dev
     if ml is None:
         raise InvalidObject(
             f"{name} data needs torch or ml_dtypes to be returned as an array",
-            hint="pip install 'tierstore[torch]' or ml_dtypes, or pass device='cpu'",
+            hint="pip install 'tierstore[torch]' (or ml_dtypes)",
         )
     return flat.view(getattr(ml, name)).reshape(shape)
 

@@ -117,7 +117,7 @@ class FormatVersionError(TierstoreError):
 class ReadOnlyError(TierstoreError):
     """A write was attempted on a read-only handle, or on files written by a newer minor version."""
 
-    hint = "open the store with readonly=False (and a tierstore that writes this format version)"
+    hint = "open the store with readonly=False"
 
 
 class InvalidObject(TierstoreError, ValueError):

@@ -1702,6 +1702,10 @@ class Store:
         ``progress(n)``, if given, is called with the bytes of each batch of victims compacted.
         """
         self._check_writable()
+        if isinstance(min_dead_ratio, bool) or not isinstance(min_dead_ratio, (int, float)) \
+                or not 0 <= min_dead_ratio <= 1:
+            raise InvalidObject(f"min_dead_ratio must be a share of a segment's bytes in [0, 1], got "
+                                f"{min_dead_ratio!r}")
         for attempt in (0, 1):
             try:
                 result = compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress)

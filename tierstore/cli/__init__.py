@@ -238,6 +238,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
         _emit(args, ranged, text_range)
         return EXIT_FINDINGS if ranged["undecodable"] else EXIT_OK
+    if args.path.endswith((".tseg", ".bin")) and not os.path.exists(args.path):
+        raise StoreNotFound(f"no segment file {args.path}", path=args.path, hint="check the path")
     if os.path.isfile(args.path):
         result = dump_segment(args.path)
         segments = [result]
@@ -579,6 +581,16 @@ def _fail(args: argparse.Namespace, code: int, message: str) -> int:
     return code
 
 
+def _quarantined(path: str) -> bool:
+    """Whether quarantine/ holds anything (``--clear`` of an empty one takes no lock)."""
+    from ..format.constants import QUARANTINE_DIR
+
+    try:
+        return bool(os.listdir(os.path.join(path, QUARANTINE_DIR)))
+    except OSError:
+        return False
+
+
 def _warn_if_waiting(args: argparse.Namespace) -> None:
     """Say so before a command waits for another process's writer lock (up to --lock-timeout)."""
     from ..engine.fileio import DEFAULT_IO
@@ -604,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         # recover and quarantine --clear need the store to themselves; compact runs beside writers
-        if args.command == "recover" or args.command == "quarantine" and args.clear:
+        if args.command == "recover" or args.command == "quarantine" and args.clear and _quarantined(args.path):
             _warn_if_waiting(args)
         return args.fn(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat
@@ -615,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, EXIT_LOCKED, f"{e.message} (hint: stop the process that writes to the store, or wait "
                                         "longer with --lock-timeout SECONDS)")
     except StoreNotFound as e:
+        if e.message.startswith("no segment file"):
+            return _fail(args, EXIT_CANNOT_OPEN, f"{e.message} (hint: check the path)")
         return _fail(args, EXIT_CANNOT_OPEN, f"{e.message} (hint: check the path; a store is created by "
                                              "tierstore.open(path) from Python, or try `tierstore demo --path DIR`)")
     except NotFound as e:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import lmdb
 import lmdb.verify
 
-from ..errors import CorruptionError, StoreFull, StoreIOError, TierstoreError
+from ..errors import CorruptionError, StoreFull, StoreIOError, StoreLocked
 from ..format import constants as fmt
 from ..format import record as rec
 
@@ -314,8 +314,10 @@ class Index:
                     raise damaged(f"cannot open index: {e}", real) from None
                 ent = _ENVS[real] = [env, 0, threading.Lock(), writable]
             elif writable and not ent[3]:
-                raise TierstoreError("the index is open read-only in this process; close read-only handles first",
-                                     path=real)
+                raise StoreLocked("the store is open read-only in this process: a writable handle cannot open "
+                                  "beside it", path=real,
+                                  hint="close this process's read-only handles of the store first, or open the "
+                                       "writable handle before them")
             ent[1] += 1
         try:
             idx = cls(real, ent[0], ent[2], writable)

@@ -269,7 +269,8 @@ class _LogScanner:
             self.store_uuid = header.store_uuid
             if self.writable and not header.writable:
                 raise ReadOnlyError(f"segment written by format {header.major}.{header.minor}; this tierstore "
-                                    f"writes {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}", path=path, segment=seg)
+                                    f"writes {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}", path=path, segment=seg,
+                                    hint="open it with readonly=True, or upgrade tierstore to write to it")
             if offset is None:
                 offset = fmt.SEGMENT_HEADER_SIZE
                 if expect is not None and header.base_lsn < expect:

@@ -8,6 +8,7 @@ for it; it allocates nothing and opens no store.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from .. import arrays
@@ -15,6 +16,7 @@ from ..engine.options import parse_size
 from ..errors import InvalidObject
 from . import policy as pol
 
+_ZERO = re.compile(r"\s*0+(\.0*)?\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)  # dram_bytes="0", "0GiB": off
 DRAM_AUTO_MAX = 1 << 30  # dram_bytes="auto": at most 1 GiB ...
 DRAM_AUTO_SHARE = 16  # ... and at most 1/16 of memory (physical, or the cgroup limit)
 CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
@@ -54,9 +56,10 @@ def tier_options(options: dict[str, Any]) -> dict[str, Any]:
         raise InvalidObject(f"dram_admit must be one of {', '.join(pol.ADMISSIONS)}, got {admit!r}")
     if dram == "auto":
         dram, admit = auto_dram_bytes() or None, admit or "second"
-    elif dram is not None and not (type(dram) is int and dram == 0):
+    elif dram is not None and not (type(dram) is int and dram == 0) and not (isinstance(dram, str)
+                                                                           and _ZERO.match(dram)):
         dram = parse_size(dram, "dram_bytes")
-    else:
+    else:  # 0 (or "0", "0GiB"): no DRAM tier
         dram = None
     admit = admit or "first"
     gpu = parse_size(gpu, "gpu_bytes") if gpu is not None else None
@@ -67,7 +70,7 @@ def tier_options(options: dict[str, Any]) -> dict[str, Any]:
         try:
             arrays.validate_device(device)
         except InvalidObject as e:
-            raise InvalidObject(f"gpu_device: {e.message}",
-                                hint='gpu_device="cpu" runs the GPU tier in CPU memory (tests, CI)') from None
+            hint = e.hint if "torch" in e.message else 'gpu_device="cpu" runs the GPU tier in CPU memory (tests, CI)'
+            raise InvalidObject(f"gpu_device: {e.message}", hint=hint) from None
     return {"dram_bytes": dram, "dram_admit": admit, "gpu_bytes": gpu, "gpu_device": device,
             "policy": pol.make(policy)}
