@@ -121,6 +121,8 @@ def test_exit_codes_of_dump(filled, tmp_path):
     code, out = run("dump", filled, "no-such-key")
     assert code == 5 and "no object 'no-such-key'" in out  # not "bad arguments"
     assert run("dump", filled, "note")[0] == 0  # the twin
+    code, out = run("dump", filled, "0x1234")
+    assert code == 5 and "no object 0x1234 in namespace 'default'" in out  # as typed, not b'\x124'
     bad = tmp_path / "0000000000000009.tseg"
     bad.write_bytes(b"not a segment" * 400)
     code, out = run("dump", str(bad))

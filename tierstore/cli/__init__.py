@@ -250,7 +250,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
         except ValueError:
             return _fail(args, EXIT_USAGE, f"{args.key!r} is not a bytes key in hex (0x...); give --text-key "
                                            "if it is a text key")
-        result = dump_store(args.path, key, namespace=args.namespace)
+        try:
+            result = dump_store(args.path, key, namespace=args.namespace)
+        except NotFound:  # the key as it was typed (0x... rather than its bytes' repr)
+            shown = args.key if isinstance(key, bytes) else repr(key)
+            return _fail(args, EXIT_NOT_FOUND, f"no object {shown} in namespace {args.namespace!r}")
         segments = []
     else:
         if not os.path.isdir(os.path.join(args.path, "segments")):
