@@ -252,9 +252,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
                                            "if it is a text key")
         try:
             result = dump_store(args.path, key, namespace=args.namespace)
-        except NotFound:  # the key as it was typed (0x... rather than its bytes' repr)
+        except NotFound as e:  # the key as it was typed (0x... rather than its bytes' repr)
             shown = args.key if isinstance(key, bytes) else repr(key)
-            return _fail(args, EXIT_NOT_FOUND, f"no object {shown} in namespace {args.namespace!r}")
+            hint = f" (hint: {e.hint})" if e.hint else ""
+            return _fail(args, EXIT_NOT_FOUND, f"no object {shown} in namespace {args.namespace!r}{hint}")
         segments = []
     else:
         if not os.path.isdir(os.path.join(args.path, "segments")):

@@ -110,9 +110,13 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                 counts["stalled"] = 1  # a pass freed nothing: stop rather than compact the same bytes again
                 break
             last_need = need
-            stats, segs = engine.segment_stats(), engine.segments()
+            # the active id under the append lock, not the last file listed: another writer that
+            # died after creating the next file, before its header, leaves a file past it
+            active = engine.active_segment()
+            stats = engine.segment_stats()
+            segs = [seg for seg in engine.segments() if seg < active]
             ranked = []
-            for seg in segs[:-1]:
+            for seg in segs:
                 dead = stats.get(seg, (0, 0))[0]
                 size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
                 if dead > 0 and dead / size >= min_dead_ratio:
@@ -123,7 +127,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                     break
                 victims.append(seg)
                 covered += dead
-            if covered < need and not sealed and stats.get(segs[-1], (0, 0))[0] > 0 and not blockers:
+            if covered < need and not sealed and stats.get(active, (0, 0))[0] > 0 and not blockers:
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
                 last_need = None  # (sealing freed nothing yet)
@@ -131,7 +135,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             # the survivors that held the PUTs of DELETEs the last pass had to carry join in, whatever
             # their dead share: with them gone those DELETEs are dropped (carried again and again
             # otherwise, their dead bytes never freed)
-            victims = sorted(set(victims) | (blockers & set(segs[:-1])))
+            victims = sorted(set(victims) | (blockers & set(segs)))
             blockers = set()
             if not victims:
                 break
@@ -193,11 +197,12 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
         """A survivor's PUT keys, read when first needed (None: unknown, it may hold any)."""
         nonlocal left
         if seg not in keys:
+            read = 0
             try:
-                got = engine.put_keys(seg, limit=left) if left > 0 else None
+                got, read = engine.put_keys(seg, limit=left) if left > 0 else (None, 0)
             except FileNotFoundError:  # (retired meanwhile: it holds nothing any more)
                 got = frozenset()
-            left = 0 if got is None else left - len(got)  # None: too many, or damaged: unknown from here on
+            left = 0 if got is None else left - read  # None: too many, or damaged: unknown from here on
             keys[seg] = got
         return keys[seg]
 
@@ -222,6 +227,9 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
     """Steps 3-5 for some of the victims: copy, sync and apply, mark dead, delete (``gradual``:
     shrunk away, ``Engine.retire_segments``)."""
     io = engine.io
+    active = engine.active_segment()
+    if any(seg >= active for seg in batch):  # (never: the callers take sealed segments only)
+        raise AssertionError(f"compaction asked to rewrite segments {batch} with {active} active")
     moved: list[tuple[bytes, bytes]] = []
     sizes = {seg: os.path.getsize(engine.segment_path(seg)) for seg in batch}
     for seg in batch:
@@ -244,7 +252,9 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
                         if cur is not None or not carried:
                             counts["dropped"] += 1
                             continue
-                        engine.append(rec.EncodedRecord(hdr))
+                        where = engine.append(rec.EncodedRecord(hdr))
+                        if where.segment in batch:
+                            raise AssertionError(f"compaction carried a DELETE into victim segment {where.segment}")
                         counts["carried_deletes"] += 1
             if scanner.stop is not None and scanner.stop.reason != "end":
                 # never drop a segment we could not read to its end

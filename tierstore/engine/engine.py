@@ -1193,32 +1193,34 @@ class Engine:
         FileNotFoundError if it is already gone."""
         return HeldSegment(self.files, seg)
 
-    def put_keys(self, seg: int, *, limit: int) -> frozenset[int] | None:
+    def put_keys(self, seg: int, *, limit: int) -> tuple[frozenset[int] | None, int]:
         """``hash((namespace, key))`` of every PUT record in sealed segment ``seg`` (a collision
         only makes compaction carry a DELETE it could drop), from its record headers (payloads
-        are not read); kept while the segment lives (it never changes).  None
-        when it holds more than ``limit`` records or cannot be read to its end (then nothing is
-        kept).  Compaction's rule for
-        carrying DELETEs forward (compaction._carry_rule)."""
+        are not read); kept while the segment lives (it never changes).  None when it holds
+        more than ``limit`` records or cannot be read to its end (then nothing is kept).  With
+        it, how many record headers this call read (0 when kept from before).  Compaction's
+        rule for carrying DELETEs forward (compaction._carry_rule)."""
         with self._put_keys_lock:
             got = self._put_keys.get(seg)
         if got is not None:
-            return got
+            return got, 0
         keys: set[int] = set()
         path = self.files.path(seg)
+        n = 0
         with self.hold_segment(seg) as (fd, _):
             scanner = seglib.SegmentScanner(self.io, fd, seg, path=path, verify_payload=False)
-            for n, (_, hdr) in enumerate(scanner.records()):
+            for _, hdr in scanner.records():
                 if n >= limit:
-                    return None
+                    return None, n
+                n += 1
                 if hdr.type == fmt.REC_PUT:
                     keys.add(hash((hdr.namespace, hdr.key)))
             if scanner.stop is not None and scanner.stop.reason != "end":
-                return None  # not read to its end (damage): it may hold any key
+                return None, n  # not read to its end (damage): it may hold any key
         got = frozenset(keys)
         with self._put_keys_lock:
             self._put_keys[seg] = got
-        return got
+        return got, n
 
     def prune_put_keys(self, alive: Iterable[int]) -> None:
         """Forget ``put_keys`` of segments not in ``alive`` (another process retired them)."""
@@ -1294,6 +1296,14 @@ class Engine:
         return True
 
     # -- segments' lifecycle (compaction) -----------------------------------------------------
+
+    def active_segment(self) -> int:
+        """The id of the segment appends go to, taken under the append lock (so after catching
+        up with other writers: a file another writer created and died before writing the header
+        of is gone by then).  Every lower id is sealed, for good: the active id only grows."""
+        log = self.check_writable()
+        with self.append_lock:
+            return log.active
 
     def seal_active(self, min_bytes: int) -> int:
         """Roll the log over to a fresh segment if the active one holds at least ``min_bytes``;
