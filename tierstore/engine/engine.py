@@ -1394,7 +1394,16 @@ class Engine:
         for gone in set(known) - set(segs):
             known.pop(gone, None)  # threads may forget the same retired segment at once
         total = 0
-        for seg in segs[:-1]:
+        # sealed: below this writer's active id (which only grows; not the last file listed: a
+        # writer that died creating the next one leaves it past the real active segment)
+        sealed_below = self.log.active if self.log is not None else (segs[-1] if segs else 0)
+        for seg in segs:
+            if seg >= sealed_below:
+                try:
+                    total += os.path.getsize(self.files.path(seg))
+                except FileNotFoundError:
+                    pass
+                continue
             size = known.get(seg)
             if size is None:
                 try:
@@ -1402,11 +1411,6 @@ class Engine:
                 except FileNotFoundError:  # retired meanwhile (another process's compaction)
                     size = 0
             total += size
-        for seg in segs[-1:]:
-            try:
-                total += os.path.getsize(self.files.path(seg))
-            except FileNotFoundError:
-                pass
         total += self._shrinking
         other = [os.path.join(self.path, fmt.RESERVE_FILE)]
         index_dir = os.path.join(self.path, fmt.INDEX_DIR)
