@@ -292,22 +292,34 @@ def test_max_bytes_counts_the_chunks_of_another_model_stored_before_a_restart(pa
     close(eng)
 
 
-def test_max_bytes_is_shared_by_two_workers_on_one_store(path, monkeypatch):
-    """Two workers (two plugin instances, as two processes would have) with one limit: each takes in
-    what the other stored (at most every SYNC_S seconds: 0 here) and the store stays within it."""
-    monkeypatch.setattr("tierstore.integrations.lmcache.SYNC_S", 0.0)
+def test_max_bytes_bounds_each_worker_and_never_evicts_another_workers_chunks(path):
+    """Per worker, as LMCache's max_local_disk_size: two ranks storing the same prompts keep their
+    hot prefix (read after every prompt) and a pinned chunk; neither evicts the other's chunks
+    (a store-wide count made each rank evict the other's hot and pinned chunks)."""
     chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
-    extra = {"tierstore.max_bytes": 6 * chunk_bytes}
-    src = torch.randn(LAYERS, 2, 128, HEADS, DIM)
-    e0, e1 = engine(path, src.clone(), worker=0, extra=extra), engine(path, src.clone(), worker=1, extra=extra)
-    for eng, start in ((e0, 0), (e1, 0), (e0, 1000), (e1, 2000)):
-        tokens = torch.arange(start, start + 64)
-        eng.store(tokens)
-        wait_stored(eng, tokens, 64)
-        assert sum(_chunks(backend_of(e0).store).values()) <= 6
-    assert eng.lookup(torch.arange(2000, 2064)) == 64  # the newest stay
-    close(e1)
-    close(e0)
+    extra = {"tierstore.max_bytes": 4 * chunk_bytes}
+    src = torch.randn(LAYERS, 2, 32, HEADS, DIM)
+    ranks = [engine(path, src.clone(), worker=w, extra=extra) for w in (0, 1)]
+    store = backend_of(ranks[0]).store
+    prompts = {n: torch.arange(1000 * n, 1000 * n + 32) for n in range(1, 7)}
+    for e in ranks:
+        e.store(prompts[1])
+        wait_stored(e, prompts[1], 32)
+    b0 = backend_of(ranks[0])
+    assert b0.batched_contains(_keys(ranks[0], prompts[1]), pin=True) == 2  # worker 0 pins its chunks of it
+    for n in range(2, 7):
+        for e in ranks:
+            e.store(prompts[n])
+            wait_stored(e, prompts[n], 32)
+        assert [retrieve(e, prompts[1])[0] for e in ranks] == [32, 32]  # hot (and, on worker 0, pinned)
+        per_worker = _chunks(store)
+        assert per_worker["model-7bw0"] <= 4 and per_worker["model-7bw1"] <= 4
+    objs = b0.batched_get_blocking(_keys(ranks[0], prompts[1]))
+    assert all(o is not None for o in objs)
+    for o in objs:
+        o.ref_count_down()
+    for e in reversed(ranks):
+        close(e)
 
 
 def test_two_workers_on_one_store(path):
@@ -392,3 +404,20 @@ def test_bad_configuration_names_the_key(path):
     with pytest.raises(tierstore.InvalidObject, match="tierstore.max_bytes"):
         TierstoreBackend(config=LMCacheEngineConfig.from_dict(
             {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_bytes": "lots"}}))
+
+
+def test_which_namespaces_count_against_a_worker():
+    """A worker's own worker id (any model or dtype); worker 0 also takes worker ids the world size
+    no longer has (an earlier run with more ranks)."""
+    from types import SimpleNamespace
+
+    from lmcache.utils import CacheEngineKey
+
+    def ns(model, ws, wid):  # type: ignore[no-untyped-def]
+        return namespace_of(CacheEngineKey(model, ws, wid, 7, torch.float16))
+
+    w0, w1 = SimpleNamespace(_worker=(0, 2)), SimpleNamespace(_worker=(1, 2))
+    mine = TierstoreBackend._mine
+    assert mine(w0, ns("a~b/c", 2, 0)) and not mine(w0, ns("a", 2, 1)) and mine(w0, ns("old", 4, 3))
+    assert mine(w1, ns("a", 2, 1)) and mine(w1, ns("other/model", 8, 1)) and not mine(w1, ns("old", 4, 3))
+    assert mine(SimpleNamespace(_worker=None), ns("a", 2, 1))  # no metadata: one worker, every namespace

@@ -8,7 +8,7 @@ Configuration only (LMCache's ``storage_plugins``), no code:
       storage_plugin.tierstore.module_path: tierstore.integrations.lmcache
       storage_plugin.tierstore.class_name: TierstoreBackend
       tierstore.path: /data/kv
-      tierstore.max_bytes: 50GiB        # optional: the store's limit (every worker, model); LRU unpinned go first
+      tierstore.max_bytes: 50GiB        # optional: per worker, as max_local_disk_size; LRU unpinned go first
       tierstore.codec: int8             # optional: the store codec of the chunks (default lossless)
       tierstore.durability: group       # optional (default "group": a put is durable within 10 ms)
       tierstore.remote: redis://cache-1:6379/0   # optional: share chunks between nodes (docs/remote.md)
@@ -107,6 +107,9 @@ class TierstoreBackend(StoragePluginInterface):
         self._pins: dict[tuple[str, bytes], int] = {}
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # (ns, key) -> stored bytes, oldest first
         self._synced: float | None = None  # when the LRU order last took in the store's contents
+        self._sync_s = 0.0  # how long that took
+        wid, world = getattr(metadata, "worker_id", None), getattr(metadata, "world_size", None)
+        self._worker = (int(wid), int(world)) if isinstance(wid, int) and isinstance(world, int) else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lmcache")
 
     def __str__(self) -> str:
@@ -114,35 +117,53 @@ class TierstoreBackend(StoragePluginInterface):
 
     # -- the size limit -------------------------------------------------------------------------
 
+    def _mine(self, ns: str) -> bool:
+        """Whether the chunks of LMCache namespace ``ns`` count against this worker's limit: its
+        worker id's (every model, dtype and world size), and for worker 0 also those of worker
+        ids this world size does not have (an earlier run with more workers) or that cannot be
+        read from the name."""
+        if self._worker is None:
+            return True
+        me, world = self._worker
+        parts = ns.split("~")
+        try:
+            wid = int(parts[-3].removeprefix("w")) if len(parts) >= 6 and parts[-3].startswith("w") else None
+        except ValueError:
+            wid = None
+        if wid is None:
+            return me == 0
+        return wid == me or (me == 0 and wid >= world)
+
     def _sync(self) -> None:
-        """Bring the LRU order up to date with what the store holds (caller holds the lock).
-        The limit is the store's: chunks of every LMCache namespace count -- other models, ranks
-        or dtypes, written before a restart or by another worker process -- and chunks removed
-        by someone else stop counting.  Chunks this process has not seen go in as the newest
-        uses, in the order they were written (LSN): after a restart, all of them, oldest
-        written first; later, another process's as of when this one learns of them."""
-        held: dict[str, set[bytes]] = {}
-        for ns, k in self._lru:
-            held.setdefault(ns, set()).add(k)
-        fresh = []
+        """Bring the LRU order up to date with what the store holds of this worker's namespaces
+        (``_mine``): written before a restart, or by another process of the same worker id, or
+        removed by someone else.  Chunks this process has not seen go in as the newest uses, in
+        the order they were written (LSN): after a restart, all of them, oldest written first.
+        The store is listed outside the lock; only the differences are applied under it."""
+        listed: dict[str, set[bytes]] = {}
         for ns in self.store.namespaces():
-            if not ns.startswith("lmcache~"):
-                continue
-            present = set(self.store.keys(namespace=ns))
-            mine = held.pop(ns, set())
-            for k in mine - present:
-                del self._lru[(ns, k)]
-            for k in present - mine:
+            if ns.startswith("lmcache~") and self._mine(ns):
+                listed[ns] = set(self.store.keys(namespace=ns))
+        with self._lock:
+            held: dict[str, set[bytes]] = {}
+            for ns, k in self._lru:
+                held.setdefault(ns, set()).add(k)
+        fresh = []
+        for ns, present in listed.items():
+            for k in present - held.get(ns, set()):
                 try:
                     info = self.store.info(k, namespace=ns)
                 except NotFound:  # removed since the listing
                     continue
                 fresh.append((info.lsn, (ns, k), info.logical_bytes))
-        for ns, gone in held.items():  # namespaces now empty
-            for k in gone:
-                del self._lru[(ns, k)]
-        for _, nk, size in sorted(fresh):
-            self._lru[nk] = size
+        with self._lock:
+            for ns, mine in held.items():
+                if ns in listed or self._mine(ns):  # (a namespace not listed is empty now)
+                    for k in mine - listed.get(ns, set()):
+                        self._lru.pop((ns, k), None)
+            for _, nk, size in sorted(fresh):
+                if nk not in self._lru:
+                    self._lru[nk] = size
         self._synced = time.monotonic()
 
     def _used(self) -> int:
@@ -155,10 +176,13 @@ class TierstoreBackend(StoragePluginInterface):
         victims: dict[str, list[bytes]] = {}
         with self._lock:
             used = self._used()
-            if self._synced is None or (used + incoming > self.max_bytes
-                                        and time.monotonic() - self._synced >= SYNC_S):
-                self._sync()
-                used = self._used()
+        if self._synced is None or (used + incoming > self.max_bytes and
+                                    time.monotonic() - self._synced >= max(SYNC_S, 10 * self._sync_s)):
+            t0 = time.monotonic()
+            self._sync()  # (at most a tenth of the time: a big store takes a while to list)
+            self._sync_s = time.monotonic() - t0
+        with self._lock:
+            used = self._used()
             for nk in list(self._lru):
                 if used + incoming <= self.max_bytes:
                     break
@@ -391,11 +415,11 @@ class TierstoreBackend(StoragePluginInterface):
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         ns, k = namespace_of(key), key_of(key)
-        with self._lock:
+        with self._lock:  # (deleted under it: a sync in between would count the chunk again)
             if not force and self._pins.get((ns, k)):
                 return False
             self._lru.pop((ns, k), None)
-        return self.store.delete(k, namespace=ns)
+            return self.store.delete(k, namespace=ns)
 
     def touch_cache(self) -> None:
         return None
