@@ -616,7 +616,7 @@ class Store:
         if remote is None or not remote.writes:
             return [False] * len(ks)
         try:
-            found = self._remote_has(ns, ks, raise_down=True)
+            found = self._remote_has(ns, ks, raise_down=True, sound=False)  # a damaged value is deleted too
         except RemoteDown:  # it may hold them: a tombstone for each, sent when it answers (False: not known)
             self._remote_deleted(ns, ks)
             return [False] * len(ks)
@@ -1182,9 +1182,10 @@ class Store:
             obj.data = out
         return self._delivered(obj, Location(0, 0, hdr), layers, rows)
 
-    def _remote_has(self, ns: bytes, ks: list[bytes], *, raise_down: bool = False) -> list[bool]:
+    def _remote_has(self, ns: bytes, ks: list[bytes], *, raise_down: bool = False, sound: bool = True) -> list[bool]:
         """Whether the remote holds an object (not a tombstone) for each key; False where it
-        does not answer (``raise_down``: RemoteDown instead)."""
+        does not answer (``raise_down``: RemoteDown instead).  ``sound``: not counting values
+        known damaged (``RemoteTier.states``)."""
         remote = self._remote
         if remote is None or not ks:
             return [False] * len(ks)
@@ -1192,7 +1193,7 @@ class Store:
         # the two is then on the server when it answers (read after, it could be in neither)
         tombs = [remote.queue.tombstone_of(ns, k) for k in ks]
         try:
-            states = remote.states(ns, ks)
+            states = remote.states(ns, ks, sound=sound)
         except RemoteDown:
             if raise_down:
                 raise

@@ -479,8 +479,10 @@ class RemoteTier:
         head = self._call(lambda: self.client.getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1))
         return self._envelope(name, head)
 
-    def states(self, ns: bytes, ks: Sequence[bytes]) -> list[Remote | None]:
-        """``state`` of many keys with one pipeline."""
+    def states(self, ns: bytes, ks: Sequence[bytes], *, sound: bool = False) -> list[Remote | None]:
+        """``state`` of many keys with one pipeline.  ``sound`` (``contains``): also None for a
+        value whose length is not its envelope's, or whose version's body failed its checks
+        when this process last fetched it in full (until a fetch finds it sound again)."""
         if not ks:
             return []
         names = [remote_key(ns, k) for k in ks]
@@ -489,16 +491,19 @@ class RemoteTier:
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1)
-                pipe.strlen(name)
+                if sound:
+                    pipe.strlen(name)
             return pipe.execute()
 
         got = self._call(run)
+        if not sound:
+            return [self._envelope(name, head) for name, head in zip(names, got)]
         return [self._envelope(name, head, size) for name, head, size in zip(names, got[0::2], got[1::2])]
 
     def _envelope(self, name: bytes, head: bytes, size: int | None = None) -> Remote | None:
-        """A value's state from its first bytes (and ``size``, its length, when known): None if
-        nothing, or a value known damaged -- its envelope unsound, its length not the envelope's,
-        or this version's body failed its checks when fetched."""
+        """A value's state from its first bytes: None if nothing or its envelope is unsound; with
+        ``size`` (its length: ``states(sound=True)``) also None when that is not the envelope's
+        or this version's body failed its checks when last fetched."""
         if not head:
             return None
         try:
@@ -507,8 +512,10 @@ class RemoteTier:
             self.bad_value(name, e.message)
             return None
         self.clock.seen(env.version.stamp)
+        if size is None:
+            return env
         expected = fmt.REMOTE_ENVELOPE.size + env.record_len
-        if size is not None and size != expected:
+        if size != expected:
             self.bad_value(name, f"value of {size} bytes, its envelope says {expected}")
             return None
         if self._damaged.get(name) == env.version:
@@ -531,6 +538,7 @@ class RemoteTier:
             self.count("misses")
             return None
         self.clock.seen(env.version.stamp)
+        self._damaged.pop(name, None)  # (sound now: replaced, or re-sent after the server lost it)
         if env.tombstone:
             self.count("misses")
             return env, None
