@@ -158,6 +158,15 @@ def test_dump_reports_a_damaged_object_and_goes_on_past_it(filled, capsys):
     assert main(["dump", filled]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED" in out and "default/note" in out
+    with tierstore.open(filled) as s:  # (sealed: a damaged header in the active segment's tail stops the open)
+        s._engine.seal_active(1)
+    with open(seg, "r+b") as f:  # now its record header too: still the object's damage (1), not the store's (3)
+        f.seek(info.offset + 40)
+        b = f.read(1)
+        f.seek(info.offset + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert main(["dump", filled, "0x0102", "--namespace", "minilm"]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
 
 
 def test_ls_has_a_header_codec_and_stored_size(filled):

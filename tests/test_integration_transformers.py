@@ -172,6 +172,31 @@ def test_over_a_read_only_store_it_loads_and_generates_and_saves_nothing(store_p
             pc.save(longer, cache)
 
 
+def test_over_a_tenants_handle(store_path):
+    """store.namespace(...) handles: its own namespace with a session; a shared namespace it may only
+    read, with a damaged chunk -- loaded up to it, nothing deleted or saved (AccessDenied before)."""
+    model = _model()
+    ids = _ids(60)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, model, chunk_tokens=16, namespace="shared").generate(ids, max_new_tokens=1,
+                                                                                  do_sample=False)
+        info = store.info(PrefixCache(store, model, chunk_tokens=16).hashes(ids[0])[1], namespace="shared")
+        own = PrefixCache(store.namespace("t1"), model, chunk_tokens=16, namespace="t1", session="chat-1")
+        own.generate(ids, max_new_tokens=1, do_sample=False)
+        assert len(store.session_keys("chat-1", namespace="t1")) == 3
+    with open(segment_files(store_path)[0], "r+b") as f:  # damage chunk 1 of the shared namespace
+        f.seek(info.offset + info.stored_bytes - 100)
+        b = f.read(1)
+        f.seek(info.offset + info.stored_bytes - 100)
+        f.write(bytes([b[0] ^ 0x40]))
+    with tierstore.open(store_path) as store, torch.no_grad():
+        reader = PrefixCache(store.namespace("t2", shared=["shared"]), model, chunk_tokens=16, namespace="shared")
+        assert reader.load(ids)[1] == 16 and not reader.writable
+        assert torch.equal(reader.generate(ids, max_new_tokens=4, do_sample=False), _greedy(model, ids, 4))
+        assert store.contains(info.key, namespace="shared")  # not deleted: the handle may only read it
+        assert PrefixCache(store.namespace("t3", readonly=True), model, namespace="t3").writable is False
+
+
 def test_a_session_owns_its_chunks(store_path):
     model = _model()
     with tierstore.open(store_path) as store, torch.no_grad():

@@ -43,7 +43,7 @@ class NamespaceHandle:
             check_namespace(name)
         self._store = store
         self.name = namespace
-        self.readonly = readonly
+        self.readonly = readonly or bool(getattr(store, "readonly", False))  # (over a read-only store: too)
 
     @property
     def shared(self) -> frozenset[str]:
@@ -99,8 +99,8 @@ class NamespaceHandle:
     def match_prefix(self, hashes: Any, *, namespace: str | None = None) -> int:
         return self._store.match_prefix(hashes, namespace=self._read_ns(namespace))
 
-    def session_keys(self, session: str) -> list[str | bytes]:
-        return self._store.session_keys(session, namespace=self.name)
+    def session_keys(self, session: str, *, namespace: str | None = None) -> list[str | bytes]:
+        return self._store.session_keys(session, namespace=self._read_ns(namespace))
 
     # -- cache tiers (reads: its own namespace and the shared ones) --------------------------
 

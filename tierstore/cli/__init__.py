@@ -266,6 +266,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
     def text() -> None:
         if args.key is not None and not os.path.isfile(args.path):
             r, i = result["record"], result["info"]
+            if r is None:
+                print(f"{result['namespace']}/{args.key}: DAMAGED, {result['damaged']['detail']} (segment "
+                      f"{result['segment']}, offset {result['damaged']['offset']}; tierstore fsck PATH reports it, "
+                      "recover quarantines it)")
+                return
             what = " ".join(x for x in (i["kind"], str(i["shape"]) if i["shape"] else "", i["dtype"] or "") if x)
             print(f"{result['namespace']}/{i['key']}: {what} "
                   f"codec={i['codec']} lsn={i['lsn']} segment={i['segment']} offset={i['offset']}")

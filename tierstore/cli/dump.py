@@ -14,7 +14,7 @@ from typing import Any
 
 from ..engine import segment as seglib
 from ..engine.fileio import DEFAULT_IO, PosixIO
-from ..errors import TierstoreError
+from ..errors import CorruptionError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 
@@ -136,12 +136,19 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
         return {"path": path, "segments": [dump_segment(os.path.join(seg_dir, seglib.segment_name(s)))
                                            for s in seglib.list_segments(DEFAULT_IO, seg_dir)]}
     with open_store(path, create=False, readonly=True) as store:
-        info = store.info(key, namespace=namespace)
+        try:
+            info = store.info(key, namespace=namespace)
+        except CorruptionError as e:  # its record's header: the object is damaged, not the store
+            return {"path": path, "namespace": namespace, "segment": e.segment, "record": None, "info": None,
+                    "damaged": {"extent": None, "offset": e.offset, "detail": e.message}}
         seg = os.path.join(path, fmt.SEGMENTS_DIR, seglib.segment_name(info.segment))
         fd = seglib.open_segment(DEFAULT_IO, seg)
         try:
             hdr = rec.decode_header(DEFAULT_IO.pread(fd, fmt.HEADER_MAX_BYTES, info.offset))
             bad = seglib.verify_extents(DEFAULT_IO, fd, info.offset, hdr)
+        except CorruptionError as e:  # the record's header in the segment (the index held a good copy)
+            return {"path": path, "namespace": namespace, "segment": info.segment, "record": None, "info": None,
+                    "damaged": {"extent": None, "offset": info.offset, "detail": f"record header: {e.message}"}}
         finally:
             DEFAULT_IO.close(fd)
         return {"path": path, "namespace": namespace, "segment": info.segment,

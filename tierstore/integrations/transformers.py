@@ -29,7 +29,7 @@ except ImportError as _missing:  # an optional extra: say which
     raise ImportError(f"tierstore.integrations.transformers needs torch and transformers ({_missing}); "
                       "pip install 'tierstore[transformers]'") from _missing
 
-from .. import CorruptionError, InvalidObject, KVCache, TierstoreError, chunk_hashes, codecs
+from .. import CorruptionError, InvalidObject, KVCache, NamespaceHandle, TierstoreError, chunk_hashes, codecs
 
 _log = logging.getLogger("tierstore")
 
@@ -85,8 +85,9 @@ class PrefixCache:
     ``namespace``: where the chunks go (default "transformers"); ``codec``: the store codec of
     the chunks (e.g. "int8"; default lossless); ``session``: tie the chunks to a conversation
     so ``store.drop_session(session, namespace=...)`` frees what only it used;
-    ``weights_digest``: see ``model_fingerprint``.  Over a read-only store it loads and
-    generates but saves nothing (``save`` raises ReadOnlyError).  A chunk found damaged is
+    ``weights_digest``: see ``model_fingerprint``.  Over a read-only store (or a tenant's
+    handle, ``store.namespace(...)``, reading a namespace it was only granted) it loads and
+    generates but saves nothing (``save`` raises ReadOnlyError / AccessDenied).  A chunk found damaged is
     deleted (over a writable store), so the next ``save`` stores it again.
     """
 
@@ -100,7 +101,10 @@ class PrefixCache:
             codecs.parse(codec, "kv")  # a codec that cannot store KV: refused now, not after a generation
         if session is not None:
             store.session_keys(session, namespace=namespace)  # checks the session's and namespace's names
-        self._warned: set[bytes] = set()  # damaged chunks a read-only store cannot delete: warned once each
+        # a read-only store, or a tenant's handle (store.namespace(...)) over another namespace it
+        # may only read: load and generate, save nothing, delete nothing
+        self.writable = not store.readonly and (not isinstance(store, NamespaceHandle) or store.name == namespace)
+        self._warned: set[bytes] = set()  # damaged chunks it cannot delete: warned once each
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
@@ -173,8 +177,11 @@ class PrefixCache:
                     "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
                     else "could not be read"
                 removed = False
-                if isinstance(e, CorruptionError) and not self.store.readonly:
-                    removed = self.store.delete(chunks[i], namespace=self.namespace)  # the next save replaces it
+                if isinstance(e, CorruptionError) and e.key == chunks[i] and self.writable:
+                    try:
+                        removed = self.store.delete(chunks[i], namespace=self.namespace)  # the next save replaces it
+                    except TierstoreError as gone:  # (it stays: warned about once)
+                        _log.debug("tierstore: could not delete a damaged chunk: %s", gone)
                 if chunks[i] not in self._warned:
                     _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; recomputing from "
                                  "token %d", i, chunks[i].hex()[:16], why, getattr(e, "message", e),
@@ -248,6 +255,6 @@ class PrefixCache:
         kwargs.setdefault("attention_mask", torch.ones_like(ids))
         out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        if not self.store.readonly:
+        if self.writable:
             self.save(sequences[:, : cache.get_seq_length()], cache)
         return out
