@@ -211,6 +211,14 @@ def version_of(hdr: rec.RecordHeader) -> Version:
     return Version(*UNVERSIONED)
 
 
+def _stated_size(head: bytes) -> int | None:
+    """The value length an envelope states (None if it is not one: ``_envelope`` says why)."""
+    try:
+        return fmt.REMOTE_ENVELOPE.size + parse_envelope(head).record_len
+    except CorruptionError:
+        return None
+
+
 def check_fetched(ns: bytes, k: bytes, value: Any, *, full: bool = True) -> tuple[Remote, rec.RecordHeader]:
     """Validate a fetched value (or, without ``full``, its envelope and header only): the
     envelope, the record header (SPEC.md §4.4), that the record is this key's, that its version
@@ -498,7 +506,12 @@ class RemoteTier:
         got = self._call(run)
         if not sound:
             return [self._envelope(name, head) for name, head in zip(names, got)]
-        return [self._envelope(name, head, size) for name, head, size in zip(names, got[0::2], got[1::2])]
+        heads, sizes = got[0::2], got[1::2]
+        for n, (head, size) in enumerate(zip(heads, sizes)):
+            if head and size != _stated_size(head):  # damaged, or replaced between the two reads: again
+                heads[n], sizes[n] = self._call(lambda name=names[n]: self.client.pipeline(transaction=False)
+                                                .getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1).strlen(name).execute())
+        return [self._envelope(name, head, size) for name, head, size in zip(names, heads, sizes)]
 
     def _envelope(self, name: bytes, head: bytes, size: int | None = None) -> Remote | None:
         """A value's state from its first bytes: None if nothing or its envelope is unsound; with
