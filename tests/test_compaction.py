@@ -468,3 +468,28 @@ def test_the_carry_rule_reads_at_most_its_budget_of_headers(store_path, monkeypa
     carry(b"default", b"k", victim)  # the survivors may hold a PUT of k: read until the budget ends
     assert read[0] <= 1000 + 6  # (each survivor's read may look at one header past what is left)
     s.close()
+
+
+def test_compaction_never_leaves_the_applied_position_in_a_segment_it_retired(store_path):
+    """When the last record applied was a DELETE in a victim, compaction dropped it and retired its
+    segment: the index's applied position named a missing segment, so the next open rebuilt the
+    whole index, and beside another writer the second process could not open the store (or its
+    puts failed) -- "index and log disagree" (found by a newcomer trial of the LMCache plugin)."""
+    import subprocess
+    import sys
+
+    s = tierstore.open(store_path)
+    s.put("a", Blob(b"1"))
+    s.put("k", Blob(b"x"))
+    s.delete("k")
+    s.delete("a")
+    s.compact()
+    child = ("import sys, tierstore\n"
+             "with tierstore.open(sys.argv[1]) as t:\n"
+             "    t.put('from-child', tierstore.Blob(b'y'))\n")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tierstore.__file__))}
+    got = subprocess.run([sys.executable, "-c", child, store_path], env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr[-2000:]  # a second writer beside this one
+    s.close()
+    with tierstore.open(store_path) as s2:
+        assert "rebuilt_index" not in s2.recovery and s2.keys() == ["from-child"]

@@ -221,6 +221,31 @@ def _carry_rule(engine: Engine, victims: set[int]) -> tuple[Callable[[bytes, byt
     return carry, blockers
 
 
+def _move_applied_out(engine: Engine, batch: list[int], counts: dict[str, int]) -> None:
+    """The index's applied position must name a record in the log (opens and other writers
+    resume from it: a missing segment is "index ahead", and the index was rebuilt at the next
+    open, or another writer's open and puts failed).  If it is in a victim, the last record
+    applied was a DELETE this compaction dropped (a live PUT there was copied, and the position
+    moved on with its copy): that DELETE is carried -- harmless, nothing after it -- and applied,
+    so the position moves out of the victims."""
+    for _ in range(3):
+        applied = engine.applied_position()
+        if applied.lsn == 0 or applied.segment not in batch:
+            return
+        with engine.hold_segment(applied.segment) as (fd, _):
+            hdr = rec.decode_header(engine.io.pread(fd, fmt.HEADER_MAX_BYTES, applied.offset))
+        if hdr.type != fmt.REC_DELETE or hdr.lsn != applied.lsn:
+            raise AssertionError(f"the applied position (LSN {applied.lsn}) is a live record in victim "
+                                 f"segment {applied.segment}")
+        with engine.write_lock:
+            where = engine.append(rec.EncodedRecord(hdr))
+        if where.segment in batch:
+            raise AssertionError(f"compaction carried a DELETE into victim segment {where.segment}")
+        counts["carried_deletes"] += 1
+        engine.commit(force=True, sync=True)
+    raise AssertionError("the applied position stays in the victims")
+
+
 def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, bytes, int], bool],
                   counts: dict[str, int], progress: Callable[[int], None] | None = None, *,
                   gradual: bool = False) -> None:
@@ -261,6 +286,7 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
                 raise CorruptionError(f"cannot compact a damaged segment ({scanner.stop.detail})", path=path,
                                       segment=seg, offset=scanner.stop.offset)
     engine.commit(force=True, sync=True)
+    _move_applied_out(engine, batch, counts)
     for ns, key in moved:  # the index must no longer point into a victim
         loc = engine.lookup(ns, key)
         if loc is not None and loc.segment in batch:

@@ -1297,6 +1297,11 @@ class Engine:
 
     # -- segments' lifecycle (compaction) -----------------------------------------------------
 
+    def applied_position(self) -> Applied:
+        """Where the index's applied position is: the last record it applied (of any process)."""
+        assert self.index is not None
+        return self.index.applied()
+
     def active_segment(self) -> int:
         """The id of the segment appends go to, taken under the append lock (so after catching
         up with other writers: a file another writer created and died before writing the header
