@@ -404,6 +404,22 @@ def test_bad_configuration_names_the_key(path):
     with pytest.raises(tierstore.InvalidObject, match="tierstore.max_bytes"):
         TierstoreBackend(config=LMCacheEngineConfig.from_dict(
             {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_bytes": "lots"}}))
+    for key, value in (("codec", "bogus"), ("durability", "bogus"), ("remote_policy", "bogus"),
+                       ("remote", "http://x")):  # each names its key, at start (a bad codec failed every store)
+        extra = {"tierstore.path": path, f"tierstore.{key}": value}
+        if key == "remote_policy":
+            extra["tierstore.remote"] = "redis://127.0.0.1:1/0"
+        with pytest.raises(tierstore.InvalidObject, match=f"tierstore.{key}"):
+            TierstoreBackend(config=LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "extra_config": extra}))
+
+
+def test_an_unknown_tierstore_key_is_warned_about(path, caplog):
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        b = TierstoreBackend(config=LMCacheEngineConfig.from_dict(
+            {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_byte": "1GiB"}}))
+    b.close()
+    assert any("tierstore.max_byte " in r.message or "tierstore.max_byte" in r.message.split(" ignored")[0]
+               for r in caplog.records)
 
 
 def test_which_namespaces_count_against_a_worker():

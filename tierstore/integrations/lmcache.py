@@ -39,12 +39,13 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import Blob, InvalidObject, KVCache, NotFound, TierstoreError, parse_size
+from .. import Blob, InvalidObject, KVCache, NotFound, TierstoreError, codecs, parse_size
 from .. import open as open_store
 
 _log = logging.getLogger("tierstore")
 CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
+SETTINGS = ("path", "max_bytes", "codec", "durability", "remote", "remote_policy")  # extra_config tierstore.*
 SYNC_S = 1.0  # at the limit, how often to take in what other processes stored or removed (seconds)
 
 
@@ -95,13 +96,29 @@ class TierstoreBackend(StoragePluginInterface):
         if not path:
             raise InvalidObject("the tierstore storage plugin needs extra_config 'tierstore.path'",
                                 hint="extra_config: {'tierstore.path': '/data/kv', ...}")
+        extra = getattr(config, "extra_config", None) or {}
+        unknown = sorted(k for k in extra if k.startswith(CONFIG_PREFIX) and k[len(CONFIG_PREFIX):] not in SETTINGS)
+        if unknown:  # (a typo would silently drop a limit)
+            _log.warning("tierstore: unknown extra_config key(s) %s ignored; the plugin reads %s", ", ".join(unknown),
+                         ", ".join(CONFIG_PREFIX + s for s in SETTINGS))
         limit = _setting(config, "max_bytes")
         self.max_bytes = parse_size(limit, "tierstore.max_bytes") if limit is not None else None
         self.codec = _setting(config, "codec")
+        if self.codec is not None:
+            try:
+                codecs.parse(self.codec, "kv")  # checked now, not at the first store
+            except InvalidObject as e:
+                raise InvalidObject(f"tierstore.codec: {e.message}", hint=e.hint) from None
         self.local_cpu_backend = local_cpu_backend
         remote = {name: _setting(config, name) for name in ("remote", "remote_policy")
                   if _setting(config, name) is not None}
-        self.store = open_store(path, durability=_setting(config, "durability", DEFAULT_DURABILITY), **remote)
+        durability = _setting(config, "durability", DEFAULT_DURABILITY)
+        try:
+            self.store = open_store(path, durability=durability, **remote)
+        except InvalidObject as e:  # the extra_config key the store's option came from
+            key = next((f"{CONFIG_PREFIX}{name}" for name in ("remote_policy", "durability", "remote")
+                        if name in e.message), None)
+            raise InvalidObject(f"{key}: {e.message}" if key else e.message, hint=e.hint) from None
         self._lock = threading.Lock()
         self._putting: set[CacheEngineKey] = set()
         self._pins: dict[tuple[str, bytes], int] = {}
