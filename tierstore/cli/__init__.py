@@ -239,7 +239,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         _emit(args, ranged, text_range)
         return EXIT_FINDINGS if ranged["undecodable"] else EXIT_OK
     if args.path.endswith((".tseg", ".bin")) and not os.path.exists(args.path):
-        raise StoreNotFound(f"no segment file {args.path}", path=args.path, hint="check the path")
+        return _fail(args, EXIT_CANNOT_OPEN, f"no segment file {args.path} (hint: check the path)")
     if os.path.isfile(args.path):
         result = dump_segment(args.path)
         segments = [result]
@@ -268,8 +268,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
             r, i = result["record"], result["info"]
             if r is None:
                 print(f"{result['namespace']}/{args.key}: DAMAGED, {result['damaged']['detail']} (segment "
-                      f"{result['segment']}, offset {result['damaged']['offset']}; tierstore fsck PATH reports it, "
-                      "recover quarantines it)")
+                      f"{result['segment']}, offset {result['damaged']['offset']}; {_DAMAGE_HINT})")
                 return
             what = " ".join(x for x in (i["kind"], str(i["shape"]) if i["shape"] else "", i["dtype"] or "") if x)
             print(f"{result['namespace']}/{i['key']}: {what} "
@@ -278,8 +277,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
             for e in r.get("extents", []):
                 print(f"  extent @+{e['offset']}: {e['length']} bytes, crc32c {e['crc32c']}")
             if result["damaged"] is not None:
-                print(f"  DAMAGED: {result['damaged']['detail']} (tierstore fsck PATH reports it, "
-                      f"recover quarantines it)")
+                print(f"  DAMAGED: {result['damaged']['detail']} ({_DAMAGE_HINT})")
             return
         for sg in segments:
             h = sg["header"]
@@ -322,6 +320,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
     damaged = [sg for sg in segments if "error" in sg["header"] or sg.get("damaged")
                or sg.get("end", {}).get("reason") not in (None, "end", "torn")]
     return EXIT_FINDINGS if damaged else EXIT_OK
+
+
+_DAMAGE_HINT = "tierstore fsck PATH reports it, recover quarantines it"
 
 
 def _print_damage(d: dict[str, Any]) -> None:
@@ -637,8 +638,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, EXIT_LOCKED, f"{e.message} (hint: stop the process that writes to the store, or wait "
                                         "longer with --lock-timeout SECONDS)")
     except StoreNotFound as e:
-        if e.message.startswith("no segment file"):
-            return _fail(args, EXIT_CANNOT_OPEN, f"{e.message} (hint: check the path)")
         return _fail(args, EXIT_CANNOT_OPEN, f"{e.message} (hint: check the path; a store is created by "
                                              "tierstore.open(path) from Python, or try `tierstore demo --path DIR`)")
     except NotFound as e:

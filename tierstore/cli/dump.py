@@ -136,11 +136,7 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
         return {"path": path, "segments": [dump_segment(os.path.join(seg_dir, seglib.segment_name(s)))
                                            for s in seglib.list_segments(DEFAULT_IO, seg_dir)]}
     with open_store(path, create=False, readonly=True) as store:
-        try:
-            info = store.info(key, namespace=namespace)
-        except CorruptionError as e:  # its record's header: the object is damaged, not the store
-            return {"path": path, "namespace": namespace, "segment": e.segment, "record": None, "info": None,
-                    "damaged": {"extent": None, "offset": e.offset, "detail": e.message}}
+        info = store.info(key, namespace=namespace)
         seg = os.path.join(path, fmt.SEGMENTS_DIR, seglib.segment_name(info.segment))
         fd = seglib.open_segment(DEFAULT_IO, seg)
         try:

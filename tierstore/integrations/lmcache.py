@@ -70,6 +70,15 @@ def namespace_of(key: CacheEngineKey) -> str:
     return f"lmcache~{model}{tail}"
 
 
+def worker_of(ns: str) -> int | None:
+    """The worker id a ``namespace_of`` name carries (its tail: ``~ws<N>~w<id>~<dtype>~<digest>``),
+    None for a name not of that form."""
+    parts = ns.split("~")
+    if len(parts) < 6 or not parts[-3].startswith("w") or not parts[-3][1:].isdigit():
+        return None
+    return int(parts[-3][1:])
+
+
 def key_of(key: CacheEngineKey) -> bytes:
     """A chunk hash as a key (8 bytes, two's complement, little-endian; wider hashes in full)."""
     h = int(key.chunk_hash)
@@ -142,11 +151,7 @@ class TierstoreBackend(StoragePluginInterface):
         if self._worker is None:
             return True
         me, world = self._worker
-        parts = ns.split("~")
-        try:
-            wid = int(parts[-3].removeprefix("w")) if len(parts) >= 6 and parts[-3].startswith("w") else None
-        except ValueError:
-            wid = None
+        wid = worker_of(ns)
         if wid is None:
             return me == 0
         return wid == me or (me == 0 and wid >= world)

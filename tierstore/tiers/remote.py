@@ -211,14 +211,6 @@ def version_of(hdr: rec.RecordHeader) -> Version:
     return Version(*UNVERSIONED)
 
 
-def _stated_size(head: bytes) -> int | None:
-    """The value length an envelope states (None if it is not one: ``_envelope`` says why)."""
-    try:
-        return fmt.REMOTE_ENVELOPE.size + parse_envelope(head).record_len
-    except CorruptionError:
-        return None
-
-
 def check_fetched(ns: bytes, k: bytes, value: Any, *, full: bool = True) -> tuple[Remote, rec.RecordHeader]:
     """Validate a fetched value (or, without ``full``, its envelope and header only): the
     envelope, the record header (SPEC.md §4.4), that the record is this key's, that its version
@@ -506,17 +498,27 @@ class RemoteTier:
         got = self._call(run)
         if not sound:
             return [self._envelope(name, head) for name, head in zip(names, got)]
-        heads, sizes = got[0::2], got[1::2]
-        for n, (head, size) in enumerate(zip(heads, sizes)):
-            if head and size != _stated_size(head):  # damaged, or replaced between the two reads: again
-                heads[n], sizes[n] = self._call(lambda name=names[n]: self.client.pipeline(transaction=False)
-                                                .getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1).strlen(name).execute())
-        return [self._envelope(name, head, size) for name, head, size in zip(names, heads, sizes)]
+        return [self._sound(name, head, size) for name, head, size in zip(names, got[0::2], got[1::2])]
 
-    def _envelope(self, name: bytes, head: bytes, size: int | None = None) -> Remote | None:
-        """A value's state from its first bytes: None if nothing or its envelope is unsound; with
-        ``size`` (its length: ``states(sound=True)``) also None when that is not the envelope's
-        or this version's body failed its checks when last fetched."""
+    def _sound(self, name: bytes, head: bytes, size: int, again: bool = True) -> Remote | None:
+        """``_envelope``, and None for a value whose length (``size``) is not its envelope's --
+        read once more first: the two reads may straddle another node's swap-in -- or whose
+        version's body failed its checks when last fetched."""
+        env = self._envelope(name, head)
+        if env is None:
+            return None
+        expected = fmt.REMOTE_ENVELOPE.size + env.record_len
+        if size != expected:
+            if again:
+                head, size = self._call(lambda: self.client.pipeline(transaction=False)
+                                        .getrange(name, 0, fmt.REMOTE_ENVELOPE.size - 1).strlen(name).execute())
+                return self._sound(name, head, size, again=False)
+            self.bad_value(name, f"value of {size} bytes, its envelope says {expected}")
+            return None
+        return None if self._damaged.get(name) == env.version else env
+
+    def _envelope(self, name: bytes, head: bytes) -> Remote | None:
+        """A value's state from its first bytes: None if nothing or its envelope is unsound."""
         if not head:
             return None
         try:
@@ -525,14 +527,6 @@ class RemoteTier:
             self.bad_value(name, e.message)
             return None
         self.clock.seen(env.version.stamp)
-        if size is None:
-            return env
-        expected = fmt.REMOTE_ENVELOPE.size + env.record_len
-        if size != expected:
-            self.bad_value(name, f"value of {size} bytes, its envelope says {expected}")
-            return None
-        if self._damaged.get(name) == env.version:
-            return None
         return env
 
     def fetch(self, ns: bytes, k: bytes) -> tuple[Remote, BufferReader | None] | None:
