@@ -584,6 +584,12 @@ def test_get_many_of_small_blobs_names_the_first_damaged_key_in_key_order(store_
             first = next(k for k in order if k in locs)
             assert e.value.key == first and e.value.path == paths[first]
             assert (e.value.segment, e.value.offset) == (locs[first].segment, locs[first].offset)
+        for k, loc in locs.items():  # a single get (its short path) names the same
+            with pytest.raises(CorruptionError) as e:
+                s.get(k, namespace="default")
+            assert (e.value.key, e.value.namespace, e.value.path) == (k, "default", paths[k])
+            assert (e.value.segment, e.value.offset) == (loc.segment, loc.offset)
+        assert s.get("k16").data[:1] == b"Q"
 
 
 def test_get_many_names_a_damaged_blob_before_a_damaged_chunk_in_key_order(store_path):

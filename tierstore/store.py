@@ -1374,13 +1374,11 @@ class Store:
     def _read_small_blob(self, key: Any, namespace: str, ns: bytes, k: bytes, loc: Location) -> Blob:
         """One blob chosen by ``_small_blob``: one ``pread`` of its extent (``Engine.read_extent0``)."""
         try:
-            data = self._engine.read_extent0(loc, {"segment": loc.segment, "offset": loc.offset, "key": key,
-                                                   "namespace": namespace})
+            data = self._engine.read_extent0(loc)
         except FileNotFoundError:  # compaction moved it meanwhile: the long way, following it
             return self._delivered(*self._read(key, namespace, ns, k, loc), None, None)
         except CorruptionError as e:
-            if e.path is None:
-                e.path = self._engine.segment_path(loc.segment)
+            e.key, e.namespace = key, namespace
             raise
         return self._delivered(stored_blob(data, loc.header.meta["media_type"]), loc, None, None)
 

@@ -65,6 +65,7 @@ from .options import Options
 
 DURABILITY = ("sync", "group", "none")
 _log = logging.getLogger("tierstore")
+_NOWHERE: dict[str, Any] = {}  # an error's where, filled in by whoever catches it (the hot path builds none)
 # what a store directory holds (SPEC.md §1); a new store is created only where nothing else is
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
                            fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
@@ -1004,13 +1005,8 @@ class Engine:
         """The newest location of a key, or None.  Memtable first, then an index snapshot."""
         assert self.index is not None
         try:
-            m = self._mem.get((ns, k))
-            if m is None:  # nothing unapplied for this key: the index holds its newest record
-                return self.index.lookup(ns, k)
-            with self.index.read() as view:
-                if m.lsn > view.applied().lsn:
-                    return m.location  # None for a delete
-                return view.get(ns, k)
+            # (None: nothing unapplied for this key, the index holds its newest record)
+            return self.index.lookup(ns, k, self._mem.get((ns, k)))
         except CorruptionError as e:
             raise self._index_damage(e) from None
 
@@ -1145,16 +1141,20 @@ class Engine:
         """An ExtentReader over the record at ``loc``; ``where`` names it in errors."""
         return SegmentReader(self, loc, where)
 
-    def read_extent0(self, loc: Location, where: dict[str, Any]) -> bytes:
+    def read_extent0(self, loc: Location) -> bytes:
         """Extent 0 of the record at ``loc`` (a small blob's get): one ``pread``, checksum
-        verified.  Raises FileNotFoundError if compaction retired the segment meanwhile."""
+        verified (CorruptionError naming the segment file and offset; the caller adds the key).
+        Raises FileNotFoundError if compaction retired the segment meanwhile."""
         log = self.log
         if log is not None and log.buffered and (loc.segment, loc.offset + loc.header.record_len) > log.written:
             log.flush_buffer()  # (only while another thread of this process appends)
         files = self.files
         fd = files.acquire(loc.segment)[0]
         try:
-            return seglib.read_extent_bytes(self.io, fd, loc.offset, loc.header, 0, where)
+            return seglib.read_extent_bytes(self.io, fd, loc.offset, loc.header, 0, _NOWHERE)
+        except CorruptionError as e:
+            e.path, e.segment, e.offset = self.segment_path(loc.segment), loc.segment, loc.offset
+            raise
         finally:
             files.release(loc.segment)
 
