@@ -493,3 +493,42 @@ def test_compaction_never_leaves_the_applied_position_in_a_segment_it_retired(st
     s.close()
     with tierstore.open(store_path) as s2:
         assert "rebuilt_index" not in s2.recovery and s2.keys() == ["from-child"]
+
+
+def test_compaction_moves_an_applied_position_left_on_a_sync_record_by_replay(store_path):
+    """An open that replays the log's tail records as the index's applied position the last
+    record it read: a SYNC or HEADERS record.  When that segment was a victim, compaction raised
+    AssertionError ("a live record in victim segment") on every call, after reopens too, until
+    some put or delete was applied (found by a multi-writer crash harness)."""
+    import subprocess
+    import sys
+
+    from tierstore.format import constants as fmt
+    from tierstore.format import record as rec
+
+    child = ("import os, sys, tierstore\n"
+             "s = tierstore.open(sys.argv[1], segment_bytes=16 << 10)\n"
+             "for i in range(5):\n"
+             "    s.put(f'k{i}', tierstore.Blob(bytes([65 + i]) * 12000))\n"
+             "s.put('last', tierstore.Blob(b'y' * 12000))\n"
+             "s.delete('last')\n"
+             "os.kill(os.getpid(), 9)  # synced, not yet applied to the index\n")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tierstore.__file__))}
+    subprocess.run([sys.executable, "-c", child, store_path], env=env, capture_output=True, timeout=60)
+    with tierstore.open(store_path, segment_bytes=16 << 10) as s:
+        applied = s._engine.applied_position()
+        with open(s._engine.segment_path(applied.segment), "rb") as f:
+            f.seek(applied.offset)
+            kind = rec.decode_header(f.read(fmt.HEADER_MAX_BYTES)).type
+        assert kind not in (fmt.REC_PUT, fmt.REC_DELETE)  # what this test is about
+        got = s.compact()
+        assert applied.segment in got["victims"]
+        assert s._engine.applied_position().segment not in got["victims"]
+        s.compact()  # and again
+        assert s.keys() == [f"k{i}" for i in range(5)]
+    with tierstore.open(store_path, segment_bytes=16 << 10) as s:
+        assert "rebuilt_index" not in s.recovery
+        assert s.keys() == [f"k{i}" for i in range(5)] and s.get("k3").data == b"D" * 12000
+        assert s.stats()["objects_indexed"] == 5 and s.namespaces() == ["default"]  # the mark is no object
+    report = repair.fsck(store_path)
+    assert report.ok and report.objects == 5, report.findings

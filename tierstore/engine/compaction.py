@@ -93,8 +93,11 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
     its victims.  Victims are taken together while their dead bytes cover the excess (one sync
     and one index commit per batch).  The active segment is sealed and joins them when the
     sealed ones do not suffice and it holds dead bytes itself.  ``gradual``: victims are shrunk
-    away (``Engine.retire_segments``), for a background eviction beside puts."""
+    away (``Engine.retire_segments``), for a background eviction beside puts.  When those do
+    not cover the excess, small sealed segments (under ``segment_bytes / SMALL_FRACTION``) are
+    merged too, the largest first: what they hold besides objects is not counted dead."""
     engine.check_writable()
+    small = engine.options.segment_bytes // SMALL_FRACTION
     lock = engine.compaction_lock()
     try:
         t0 = time.perf_counter()
@@ -115,18 +118,28 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             active = engine.active_segment()
             stats = engine.segment_stats()
             segs = [seg for seg in engine.segments() if seg < active]
-            ranked = []
+            ranked, small_ones = [], []
             for seg in segs:
                 dead = stats.get(seg, (0, 0))[0]
                 size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
                 if dead > 0 and dead / size >= min_dead_ratio:
                     ranked.append((-dead / size, seg, dead))
+                elif size + fmt.SEGMENT_HEADER_SIZE < small:
+                    small_ones.append((size, seg))
             victims, covered = [], 0
             for _, seg, dead in sorted(ranked):
                 if covered >= need:
                     break
                 victims.append(seg)
                 covered += dead
+            # then small sealed segments, as compact() merges them: records that change no object
+            # (SYNC, HEADERS, padding) are not counted dead, and segments of little else -- an
+            # eviction seals the active segment -- would otherwise fill the budget, never victims
+            for size, seg in sorted(small_ones, reverse=True):
+                if covered >= need:
+                    break
+                victims.append(seg)
+                covered += size
             if covered < need and not sealed and stats.get(active, (0, 0))[0] > 0 and not blockers:
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
@@ -225,23 +238,28 @@ def _move_applied_out(engine: Engine, batch: list[int], counts: dict[str, int]) 
     """The index's applied position must name a record in the log (opens and other writers
     resume from it: a missing segment is "index ahead", and the index was rebuilt at the next
     open, or another writer's open and puts failed).  If it is in a victim, the last record
-    applied was a DELETE this compaction dropped (a live PUT there was copied, and the position
-    moved on with its copy): that DELETE is carried -- harmless, nothing after it -- and applied,
-    so the position moves out of the victims."""
+    applied was one this compaction dropped (a live PUT there was copied, and the position
+    moved on with its copy): a DELETE, which is carried -- harmless, nothing after it -- or a
+    record that changes no object (a SYNC or HEADERS record: an open that replayed the log's
+    tail, or rebuilt the index, ends at the last record it read), for which a DELETE of a key
+    that never exists is appended (``MARK_NAMESPACE``).  Either is applied, so the position
+    moves out of the victims (SPEC.md §7.5 step 4)."""
     for _ in range(3):
         applied = engine.applied_position()
         if applied.lsn == 0 or applied.segment not in batch:
             return
         with engine.hold_segment(applied.segment) as (fd, _):
             hdr = rec.decode_header(engine.io.pread(fd, fmt.HEADER_MAX_BYTES, applied.offset))
-        if hdr.type != fmt.REC_DELETE or hdr.lsn != applied.lsn:
+        if hdr.lsn != applied.lsn or hdr.type == fmt.REC_PUT:
             raise AssertionError(f"the applied position (LSN {applied.lsn}) is a live record in victim "
                                  f"segment {applied.segment}")
+        record = rec.EncodedRecord(hdr) if hdr.type == fmt.REC_DELETE else \
+            rec.encode_delete(fmt.MARK_NAMESPACE, fmt.MARK_KEY, 0)
         with engine.write_lock:
-            where = engine.append(rec.EncodedRecord(hdr))
+            where = engine.append(record)
         if where.segment in batch:
             raise AssertionError(f"compaction carried a DELETE into victim segment {where.segment}")
-        counts["carried_deletes"] += 1
+        counts["carried_deletes"] += hdr.type == fmt.REC_DELETE
         engine.commit(force=True, sync=True)
     raise AssertionError("the applied position stays in the victims")
 

@@ -753,13 +753,18 @@ class Engine:
         if start[:2] >= end[:2]:
             return
         assert self.store_uuid is not None
-        try:
-            scan = recovery.scan_log(self.io, self.path, self.store_uuid,
-                                     Applied(start[0], start[1], start[2] - 1, start[1]), writable=False,
-                                     repair=False, verify_tail=False)
-        except recovery.IndexAhead:  # compaction retired the segment: go on from the index's position
-            scan = recovery.scan_log(self.io, self.path, self.store_uuid, self.index.applied(), writable=False,
-                                     repair=False, verify_tail=False)
+        frm = Applied(start[0], start[1], start[2] - 1, start[1])
+        for attempt in range(3):
+            try:
+                scan = recovery.scan_log(self.io, self.path, self.store_uuid, frm, writable=False, repair=False,
+                                         verify_tail=False)
+                break
+            except (recovery.IndexAhead, FileNotFoundError):
+                # another process's compaction retired a segment (the first, or one listed before it
+                # was unlinked): its records are applied, go on from the index's position
+                if attempt == 2:
+                    raise
+                frm = self.index.applied()
         # past ``end`` the scan meets appends in progress (another writer's, not yet published):
         # a record cut there is not torn, only not finished
         scan.damage = [d for d in scan.damage if (d.segment, d.offset) < end[:2]]
@@ -1258,7 +1263,12 @@ class Engine:
     def _reserve_size(self) -> int:
         if self.options.reserve_bytes is not None:
             return self.options.reserve_bytes
-        total = sum(os.path.getsize(self.files.path(s)) for s in self.segments())
+        total = 0
+        for s in self.segments():
+            try:
+                total += os.path.getsize(self.files.path(s))
+            except FileNotFoundError:  # another process's compaction retired it since the listing
+                pass
         return RESERVE_AUTO if total >= RESERVE_AUTO_FROM else 0
 
     def ensure_reserve(self) -> None:

@@ -142,6 +142,10 @@ MAX_RANK = 8
 REF_NAMESPACE = b"\x00ref"
 DICT_NAMESPACE = b"\x00dict"  # 1.2: zstd dictionaries; key ns_len:u8 ns dict_id:u32be (SPEC.md §6.2)
 DICT_MEDIA_TYPE = "application/zstd-dictionary"
+# a namespace that never holds a PUT: compaction appends a DELETE of MARK_KEY there to move the
+# index's applied position out of its victims when it is on a record that changes no object (§7.5)
+MARK_NAMESPACE = b"\x00mark"
+MARK_KEY = b"applied"
 SESSION_MAX_BYTES = 64
 ANCHOR_SESSION = b"\x00"  # the reference of "put without a session" on an object sessions also hold
 REF_KEY_HASH_BYTES = 16

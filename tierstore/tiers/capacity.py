@@ -411,14 +411,21 @@ class Capacity:
                             f"for padding and compaction's copies) and the index and reserve take {floor}",
                             hint="raise ssd_bytes=, or store the object in smaller pieces")
         self.counters["eviction_runs" if strict else "background_runs"] += 1
+        # first without evicting: segments mostly dead already (deletes, overwrites) and small ones
+        # (what evictions leave: their DELETE, HEADERS and SYNC records) free room no object pays for
+        def excess() -> int:
+            return engine.disk_bytes() + inflight + nbytes - target
+
+        self._reclaim(excess, RECLAIM_RATIOS[0], strict)
+        used = engine.disk_bytes()
+        if used + inflight + nbytes <= target:
+            (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
+            return
         stuck = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
             evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
-            done = compaction.reclaim(engine, lambda: engine.disk_bytes() + inflight + nbytes - target,
-                                      min_dead_ratio=ratio, gradual=not strict)  # a put that evicts unlinks
-            self.counters["compacted_bytes"] += done["bytes_before"]
-            self.counters["records_copied"] += done["copied"]
+            done = self._reclaim(excess, ratio, strict)
             used = engine.disk_bytes()
             # (a reclaim that stalled -- compacting freed nothing -- with nothing evicted is stuck too)
             stuck = not evicted and (not done["victims"] or done["stalled"]) and ratio == RECLAIM_RATIOS[-1]
@@ -431,6 +438,14 @@ class Capacity:
                             hint="what is left is pinned, in a retained namespace (retain=), internal, or referenced "
                                  "by more sessions than one atomic group holds (4095): raise ssd_bytes=, unpin "
                                  "objects, drop sessions, or delete some")
+
+    def _reclaim(self, excess: Callable[[], int], ratio: float, strict: bool) -> dict[str, Any]:
+        """``compaction.reclaim``, counted (a put that evicts unlinks its victims; the eviction
+        thread shrinks them away)."""
+        done = compaction.reclaim(self.engine, excess, min_dead_ratio=ratio, gradual=not strict)
+        self.counters["compacted_bytes"] += done["bytes_before"]
+        self.counters["records_copied"] += done["copied"]
+        return done
 
     # -- the eviction thread ---------------------------------------------------------------------
 
