@@ -529,10 +529,11 @@ def test_options_are_checked_at_start(tmp_path):
         create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "no-such-codec"}))
     with pytest.raises(ValueError, match="codec"):
         create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "int4"}, mla=True))  # not for MLA latents
-    cfg = make_config(tmp_path, tmp_path / "kv", extra={"codec": "int8"})
-    cfg.cache_config = CC(block_size=BLOCK, cache_dtype="fp8")
-    with pytest.raises(ValueError, match="already fp8"):
-        create(cfg)
+    for fp8 in ("fp8", "fp8_inc"):  # (fp8_inc: a pool of plain fp8 values, accepted with int8 before)
+        cfg = make_config(tmp_path, tmp_path / "kv", extra={"codec": "int8"})
+        cfg.cache_config = CC(block_size=BLOCK, cache_dtype=fp8)
+        with pytest.raises(ValueError, match="already fp8"):
+            create(cfg)
     with pytest.raises(ValueError, match="durability"):
         create(make_config(tmp_path, tmp_path / "kv", extra={"store_options": {"durability": "none"}}))
     create(make_config(tmp_path, tmp_path / "kv", extra={"codec": "int8"})).shutdown()  # the valid twin
@@ -586,6 +587,57 @@ def test_a_failed_load_drops_the_saves_of_its_step(tmp_path):
     assert e.errors == [] and e.worker.counters["saves_dropped"] >= len(first.kv_connector_metadata.saves)
     with tierstore.open(store, readonly=True) as s:  # stored later, once recomputed
         assert len(s.keys(namespace="vllm")) == 5 and s.info(victim.key, namespace="vllm").lsn > victim.lsn
+
+
+def test_a_failed_load_keeps_the_saves_of_unrelated_requests_of_its_step(tmp_path):
+    """Only the chunks computed from the failed blocks are dropped: a request of the same step
+    that never attended to them had its chunks dropped too, and never saved (its next chunk had
+    moved past them) -- found by a cold review."""
+    store = tmp_path / "kv"
+    a, other = list(range(500, 600)), list(range(3000, 3100))
+    serve(tmp_path, store, [a])
+    damage_second_chunk(store)
+    e = Engine(tmp_path, store, policy="recompute", prefix_caching=False)
+    e.add("again", a)
+    e.add("other", other)
+    e.step()
+    assert e.last_failed  # the step that failed a load also computed "other"
+    e.run()
+    e.close()
+    want = Engine(tmp_path, store).sched.connector._keys_for(Request("x", other, SamplingParams(max_tokens=1),
+                                                                      None))[0]
+    with tierstore.open(store, readonly=True) as s:
+        assert all(s.contains_many(want, namespace="vllm"))
+
+
+def test_a_streaming_session_saves_the_chunks_of_its_later_input(tmp_path):
+    """vLLM appends a streaming session's next input to the same request's prompt, and asks the
+    connector no match for it: the keys of the first input were kept, and nothing past it was
+    ever saved -- found by a cold review."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    store = tmp_path / "kv"
+    e = Engine(tmp_path, store)
+    e.add("s", list(range(100, 140)), max_tokens=3, resumable=True)
+    sess = e.sched.requests["s"]
+    for _ in range(10):
+        if sess.status.name == "WAITING_FOR_STREAMING_REQ":
+            break
+        e.step()
+    e.sched.add_request(Request("s", list(range(500, 560)), SamplingParams(max_tokens=3, ignore_eos=True), None,
+                                block_hasher=get_request_block_hasher(BLOCK, sha256), resumable=True))
+    assert len(sess.prompt_token_ids) // 32 == 3
+    for _ in range(10):
+        if sess.status.name == "WAITING_FOR_STREAMING_REQ":
+            break
+        e.step()
+    full = list(sess.prompt_token_ids)
+    e.close()
+    want = Engine(tmp_path, store).sched.connector._keys_for(Request("x", full, SamplingParams(max_tokens=1),
+                                                                      None))[0]
+    with tierstore.open(store, readonly=True) as s:
+        assert s.contains_many(want, namespace="vllm") == [True, True, True]
 
 
 def _worker_step(w, caches, meta):

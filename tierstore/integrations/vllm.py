@@ -39,7 +39,7 @@ How it maps vLLM's interface onto tierstore (SPEC.md §13 for the keys):
 - A chunk that cannot be read (evicted since the match, damaged: CorruptionError) is never
   loaded as KV: its blocks are reported by ``get_block_ids_with_load_errors`` and vLLM
   recomputes them or fails the request, as its ``kv_load_failure_policy`` says; the saves of
-  that step (chunks computed on top of it) are dropped, and so are, with asynchronous
+  that step computed on top of it are dropped (other requests' are kept), and so are, with asynchronous
   scheduling or pipeline stages, the saves of chunks computed from those blocks in the steps
   vLLM built before it heard of the failure.  Chunks saved by the
   other tensor ranks in those steps (their loads succeeded, but their KV depends on the failed
@@ -207,7 +207,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                 choice = tierstore.codecs.parse(str(self._codec), "mla" if self._mla else "kv")
             except TierstoreError as e:
                 raise ValueError(f"kv_connector_extra_config.codec: {e}") from None
-            if not choice.codec.lossless and cache_dtype in _FP8_CACHE:
+            if not choice.codec.lossless and (cache_dtype in _FP8_CACHE or cache_dtype.startswith("fp8")):
                 raise ValueError(f"codec {self._codec!r} is lossy; this KV cache is already fp8 ({cache_dtype}): "
                                  f"use a lossless codec (zstd) or none")
         for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
@@ -350,13 +350,17 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     def _keys_for(self, request: Any) -> list[list[bytes]] | None:
         keys = self._hashes.get(request.request_id)
-        if keys is None:
+        if keys is None or len(request.prompt_token_ids or ()) >= (len(keys[0]) + 1) * self._chunk:
+            # (new, or a streaming session's request whose prompt grew by a chunk or more)
             extra = self._request_salt(request)
             if extra is None:
                 return None
             tokens = list(request.prompt_token_ids or [])
             keys = [chunk_hashes(tokens, chunk_tokens=self._chunk, salt=s + extra) for s in self._salts]
             self._hashes[request.request_id] = keys
+            t = self._tracked.get(request.request_id)
+            if t is not None:  # (a streaming session's new input: its chunks are saved once computed)
+                t.tokens = tokens
         return keys
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -373,6 +377,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if request.request_id in self._hashes:  # a streaming session's next input is asked no match: keys anew
+            self._keys_for(request)
         if num_external_tokens <= 0:
             self._planned.pop(request.request_id, None)
             return
@@ -666,10 +672,16 @@ class TierstoreConnector(KVConnectorBase_V1):
             return
         if self._load_thread is not None:
             self._load_thread.join()  # every layer was waited for: it is done
-        if self._step_failed:  # chunks computed in this step attended to blocks whose load failed
-            self.counters["saves_dropped"] += len(staged)
-            _log.warning("tierstore: %d chunks of this step not saved: a load of the same step failed", len(staged))
-            return
+        if self._step_failed:  # chunks computed in this step from blocks whose load failed: not saved
+            with self._failed_lock:
+                bad = set(self._bad_steps[-1])
+            kept = [(sv, buf) for sv, buf in staged if not sv.reads(bad)]
+            self.counters["saves_dropped"] += len(staged) - len(kept)
+            _log.warning("tierstore: %d chunks of this step not saved: they were computed from blocks whose load "
+                         "failed", len(staged) - len(kept))
+            staged = kept
+            if not staged:
+                return
         copied = None
         if any(t.device.type == "cuda" for _, t, _ in self._layers):  # the writer waits for the copies, not us
             copied = torch.cuda.Event()
