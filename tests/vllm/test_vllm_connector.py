@@ -748,7 +748,7 @@ def test_other_tensor_ranks_delete_what_they_saved_on_top_of_a_failed_load(tmp_p
         w.flush()
     ranks[0][0].store.delete(a[0], namespace="vllm")  # evicted for rank 0 only
     step = M(loads=[ChunkLoad("r", a, [0, 1], [0, 1])], saves=[ChunkSave("r", b, [2, 3], [0, 1])])
-    sched._recent.append(step.saves)  # (what build_connector_meta recorded when it planned the step)
+    sched._recent.append(step)  # (what build_connector_meta recorded when it planned the step)
     failed = set().union(*(_worker_step(w, caches, step) for w, caches in ranks))
     assert failed == {0, 1}
     ranks[1][0].flush()
@@ -778,6 +778,7 @@ def test_the_scheduler_forgets_saves_of_every_step_built_before_it_heard_of_a_fa
     from vllm.v1.outputs import KVConnectorOutput
 
     from tierstore.integrations.vllm import ChunkSave
+    from tierstore.integrations.vllm import TierstoreConnectorMetadata as M
 
     cfg = make_config(tmp_path, tmp_path / "kv", policy="recompute")
     cfg.parallel_config.pipeline_parallel_size = pp
@@ -785,8 +786,8 @@ def test_the_scheduler_forgets_saves_of_every_step_built_before_it_heard_of_a_fa
     assert cfg.max_concurrent_batches == steps
     sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
     for n in range(3):  # three steps built, each saving a chunk computed from block 0 (and one that is not)
-        sched._recent.append([ChunkSave(f"r{n}", [b"%d" % n * 16], [10 + n], [0]),
-                              ChunkSave(f"q{n}", [b"q%d" % n * 8], [20 + n], [30])])
+        sched._recent.append(M(saves=[ChunkSave(f"r{n}", [b"%d" % n * 16], [10 + n], [0]),
+                                      ChunkSave(f"q{n}", [b"q%d" % n * 8], [20 + n], [30])]))
     sched.update_connector_output(KVConnectorOutput(invalid_block_ids={0}))
     forget = sched.build_connector_meta(SchedulerOutput.make_empty()).forget
     assert forget == [[b"%d" % n * 16] for n in range(3 - steps, 3)]
@@ -864,3 +865,102 @@ def test_one_step_stages_at_most_max_pending_bytes(tmp_path):
         with tierstore.open(store, readonly=True) as s:
             results[name] = (len(s.keys(namespace="vllm")), e.worker.counters["saves_dropped"])
     assert results == {"bounded": (1, 2), "default": (3, 0)}
+
+
+def _forward_on_garbage(e, out, starts, memo):
+    """A step's forward in which a token's KV at layer l is wrong when an earlier position of its
+    request holds wrong KV at a layer below l (attention reads it): what a real model does with
+    the garbage of a failed load."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    def kv_at(li, toks, pos):
+        k = (li, tuple(toks[: pos + 1]))
+        if k not in memo:
+            memo[k] = token_kv(li, toks[: pos + 1], pos)[0]
+        return memo[k]
+
+    w = e.worker
+    kv_transfer_state._KV_CONNECTOR_AGENT = w
+    try:
+        with set_forward_context(None, e.cfg), KVConnectorModelRunnerMixin._get_kv_connector_output(out) as co:
+            wrong: dict[str, int] = {}
+            for name, layer in e.caches.items():
+                li = int(name.split(".")[2])
+                w.wait_for_layer_load(name)
+                for rid, n in out.num_scheduled_tokens.items():
+                    done, table = starts[rid], e.tables[rid]
+                    toks = (list(e.reqs[rid].all_token_ids) + [0] * n)[: done + n]
+                    wrong.setdefault(rid, 99)
+                    if wrong[rid] == 99 and any(not torch.equal(layer[table[p // BLOCK], :, p % BLOCK],
+                                                                kv_at(li, toks, p)) for p in range(done)):
+                        wrong[rid] = li
+                    for p in range(done, done + n):
+                        layer[table[p // BLOCK], :, p % BLOCK] = kv_at(li, toks, p) + (1 if li > wrong[rid] else 0)
+                w.save_kv_layer(name, layer, None)
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+    return set(co.invalid_block_ids)
+
+
+def test_a_request_sharing_a_block_whose_load_failed_never_stores_what_it_computed_on_it(tmp_path):
+    """R's load of its first chunk fails (evicted between match and load); the step vLLM built
+    before it heard of it schedules S, which shares R's first block through vLLM's prefix cache,
+    on top of that garbage.  vLLM keeps S's tokens (R is to recompute the block), and S's first
+    chunk, completed in a later step, was saved with wrong KV above layer 0 (cold review; a
+    fuzzer found the same with chunked prefill).  A request that shares a failed block it did
+    not load saves nothing from then on; every stored chunk holds its tokens' exact KV."""
+    store = tmp_path / "kv"
+    base = list(range(100, 132))
+    serve(tmp_path, store, [base + [7] * 8])  # chunk 0 (32 tokens) of `base` stored
+    r_tokens = base + list(range(200, 208))  # loads chunk 0, computes 8
+    s_tokens = base[:16] + list(range(300, 340))  # shares R's first block only
+    e = Engine(tmp_path, store, policy="recompute", async_scheduling=True, max_batched=8, prefix_caching=True)
+    kv_out, mro = e._outputs
+    e.add("R", r_tokens, max_tokens=6)
+    pending, step, memo, failures = None, 0, {}, []
+    while step < 40 and (e.sched.get_num_unfinished_requests() or pending):
+        out = e.sched.schedule()
+        if step == 0:
+            assert out.kv_connector_metadata.loads
+            with tierstore.open(store) as s:  # evicted between the match and the load
+                s.delete(out.kv_connector_metadata.loads[0].keys[0], namespace="vllm")
+            e.add("S", s_tokens, max_tokens=2)  # scheduled in the next step, before this one's outcome
+        if pending is not None:
+            e.sched.update_from_output(*pending)
+            pending = None
+        for nr in out.scheduled_new_reqs:
+            e.tables[nr.req_id] = list(nr.block_ids[0])
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            if rid in c.resumed_req_ids:
+                e.tables[rid] = list(c.new_block_ids[i][0])
+            elif c.new_block_ids[i]:
+                e.tables[rid].extend(c.new_block_ids[i][0])
+        starts = {nr.req_id: nr.num_computed_tokens for nr in out.scheduled_new_reqs}
+        starts.update({rid: c.num_computed_tokens[i] for i, rid in enumerate(c.req_ids)})
+        failed = _forward_on_garbage(e, out, starts, memo)
+        failures += failed
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[900 + step] if starts[r] + out.num_scheduled_tokens[r] >= e.reqs[r].num_prompt_tokens else []
+                   for r in ids]
+        pending = (out, mro(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                            sampled_token_ids=sampled, kv_connector_output=kv_out(invalid_block_ids=failed)))
+        step += 1
+    e.close()
+    assert failures  # the load did fail
+    conn = Engine(tmp_path, store).sched.connector
+    checked = 0
+    with tierstore.open(store, readonly=True) as s:
+        for name, toks in (("R", r_tokens), ("S", s_tokens)):
+            for ci, k in enumerate(conn._keys_for(Request("x" + name, toks, SamplingParams(max_tokens=1), None))[0]):
+                if not s.contains(k, namespace="vllm"):
+                    continue
+                obj = s.get(k, namespace="vllm", device="cpu").data
+                for li in range(LAYERS):
+                    want = token_kv(li, toks[: (ci + 1) * 32], ci * 32)
+                    got = torch.cat([obj[li, 0], obj[li, 1]], dim=-1).permute(1, 0, 2)
+                    assert torch.equal(got, want), (name, ci, li)
+                    checked += 1
+    assert checked  # R's chunk, recomputed, is stored again

@@ -234,12 +234,12 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._hashes: dict[str, list[list[bytes]]] = {}  # per request: per worker, its chunk keys
         self._planned: dict[str, tuple[int, int]] = {}  # req -> tokens [start, end) to load
         self._tracked: dict[str, _Tracked] = {}
-        # the saves of the last steps built (2 with asynchronous scheduling: vLLM builds a step before
+        # the loads and saves of the last steps built (2 with asynchronous scheduling: vLLM builds a step before
         # it hears how the one before ended), and the chunks the next step's workers delete
         # steps in flight: vLLM builds up to this many before it hears how the oldest ended (async
         # scheduling, pipeline stages)
         self._in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
-        self._recent: deque[list[ChunkSave]] = deque(maxlen=self._in_flight)
+        self._recent: deque[TierstoreConnectorMetadata] = deque(maxlen=self._in_flight)
         self._to_forget: list[list[bytes]] = []
         # worker side
         self._tp_rank = 0
@@ -438,7 +438,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                 t.next_chunk = max(t.next_chunk, self._plan_loads(req_id, t.block_ids, meta))
             self._plan_saves(req_id, t, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
         meta.forget, self._to_forget = self._to_forget, []
-        self._recent.append(meta.saves)
+        self._recent.append(meta)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -451,13 +451,20 @@ class TierstoreConnector(KVConnectorBase_V1):
         bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not bad:
             return
-        for saves in self._recent:
-            self._to_forget += [sv.keys for sv in saves if sv.reads(bad)]
+        for meta in self._recent:
+            self._to_forget += [sv.keys for sv in meta.saves if sv.reads(bad)]
+        owners = {ld.req_id for meta in self._recent for ld in meta.loads if not bad.isdisjoint(ld.block_ids)}
         per = self._chunk // self._block_size
-        for t in self._tracked.values():
+        for req_id, t in self._tracked.items():
             hit = [i for i, b in enumerate(t.block_ids) if b in bad]
-            if hit:
+            if not hit:
+                continue
+            if req_id in owners:  # vLLM recomputes its blocks from the first failed one: saved again then
                 t.next_chunk = min(t.next_chunk, hit[0] // per)
+            else:
+                # it shares a failed block (vLLM's prefix cache) that its owner recomputes: what this
+                # request computed on top of it meanwhile, vLLM keeps -- never saved from here on
+                t.next_chunk = max(t.next_chunk, len(t.tokens) // self._chunk + 1)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for d in (self._hashes, self._planned, self._tracked):
