@@ -74,9 +74,17 @@ def test_read_trace_names_the_bad_line_and_reads_a_good_file(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(tierstore.InvalidObject, match="not JSON"):
         list(tr.read_trace(str(bad)))
+    # (each was a traceback, or accepted, before: a bounded-disk trial)
+    for line, why in (('"key_hex": "zz"', "not hexadecimal"), ('"key": "k", "session": 5', "session must be"),
+                      ('"key": "k", "bytes": 100000000000000000000000000000', "bytes must be"),
+                      ('"key": "k", "hit": "yes"', "hit must be"), ('"key": "k", "key_hex": "6b"', "one of key")):
+        bad.write_text('{"op": "get", "ns": "a", ' + line + '}\n')
+        with pytest.raises(tierstore.InvalidObject, match=why):
+            list(tr.read_trace(str(bad)))
     good = tmp_path / "good.jsonl"  # twin: a valid file reads
-    good.write_text('{"op": "put", "ns": "a", "key": "k", "bytes": 10}\n\n{"op": "session", "session": "s"}\n')
-    assert [o["op"] for o in tr.read_trace(str(good))] == ["put", "session"]
+    good.write_text('{"op": "put", "ns": "a", "key": "k", "bytes": 10, "session": "s"}\n\n'
+                    '{"op": "session", "session": "s"}\n{"op": "get", "ns": "a", "key_hex": "6b", "hit": true}\n')
+    assert [o["op"] for o in tr.read_trace(str(good))] == ["put", "session", "get"]
 
 
 def op(kind: str, key: str, nbytes: int = 10, **kw) -> dict:
@@ -221,6 +229,7 @@ def test_simulate_cli(tmp_path, capsys):
     assert cli(["simulate", "--trace", saved, "--policy", "lru", "--ssd", "1GiB", "--dram", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ssd_bytes"] == 1 << 30
     assert cli(["simulate", "--generate", "rag", "--policy", "fifo"]) == 2
+    assert cli(["simulate", "--generate", "rag", "--policy", ""]) == 2  # (an empty table, rc 0, before)
     assert cli(["simulate"]) == 2
     binary = tmp_path / "bin.jsonl"
     binary.write_bytes(bytes(range(256)))

@@ -58,6 +58,8 @@ def run(args: Any) -> dict[str, Any]:
         raise InvalidObject(f"--dram ({dram:,} bytes) is larger than --ssd ({ssd:,}): the DRAM tier holds copies "
                             "of what the SSD holds")
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        raise InvalidObject(f"--policy: one or more of {', '.join(sim.POLICY_NAMES)}, comma-separated")
     for p in policies:
         if p not in sim.POLICY_NAMES:
             raise InvalidObject(f"--policy: each of {', '.join(sim.POLICY_NAMES)}, got {p!r}")

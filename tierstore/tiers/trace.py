@@ -123,6 +123,9 @@ class TraceWriter:
                 self._file.close()
 
 
+VALUE_MAX = 1 << 60  # bytes and tokens of one trace line at most (an exabyte: past it, a wrong line)
+
+
 def read_trace(path: str) -> Iterator[dict[str, Any]]:
     """The operations of a trace file, checked: InvalidObject naming the line on anything that
     is not a trace line (JSON object, known ``op``, ``ns`` and a key where the op needs them)."""
@@ -146,12 +149,21 @@ def check_op(op: Any, where: str) -> dict[str, Any]:
     if not isinstance(op, dict) or op.get("op") not in OPS:
         raise InvalidObject(f"{where}: a trace line is a JSON object with op one of {', '.join(OPS)}")
     if op["op"] in ("put", "get", "delete", "evict", "downtier"):
-        keyed = isinstance(op.get("key"), str) or isinstance(op.get("key_hex"), str)
+        keyed = isinstance(op.get("key"), str) != isinstance(op.get("key_hex"), str)
         if not isinstance(op.get("ns"), str) or not keyed:
-            raise InvalidObject(f"{where}: a {op['op']} needs ns and key (or key_hex)")
+            raise InvalidObject(f"{where}: a {op['op']} needs ns and one of key, key_hex")
+        if "key_hex" in op:
+            try:
+                bytes.fromhex(op["key_hex"])
+            except ValueError:
+                raise InvalidObject(f"{where}: key_hex is not hexadecimal: {op['key_hex'][:40]!r}") from None
         for f in ("bytes", "tokens"):
-            if f in op and (not isinstance(op[f], int) or isinstance(op[f], bool) or op[f] < 0):
-                raise InvalidObject(f"{where}: {f} must be a non-negative int, got {op[f]!r}")
+            if f in op and (not isinstance(op[f], int) or isinstance(op[f], bool) or not 0 <= op[f] <= VALUE_MAX):
+                raise InvalidObject(f"{where}: {f} must be an int from 0 to {VALUE_MAX}, got {op[f]!r}")
+        if "session" in op and not isinstance(op["session"], str):
+            raise InvalidObject(f"{where}: session must be a session id (a string), got {op['session']!r}")
+        if "hit" in op and not isinstance(op["hit"], bool):
+            raise InvalidObject(f"{where}: hit must be true or false, got {op['hit']!r}")
     if op["op"] == "downtier" and not (isinstance(op.get("sessions", []), list) and
                                        all(isinstance(x, str) for x in op.get("sessions", []))):
         raise InvalidObject(f"{where}: a downtier's sessions are a list of session ids")
