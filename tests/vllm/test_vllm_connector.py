@@ -215,8 +215,8 @@ class Engine:
         self.reqs[rid] = r
         self.sched.add_request(r)
 
-    def step(self):
-        out = self.sched.schedule()
+    def scheduled(self, out):
+        """Follow a step's block tables; each scheduled request's first computed token."""
         for n in out.scheduled_new_reqs:
             self.tables[n.req_id] = list(n.block_ids[0])
         c = out.scheduled_cached_reqs
@@ -227,6 +227,11 @@ class Engine:
                 self.tables[rid].extend(c.new_block_ids[i][0])
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         starts.update({rid: c.num_computed_tokens[i] for i, rid in enumerate(c.req_ids)})
+        return starts
+
+    def step(self):
+        out = self.sched.schedule()
+        starts = self.scheduled(out)
         failed = self.last_failed = self.forward(out, starts)
         for rid, n in out.num_scheduled_tokens.items():  # every token the model attends to: right
             end, table = starts[rid] + n, self.tables[rid]
@@ -930,16 +935,7 @@ def test_a_request_sharing_a_block_whose_load_failed_never_stores_what_it_comput
         if pending is not None:
             e.sched.update_from_output(*pending)
             pending = None
-        for nr in out.scheduled_new_reqs:
-            e.tables[nr.req_id] = list(nr.block_ids[0])
-        c = out.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            if rid in c.resumed_req_ids:
-                e.tables[rid] = list(c.new_block_ids[i][0])
-            elif c.new_block_ids[i]:
-                e.tables[rid].extend(c.new_block_ids[i][0])
-        starts = {nr.req_id: nr.num_computed_tokens for nr in out.scheduled_new_reqs}
-        starts.update({rid: c.num_computed_tokens[i] for i, rid in enumerate(c.req_ids)})
+        starts = e.scheduled(out)
         failed = _forward_on_garbage(e, out, starts, memo)
         failures += failed
         ids = list(out.num_scheduled_tokens)

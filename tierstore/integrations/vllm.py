@@ -56,6 +56,7 @@ import hashlib
 import json
 import logging
 import math
+import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -207,7 +208,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                 choice = tierstore.codecs.parse(str(self._codec), "mla" if self._mla else "kv")
             except TierstoreError as e:
                 raise ValueError(f"kv_connector_extra_config.codec: {e}") from None
-            if not choice.codec.lossless and (cache_dtype in _FP8_CACHE or cache_dtype.startswith("fp8")):
+            if not choice.codec.lossless and cache_dtype.startswith("fp8"):
                 raise ValueError(f"codec {self._codec!r} is lossy; this KV cache is already fp8 ({cache_dtype}): "
                                  f"use a lossless codec (zstd) or none")
         for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
@@ -459,12 +460,12 @@ class TierstoreConnector(KVConnectorBase_V1):
             hit = [i for i, b in enumerate(t.block_ids) if b in bad]
             if not hit:
                 continue
-            if req_id in owners:  # vLLM recomputes its blocks from the first failed one: saved again then
+            if req_id in owners and t.next_chunk != sys.maxsize:  # vLLM recomputes from the first failed block
                 t.next_chunk = min(t.next_chunk, hit[0] // per)
             else:
                 # it shares a failed block (vLLM's prefix cache) that its owner recomputes: what this
                 # request computed on top of it meanwhile, vLLM keeps -- never saved from here on
-                t.next_chunk = max(t.next_chunk, len(t.tokens) // self._chunk + 1)
+                t.next_chunk = sys.maxsize  # (nor a chunk a streaming session adds later: it reads these)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for d in (self._hashes, self._planned, self._tracked):
@@ -683,9 +684,10 @@ class TierstoreConnector(KVConnectorBase_V1):
             with self._failed_lock:
                 bad = set(self._bad_steps[-1])
             kept = [(sv, buf) for sv, buf in staged if not sv.reads(bad)]
-            self.counters["saves_dropped"] += len(staged) - len(kept)
-            _log.warning("tierstore: %d chunks of this step not saved: they were computed from blocks whose load "
-                         "failed", len(staged) - len(kept))
+            if len(kept) < len(staged):
+                self.counters["saves_dropped"] += len(staged) - len(kept)
+                _log.warning("tierstore: %d chunks of this step not saved: they were computed from blocks whose "
+                             "load failed", len(staged) - len(kept))
             staged = kept
             if not staged:
                 return
