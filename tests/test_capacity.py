@@ -455,3 +455,18 @@ def test_segments_of_eviction_deletes_and_syncs_are_reclaimed_not_left_to_fill_t
                 segs = [f for f in os.listdir(os.path.join(store_path, "segments")) if f.endswith(".tseg")]
                 assert len(segs) < 20, (i, len(segs))
         assert len(s.keys()) >= 2  # the budget holds objects, not overhead
+
+
+def test_a_budget_set_on_a_store_of_one_large_segment_evicts_what_it_must_not_everything(store_path):
+    """A store written without a budget has one large segment; opened with ``ssd_bytes``, the
+    first put evicted until "the segments begun are finished" -- never, with every object in that
+    one segment -- so all 50 objects went for a deficit of half of them (bounded-disk trial)."""
+    with tierstore.open(store_path) as s:
+        for i in range(50):
+            s.put(f"k{i}", Blob(os.urandom(300_000)))
+    with tierstore.open(store_path, ssd_bytes="8MiB") as s:
+        s.put("new", Blob(b"x" * 1000))
+        s.flush()
+        left = len(s.keys()) - 1
+        assert 15 <= left < 27, left  # ~6.5 MiB of 300 KB objects fit under the target, 26 under the budget
+        assert s.stats()["tiers"]["ssd"]["bytes_used"] <= 8 << 20

@@ -503,11 +503,12 @@ class Capacity:
         """Delete objects in the policy's order -- objects no session references before the
         others, skipping pinned ones and retained and reserved namespaces -- until the segments
         at least ``ratio`` dead hold ``deficit`` dead bytes (those compaction then reclaims) and
-        the next object lies in a segment no victim is in, or 2 x (``deficit`` + a segment) bytes
-        were evicted.  What is evicted is the start of the policy's order, which a log written
-        in that order keeps together: whole segments die, and reclaiming them copies only the
-        objects the policy keeps (a reused object in an old segment is copied forward:
-        reinserted).  Each object goes with its session references, in groups of up to
+        the next object lies in a segment no victim is in (or a segment's worth more went to finish
+        the segments begun: one larger, written before the budget was set, is compacted instead),
+        or 2 x (``deficit`` + a segment) bytes were evicted.  What is evicted is the start of the
+        policy's order, which a log written in that order keeps together: whole segments die, and
+        reclaiming them copies only the objects the policy keeps (a reused object in an old
+        segment is copied forward: reinserted).  Each object goes with its session references, in groups of up to
         GROUP_MAX records.  Returns the bytes evicted."""
         engine = self.engine
         stats = engine.segment_stats()
@@ -553,17 +554,24 @@ class Capacity:
                     touched.add(seg)
                     freed += n
 
+                enough_at = None  # bytes evicted when the deficit was covered
                 for key in order:
                     if freed >= cap:
                         break
+                    if enough_at is None and counted >= deficit:
+                        enough_at = freed
                     ns, k = key  # type: ignore[misc]
                     if ns in self.retain or ns.startswith(b"\x00") or self.pinned(key) or key in self._since:
                         continue
                     loc = engine.lookup(ns, k)
                     if loc is None:
                         gone.append(key)  # deleted meanwhile (here or by another process)
-                    elif counted >= deficit and loc.segment not in touched:
-                        break  # enough, and the segments begun are finished (the next object is elsewhere)
+                    elif enough_at is not None and (loc.segment not in touched or
+                                                    freed - enough_at >= engine.options.segment_bytes):
+                        # enough, and the segments begun are finished (the next object is elsewhere), or
+                        # a segment's worth more went to finish them: one larger than today's segments
+                        # (written before the budget was set) is compacted, its live rest copied
+                        break
                     elif refs and engine.sessions_of(ns, k):
                         later.append((key, loc))
                     else:
