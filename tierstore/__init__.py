@@ -62,6 +62,10 @@ def open(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = 
     ``readonly=True`` opens without taking the writer lock; any number of read-only handles
     may coexist with the writers.  ``options``: see ``tierstore.engine.options.Options``
     (segment_bytes, group_commit_ms, group_commit_bytes, index_commit_ms, index_batch,
-    lock_timeout, exclusive, header_copies, vector_extent_bytes, index_map_size).
+    lock_timeout, exclusive, header_copies, vector_extent_bytes, index_map_size); the memory
+    tiers (dram_bytes, dram_admit, gpu_bytes, gpu_device, policy); the disk budget (ssd_bytes,
+    retain, ssd_policy, downtier) and traces (trace_to, trace_bytes); codecs per namespace and
+    kind (codecs); a remote tier (remote, remote_policy, remote_timeout, remote_connect_timeout,
+    remote_retry_s, remote_queue).  docs/guide.md describes each.
     """
     return Store(path, create=create, readonly=readonly, durability=durability, **options)
