@@ -105,6 +105,9 @@ def test_everything_retained_raises_store_full_with_a_true_hint_and_nothing_writ
                 s.put(f"doc{i}", Blob(payload(i, 300_000)), namespace="rag")
                 i += 1
         assert "retain" in err.value.hint and "ssd_bytes" in err.value.hint
+        # the hint says what applies (before: every possible reason, pins and sessions included)
+        assert "in retained namespaces (rag)" in err.value.message and "pinned" not in err.value.message
+        assert "unpin" not in err.value.hint and "session" not in err.value.hint
         assert f"doc{i}" not in s.keys(namespace="rag")  # the put that raised left nothing
         assert len(s.keys(namespace="rag")) == i
         assert files_bytes(path) <= 4 * MiB
@@ -112,6 +115,22 @@ def test_everything_retained_raises_store_full_with_a_true_hint_and_nothing_writ
         s.delete("doc0", namespace="rag")
         s.compact()
         s.put("again", Blob(payload(0, 300_000)), namespace="rag")
+
+
+def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):
+    with tierstore.open(str(tmp_path / "s"), ssd_bytes=4 * MiB, retain={"rag": "always"}, dram_bytes="4MiB") as s:
+        s.put("big", Blob(payload(0, 1_500_000)))
+        s.pin("big")
+        with pytest.raises(tierstore.StoreFull) as err:
+            for i in range(20):
+                s.put(f"doc{i}", Blob(payload(i, 300_000)), namespace="rag", session="chat")
+        msg = err.value.message
+        assert "1504096 bytes pinned (1 record)" in msg and "in retained namespaces (rag)" in msg
+        assert "of session references" in msg  # (named, with its bytes, but too small to be the fix)
+        assert "unpin" in err.value.hint and "drop sessions" not in err.value.hint
+        s.unpin("big")
+        s.put("doc_after", Blob(payload(0, 300_000)), namespace="rag")  # the pinned object goes now
+        assert "big" not in s.keys()
 
 
 def test_a_put_larger_than_the_budget_is_refused_before_anything_is_evicted(tmp_path):
@@ -470,3 +489,74 @@ def test_a_budget_set_on_a_store_of_one_large_segment_evicts_what_it_must_not_ev
         left = len(s.keys()) - 1
         assert 15 <= left < 27, left  # ~6.5 MiB of 300 KB objects fit under the target, 26 under the budget
         assert s.stats()["tiers"]["ssd"]["bytes_used"] <= 8 << 20
+
+
+OVERWRITE = r"""
+import sys
+sys.path.insert(0, SRC)
+import tierstore
+from tierstore import Blob
+with tierstore.open(sys.argv[1], lock_timeout=60) as s:
+    s.put("k2", Blob(b"O" * 200_000))
+""".replace("SRC", repr(SRC))
+
+
+def test_puts_reads_and_other_writers_go_on_while_an_eviction_decides(tmp_path):
+    """Regression (put stalls of 1.4-3.2 s under the session and cost policies): the eviction
+    walked the policy's order -- looking up each object and its references -- holding the write
+    lock, so every put, and every other writer process, waited for the whole walk.  The walk now
+    runs without it, and each victim is checked again under the lock: one put or read since the
+    order was taken stays."""
+    import threading
+
+    path = str(tmp_path / "s")
+    deciding, go = threading.Event(), threading.Event()
+    with tierstore.open(path, ssd_bytes=8 * MiB, durability="none") as s:
+        for i in range(30):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+        s.flush()
+        cap = s._capacity
+        real = cap.pinned
+
+        def pinned(key):  # the eviction thread's walk stops at its first object until told to go on
+            if threading.current_thread().name == "tierstore-evict" and not deciding.is_set():
+                deciding.set()
+                go.wait(60)
+            return real(key)
+
+        cap.pinned = pinned
+        done: list[str] = []
+        try:
+            i = 30
+            while not deciding.wait(0.01):  # put until the budget wakes the eviction thread
+                s.put(f"k{i}", Blob(payload(i, 200_000)))
+                i += 1
+                assert i < 60, "the eviction thread never woke"
+
+            def meanwhile() -> None:
+                s.put("k0", Blob(b"N" * 200_000))  # the oldest: first in the order being walked
+                assert s.get("k1").data == payload(1, 200_000)
+                s.put("fresh", Blob(b"F" * 1000))
+                done.append("handle")
+                subprocess.run([sys.executable, "-c", OVERWRITE, path], check=True, timeout=120)
+                done.append("process")
+
+            t = threading.Thread(target=meanwhile, daemon=True)
+            t.start()
+            t.join(90)
+            assert done == ["handle", "process"], done  # (the old code: the put waited on the walk)
+        finally:
+            go.set()
+        t.join(60)
+        s.flush()
+        assert s.stats()["tiers"]["ssd"]["evictions"] > 0
+        assert s.get("k0").data == b"N" * 200_000  # put since the order was taken: not a victim
+        assert s.get("k1").data == payload(1, 200_000)  # read since: not a victim either
+        assert s.get("fresh").data == b"F" * 1000
+        for k in s.keys():  # whatever went is a miss; what stayed is what was put last
+            want = b"O" * 200_000 if k == "k2" else None
+            if want is not None:
+                assert s.get(k).data == want
+        assert files_bytes(path) <= 8 * MiB
+    report = repair.fsck(path, deep=True)
+    assert report.ok, report

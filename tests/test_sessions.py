@@ -17,6 +17,7 @@ from tierstore import Blob, KVCache
 from tierstore.engine import repair
 from tierstore.engine.fileio import DEFAULT_IO
 from tierstore.format import constants as fmt
+from tierstore.format import record as rec
 
 from .conftest import checked_state, segment_files
 
@@ -118,6 +119,41 @@ def test_references_before_the_index_commit_are_seen(store_path, durability):
         assert s.delete("a") and s.session_keys("s2") == []
     with tierstore.open(store_path) as s:
         assert s.keys() == [] and s.stats()["session_refs_indexed"] == 0
+
+
+def test_references_of_many_keys_read_at_once_match_each_key_read_alone(store_path):
+    """``Engine.sessions_of_many`` and ``Engine.referenced`` (eviction and ``delete_many`` read
+    references in one pass):
+    references applied to the index and unapplied ones (added and dropped), several namespaces,
+    a key with none, and each key alone agree."""
+    with tierstore.open(store_path, durability="none", index_commit_ms=1e9, index_batch=10**9) as s:
+        want: dict[tuple[str, str], set[str]] = {}
+        for i in range(12):
+            for sess in [f"s{j}" for j in range(i % 4)]:
+                for ns in ("a", "b"):
+                    s.put(f"k{i}", Blob(b"x"), namespace=ns, session=sess)
+                    want.setdefault((ns, f"k{i}"), set()).add(sess)
+            s.put(f"bare{i}", Blob(b"y"), namespace="a")
+        s.flush()  # applied to the index ...
+        for i in range(12, 16):  # ... then some unapplied: new references, and a dropped session
+            s.put(f"k{i}", Blob(b"x"), namespace="a", session="late")
+            want[("a", f"k{i}")] = {"late"}
+        s.put("k5", Blob(b"x"), namespace="a", session="late")
+        want[("a", "k5")].add("late")
+        s.drop_session("s2", namespace="a")
+        for key, sessions in want.items():
+            if key[0] == "a":  # (every object s2 referenced keeps s0's reference: none goes)
+                sessions.discard("s2")
+        engine = s._engine
+        for ns in ("a", "b"):
+            keys = [f"k{i}".encode() for i in range(16)] + [f"bare{i}".encode() for i in range(3)]
+            many = engine.sessions_of_many(ns.encode(), keys)
+            for k in keys:
+                expect = sorted(sess.encode() for sess in want.get((ns, k.decode()), ()))
+                assert many[k] == engine.sessions_of(ns.encode(), k) == expect, (ns, k)
+            # and the walk's one-pass form: the hashes of exactly the keys some session references
+            assert engine.referenced(ns.encode()) == {rec.ref_target_hash(k.encode()) for (n, k), ss in want.items()
+                                                      if n == ns and ss}
 
 
 def test_references_survive_reopen_rebuild_recover_and_compaction(store_path):

@@ -18,6 +18,7 @@ import pytest
 import tierstore
 from tierstore import Blob
 from tierstore.cli import main as cli
+from tierstore.engine import repair
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
 
@@ -372,6 +373,53 @@ def test_decisions_see_other_writers_records_before_the_index_does(store_path):
     with tierstore.open(store_path) as s:
         assert "k" not in s and s.get("shared").data == b"v"
         assert s.session_keys("chat-1") == []
+
+
+HOLDER_SEALED = r"""
+import sys
+sys.path.insert(0, SRC)
+import tierstore
+s = tierstore.open(sys.argv[1], index_commit_ms=600_000, index_batch=10**6, segment_bytes="64KiB")
+s.put("x", tierstore.Blob(b"theirs" * 2000))  # into the segment the other handle compacts next
+s.put("filler", tierstore.Blob(b"f" * 40_000))  # past segment_bytes: that segment is sealed
+print("ready", flush=True)
+sys.stdin.readline()
+print(s.get("x").data == b"theirs" * 2000, flush=True)
+s.close()
+""".replace("SRC", repr(SRC))
+
+
+def test_compaction_copies_a_record_another_writer_appended_and_no_index_holds_yet(store_path):
+    """Compaction drops dead records without the write lock (a record that is not its key's
+    newest never becomes it again), which holds only once this handle has read every record
+    other writers appended to the victims: here the newest x is another process's put that no
+    index has applied, in a sealed victim segment; it is copied, not dropped as dead (the
+    budget's reclaim path; both the batch's own catch-up and the carry rule's commit read it)."""
+    from tierstore.engine import compaction
+
+    s = tierstore.open(store_path, index_commit_ms=600_000, segment_bytes="64KiB")
+    s.put("z", Blob(b"1" * 20_000))
+    s.put("z", Blob(b"2" * 20_000))  # the first z is dead: the segment is a victim at any ratio
+    s.put("x", Blob(b"mine"))
+    s.flush()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_SEALED, store_path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        asked = iter([1])
+        done = compaction.reclaim(s._engine, lambda: next(asked, 0), min_dead_ratio=0.1)  # the budget's path
+        assert done["victims"]
+        assert s.get("x").data == b"theirs" * 2000
+    finally:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out = holder.stdout.read()
+        assert holder.wait(timeout=60) == 0
+        s.close()
+    assert out.strip() == "True"
+    with tierstore.open(store_path) as s:
+        assert s.get("x").data == b"theirs" * 2000 and s.get("z").data == b"2" * 20_000
+    assert repair.fsck(store_path, deep=True).ok
 
 
 @pytest.mark.parametrize("fails", ["write", "sync"])

@@ -710,8 +710,8 @@ class Store:
             try:
                 with engine.write_lock:
                     found = engine.lookup_many(ns, [k for k, _ in encoded])
-                    records = [r for (k, flags), loc in zip(encoded, found) if loc is not None
-                               for r in engine.deletion(ns, k, flags)]
+                    records = [r for unit in engine.deletions(ns, [kf for kf, loc in zip(encoded, found)
+                                                                   if loc is not None]) for r in unit]
                     if records and len(records) > fmt.GROUP_MAX:
                         per = -(-len(records) // max(1, sum(loc is not None for loc in found)))
                         raise InvalidObject(f"a batch of {len(encoded)} deletes makes {len(records)} records; one "
@@ -1653,7 +1653,8 @@ class Store:
         cannot make room.  If the key is later overwritten, the pin stays on the key and the
         new object is kept once something promotes it.  Prefer ``with store.pinned(...)``."""
         t = self._cache_tier(tier)
-        # with a budget, an eviction decides under the write lock: it sees the pin, or the key is gone
+        # with a budget, an eviction checks each victim for a pin under the write lock, just before
+        # its delete: it sees the pin, or the key is gone
         with self._engine.write_lock if self._capacity is not None else contextlib.nullcontext():
             ns, k, loc = self._locate(key, namespace, read=False)
             t.pin((ns, k))

@@ -8,7 +8,8 @@ Steps, each crash-safe:
 2. Victims: sealed segments whose dead fraction is at least ``min_dead_ratio``, and sealed
    segments smaller than a quarter of ``segment_bytes`` (merged, so that frequent
    compactions or restarts never leave a growing number of small files).
-3. For each record of each victim, under the engine's write lock: a PUT that is still the
+3. For each record of each victim, under the engine's write lock (taken for a run of records
+   that looked live without it: a record not its key's newest never becomes it again): a PUT that is still the
    key's live version is copied to the log head (header restamped with a new LSN, payload
    copied byte for byte with its checksums); a DELETE is carried forward only if an older,
    surviving segment may still hold a PUT of that key.  Everything else is dropped.
@@ -41,6 +42,10 @@ from .engine import Engine
 # victims are compacted (copied, applied, unlinked) in batches of at most this many bytes or segments
 BATCH_BYTES = 64 << 20
 BATCH_SEGMENTS = 16
+# step 3 copies the live records of a victim this many (or bytes) at a time under the write lock: a
+# put waits for one such run, and the lock's cost (other writers' records, the log's buffer) is paid once
+COPY_RECORDS = 32
+COPY_BYTES = 1 << 20
 # sealed segments smaller than segment_bytes / SMALL_FRACTION are merged whatever their dead
 # fraction, and compaction rolls the log over only when the active segment is at least that big
 SMALL_FRACTION = 4
@@ -86,14 +91,15 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
 
 
 def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
-            gradual: bool = False) -> dict[str, Any]:
+            gradual: bool = False, batch_bytes: int = BATCH_BYTES) -> dict[str, Any]:
     """Compact sealed segments whose dead fraction is at least ``min_dead_ratio``, the largest
     fraction first (the fewest live bytes copied per byte freed), until ``excess()`` (bytes
     still to free) is 0 or none is left: the SSD budget's eviction (capacity.py), after it deleted
     its victims.  Victims are taken together while their dead bytes cover the excess (one sync
     and one index commit per batch).  The active segment is sealed and joins them when the
     sealed ones do not suffice and it holds dead bytes itself.  ``gradual``: victims are shrunk
-    away (``Engine.retire_segments``), for a background eviction beside puts.  When those do
+    away (``Engine.retire_segments``), for a background eviction beside puts.  ``batch_bytes``:
+    victims are retired (their room given back) each time about this many were compacted.  When those do
     not cover the excess, small sealed segments (under ``segment_bytes / SMALL_FRACTION``) are
     merged too, the largest first: what they hold besides objects is not counted dead."""
     engine.check_writable()
@@ -152,7 +158,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             blockers = set()
             if not victims:
                 break
-            got = _compact_victims(engine, victims, None, gradual=gradual)
+            got = _compact_victims(engine, victims, None, gradual=gradual, batch_bytes=batch_bytes)
             blockers = set(got.pop("blockers")) - tried
             tried |= blockers
             for k, v in got.items():
@@ -164,20 +170,20 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
 
 
 def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int], None] | None, *,
-                     gradual: bool = False) -> dict[str, Any]:
+                     gradual: bool = False, batch_bytes: int = BATCH_BYTES) -> dict[str, Any]:
     """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
     keeps what it finished."""
     carry, blockers = _carry_rule(engine, set(victims))
     bytes_before = sum(os.path.getsize(engine.segment_path(s)) for s in victims)
     counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
-    batch_bytes = 0
+    size = 0
     for seg in victims:
         batch.append(seg)
-        batch_bytes += os.path.getsize(engine.segment_path(seg))
-        if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
+        size += os.path.getsize(engine.segment_path(seg))
+        if size >= batch_bytes or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
             compact_batch(engine, batch, carry, counts, progress, gradual=gradual)
-            batch, batch_bytes = [], 0
+            batch, size = [], 0
     return {**counts, "bytes_before": bytes_before, "blockers": sorted(blockers)}
 
 
@@ -275,30 +281,35 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
         raise AssertionError(f"compaction asked to rewrite segments {batch} with {active} active")
     moved: list[tuple[bytes, bytes]] = []
     sizes = {seg: os.path.getsize(engine.segment_path(seg)) for seg in batch}
+    with engine.write_lock:  # reads every record other writers appended: the victims' (sealed) are all known
+        pass  # to ``lookup`` from here, so the look without the lock below sees each key's newest record
     for seg in batch:
         path = engine.segment_path(seg)
         with engine.hold_segment(seg) as (fd, _):
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
+            live: list[tuple[int, rec.RecordHeader]] = []  # copied or carried next, under the write lock
+            live_bytes = 0
             for off, hdr in scanner.records():
-                # (outside the write lock: it may read survivors' record headers; they never change)
-                carried = hdr.type == fmt.REC_DELETE and carry(hdr.namespace, hdr.key, seg)
-                with engine.write_lock:
+                # (outside the write lock: a record that is not its key's newest never becomes it
+                # again, so what is dropped here is dead for good; what looks live is looked at
+                # again under the lock.  ``carry`` may read survivors' headers; they never change)
+                if hdr.type == fmt.REC_PUT:
                     cur = engine.lookup(hdr.namespace, hdr.key)
-                    if hdr.type == fmt.REC_PUT:
-                        if cur is None or (cur.segment, cur.offset) != (seg, off):
-                            counts["dropped"] += 1
-                            continue
-                        _copy_record(engine, fd, off, hdr)
-                        moved.append((hdr.namespace, hdr.key))
-                        counts["copied"] += 1
-                    elif hdr.type == fmt.REC_DELETE:
-                        if cur is not None or not carried:
-                            counts["dropped"] += 1
-                            continue
-                        where = engine.append(rec.EncodedRecord(hdr))
-                        if where.segment in batch:
-                            raise AssertionError(f"compaction carried a DELETE into victim segment {where.segment}")
-                        counts["carried_deletes"] += 1
+                    keep = cur is not None and (cur.segment, cur.offset) == (seg, off)
+                elif hdr.type == fmt.REC_DELETE:
+                    keep = engine.lookup(hdr.namespace, hdr.key) is None and carry(hdr.namespace, hdr.key, seg)
+                else:
+                    continue
+                if not keep:
+                    counts["dropped"] += 1
+                    continue
+                live.append((off, hdr))
+                live_bytes += hdr.record_len
+                if len(live) >= COPY_RECORDS or live_bytes >= COPY_BYTES:
+                    moved += _copy_live(engine, fd, seg, batch, live, counts)
+                    live, live_bytes = [], 0
+            if live:
+                moved += _copy_live(engine, fd, seg, batch, live, counts)
             if scanner.stop is not None and scanner.stop.reason != "end":
                 # never drop a segment we could not read to its end
                 raise CorruptionError(f"cannot compact a damaged segment ({scanner.stop.detail})", path=path,
@@ -312,6 +323,33 @@ def compact_batch(engine: Engine, batch: list[int], carry: Callable[[bytes, byte
     engine.retire_segments(batch, gradual=gradual)
     if progress is not None:
         progress(sum(sizes.values()))
+
+
+def _copy_live(engine: Engine, fd: int, seg: int, batch: list[int], live: list[tuple[int, rec.RecordHeader]],
+               counts: dict[str, int]) -> list[tuple[bytes, bytes]]:
+    """Step 3 for records of victim ``seg`` that looked live, under one hold of the write lock
+    (a put or delete of the same key waits for it): a PUT still its key's newest is copied, a
+    DELETE of a key still absent is carried.  Returns the (namespace, key) of the PUTs copied."""
+    moved = []
+    with engine.write_lock:
+        for off, hdr in live:
+            cur = engine.lookup(hdr.namespace, hdr.key)
+            if hdr.type == fmt.REC_PUT:
+                if cur is None or (cur.segment, cur.offset) != (seg, off):
+                    counts["dropped"] += 1
+                    continue
+                _copy_record(engine, fd, off, hdr)
+                moved.append((hdr.namespace, hdr.key))
+                counts["copied"] += 1
+            else:
+                if cur is not None:
+                    counts["dropped"] += 1
+                    continue
+                where = engine.append(rec.EncodedRecord(hdr))
+                if where.segment in batch:
+                    raise AssertionError(f"compaction carried a DELETE into victim segment {where.segment}")
+                counts["carried_deletes"] += 1
+    return moved
 
 
 def _copy_record(engine: Engine, src_fd: int, off: int, hdr: rec.RecordHeader) -> None:

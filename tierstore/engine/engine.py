@@ -656,10 +656,14 @@ class Engine:
     def deletion(self, ns: bytes, k: bytes, flags: int) -> list[rec.EncodedRecord]:
         """The records that delete (ns, k) together with every session reference on it (SPEC.md
         §5.4), to be appended as one group.  The caller holds ``write_lock``."""
-        out = [rec.encode_delete(ns, k, flags & fmt.FLAG_KEY_STR)]
-        if self.may_have_refs:
-            out += [rec.encode_delete(fmt.REF_NAMESPACE, rec.ref_key(ns, s, k), 0) for s in self.sessions_of(ns, k)]
-        return out
+        return self.deletions(ns, [(k, flags)])[0]
+
+    def deletions(self, ns: bytes, items: Sequence[tuple[bytes, int]]) -> list[list[rec.EncodedRecord]]:
+        """``deletion`` of each (key, flags) of ``ns``, the references read in one pass."""
+        refs = self.sessions_of_many(ns, [k for k, _ in items]) if self.may_have_refs else {}
+        return [[rec.encode_delete(ns, k, flags & fmt.FLAG_KEY_STR),
+                 *(rec.encode_delete(fmt.REF_NAMESPACE, rec.ref_key(ns, s, k), 0) for s in refs.get(k, ()))]
+                for k, flags in items]
 
     def _on_written(self, where: Appended, hdr: rec.RecordHeader) -> None:
         """Runs under the log's append lock, in LSN order."""
@@ -1106,21 +1110,42 @@ class Engine:
         handle is read-only and another process may be adding them."""
         return self._refs_seen or self.readonly
 
-    @_index_reads
     def sessions_of(self, ns: bytes, k: bytes) -> list[bytes]:
         """Sessions holding a reference on (ns, k) (SPEC.md §5.4): the index, then the memtable."""
+        return self.sessions_of_many(ns, [k])[k]
+
+    @_index_reads
+    def sessions_of_many(self, ns: bytes, keys: Sequence[bytes]) -> dict[bytes, list[bytes]]:
+        """``sessions_of`` of many keys of one namespace: one index snapshot, one pass over the
+        memtable's unapplied references (not one per key)."""
         assert self.index is not None
         pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
         with self.index.read() as view:
             applied = view.applied().lsn
-            sessions = set(view.sessions_of(ns, k))
+            out = {k: set(view.sessions_of(ns, k)) for k in keys}
+        if pending:
+            by_hash = {rec.ref_target_hash(k): k for k in keys}
+            for rk, m in pending.items():
+                parsed = rec.parse_ref_key(rk) if m.lsn > applied else None
+                if parsed is not None and parsed[0] == ns and (k := by_hash.get(parsed[2])) is not None:
+                    (out[k].add if m.location is not None else out[k].discard)(parsed[1])
+        return {k: sorted(sessions) for k, sessions in out.items()}
+
+    @_index_reads
+    def referenced(self, ns: bytes) -> set[bytes]:
+        """The ``rec.ref_target_hash`` of every key of ``ns`` some session references (the
+        index, then the memtable): one pass, for a walk over many keys (eviction)."""
+        assert self.index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            refs = view.references(ns)
         for rk, m in pending.items():
-            if m.lsn <= applied:
-                continue
-            parsed = rec.parse_ref_key(rk)
-            if parsed is not None and rk == rec.ref_key(ns, parsed[1], k):
-                (sessions.add if m.location is not None else sessions.discard)(parsed[1])
-        return sorted(sessions)
+            parsed = rec.parse_ref_key(rk) if m.lsn > applied else None
+            if parsed is not None and parsed[0] == ns:
+                held = refs.setdefault(parsed[2], set())
+                (held.add if m.location is not None else held.discard)(parsed[1])
+        return {h for h, sessions in refs.items() if sessions}
 
     @_index_reads
     def session_refs(self, ns: bytes, sess: bytes) -> dict[bytes, bytes]:

@@ -11,7 +11,6 @@ process, so handles share it through ``Index.open`` (reference counted).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import threading
@@ -652,12 +651,28 @@ class ReadView:
                 out.append((key, _checked_flags(v, namespace, key, self.index.path)))
         return out
 
+    def references(self, namespace: bytes) -> dict[bytes, set[bytes]]:
+        """key hash -> the sessions referencing it, of every referenced object of ``namespace``
+        (one pass over the derived refs table)."""
+        out: dict[bytes, set[bytes]] = {}
+        if self.index.refs is None:
+            return out
+        prefix = bytes((len(namespace),)) + namespace
+        cut = len(prefix) + fmt.REF_KEY_HASH_BYTES
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.index.refs)
+            if cur.set_range(prefix):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(prefix):
+                        break
+                    out.setdefault(k[len(prefix) : cut], set()).add(k[cut:])
+        return out
+
     def sessions_of(self, namespace: bytes, key: bytes) -> list[bytes]:
         """The sessions holding a reference on (namespace, key), from the derived refs table."""
         if self.index.refs is None:
             return []
-        prefix = (bytes((len(namespace),)) + namespace
-                  + hashlib.blake2b(key, digest_size=fmt.REF_KEY_HASH_BYTES).digest())
+        prefix = bytes((len(namespace),)) + namespace + rec.ref_target_hash(key)
         out = []
         with _reading(self.index.path):
             cur = self.txn.cursor(db=self.index.refs)

@@ -356,10 +356,14 @@ def dict_key(namespace: bytes, dict_id: int) -> bytes:
     return bytes((len(namespace),)) + namespace + dict_id.to_bytes(4, "big")
 
 
+def ref_target_hash(key: bytes) -> bytes:
+    """The hash of a referenced key that ends its ref keys (SPEC.md §5.4)."""
+    return hashlib.blake2b(key, digest_size=fmt.REF_KEY_HASH_BYTES).digest()
+
+
 def ref_key(namespace: bytes, session: bytes, key: bytes) -> bytes:
     """The key of the ref record of ``session`` on (namespace, key) (SPEC.md §5.4)."""
-    return (bytes((len(namespace),)) + namespace + bytes((len(session),)) + session
-            + hashlib.blake2b(key, digest_size=fmt.REF_KEY_HASH_BYTES).digest())
+    return bytes((len(namespace),)) + namespace + bytes((len(session),)) + session + ref_target_hash(key)
 
 
 def ref_prefix(namespace: bytes, session: bytes | None = None) -> bytes:
@@ -579,7 +583,7 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
         parsed = parse_ref_key(h.key)
         if (type(target) is not bytes or not 1 <= len(target) <= fmt.KEY_MAX_BYTES or parsed is None
                 or type(h.meta.get("key_str")) is not bool or h.flags
-                or parsed[2] != hashlib.blake2b(target, digest_size=fmt.REF_KEY_HASH_BYTES).digest()):
+                or parsed[2] != ref_target_hash(target)):
             raise CorruptionError("bad ref record", **where)
     expected = expected_extent_lengths(h.kind, h.meta, **where)
     if h.codec == fmt.CODEC_RAW:

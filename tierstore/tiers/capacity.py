@@ -51,8 +51,11 @@ SSD_MIN = 1 << 20  # the smallest budget
 # evicts down to 2 below), leaving that slack to padding, the thread's deletes and copies, the index
 SLACK_SHARE = 64
 ORDER_BATCH = 512  # keys of a resumable policy's eviction order taken per hold of the policy lock
+LATER = object()  # _candidates: a session references the object (it goes after the others)
+EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
 USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
+NEAR_REFRESH_S = 0.005  # near it, this often, and whenever the estimate says the put must wait
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
 SEGMENTS_PER_BUDGET_MIN = 8  # segment_bytes= given with a budget: at most 1/8 of it
 SEGMENT_AUTO_MIN = 64 << 10
@@ -355,9 +358,10 @@ class Capacity:
             while True:
                 with self._est_lock:
                     used = self._used  # the files' bytes when last read, plus the puts landed since
-                    if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
-                            time.monotonic() - self._used_at > USAGE_REFRESH_S:
-                        used = self._refresh()  # near the bound, or other processes may have written
+                    age, ahead = time.monotonic() - self._used_at, used + self._inflight + nbytes
+                    if age > USAGE_REFRESH_S or ahead > self.budget - 3 * self.slack and (age > NEAR_REFRESH_S or
+                                                                                         ahead > stop):
+                        used = self._refresh()  # other processes may have written, evictions freed room
                     used += self._inflight  # puts of other threads not appended yet
                     if used + nbytes > self.budget - 2 * self.slack:
                         self._wake()
@@ -433,16 +437,65 @@ class Capacity:
                 break
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
         if strict and stuck and used + nbytes > stop:  # (not stuck: other threads' puts took the room; retry)
+            left, fixes = self._left_over(used + nbytes - stop)
             raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
-                            f"for a put of {nbytes}",
-                            hint="what is left is pinned, in a retained namespace (retain=), internal, or referenced "
-                                 "by more sessions than one atomic group holds (4095): raise ssd_bytes=, unpin "
-                                 "objects, drop sessions, or delete some")
+                            f"for a put of {nbytes}: {left}", hint=f"{fixes}, or delete some objects")
+
+    def _left_over(self, need: int) -> tuple[str, str]:
+        """What holds the bytes nothing can be evicted from (for StoreFull): each kind that
+        holds some -- pinned objects, retained namespaces, internal records (session references,
+        dictionaries), objects with more references than a group holds, the index and reserve --
+        with its bytes, and the fixes that apply: those of the kinds that hold ``need`` bytes
+        (what the put lacks) or more, and of the largest."""
+        engine = self.engine
+        held = {"pinned": [0, 0], "retained": [0, 0], "internal": [0, 0], "referenced": [0, 0], "other": [0, 0]}
+        retained_seen: set[str] = set()
+        for ns in [*engine.namespaces(), fmt.REF_NAMESPACE, fmt.DICT_NAMESPACE]:
+            ks = list(engine.keys(ns))
+            refs = engine.sessions_of_many(ns, ks) if engine.may_have_refs and not ns.startswith(b"\x00") else {}
+            for k, loc in zip(ks, engine.lookup_many(ns, ks)):
+                if loc is None:
+                    continue
+                if ns.startswith(b"\x00"):
+                    kind = "internal"
+                elif ns in self.retain:
+                    kind = "retained"
+                    retained_seen.add(ns.decode("utf-8", "replace"))
+                elif self.pinned((ns, k)):
+                    kind = "pinned"
+                elif len(refs.get(k, ())) + 1 > fmt.GROUP_MAX:
+                    kind = "referenced"
+                else:
+                    kind = "other"
+                held[kind][0] += loc.header.record_len
+                held[kind][1] += 1
+        floor = engine.disk_usage()[1]
+        said = {
+            "pinned": ("pinned", "unpin objects (Store.unpin)"),
+            "retained": (f"in retained namespaces ({', '.join(sorted(retained_seen))})",
+                         "take namespaces out of retain= or delete some of their objects"),
+            "internal": ("of session references and dictionaries", "drop sessions (Store.drop_session)"),
+            "referenced": (f"referenced by more sessions than one atomic group holds ({fmt.GROUP_MAX - 1})",
+                           "drop sessions"),
+            "other": ("of other objects (sharing segments with what cannot go, or put or read while "
+                      "the eviction ran)", "retry the put"),
+        }
+        parts, fixes = [], ["raise ssd_bytes="]
+        largest = max(held, key=lambda kind: held[kind][0])
+        for kind, (nbytes, count) in held.items():
+            if nbytes:
+                what, fix = said[kind]
+                parts.append(f"{nbytes} bytes {what} ({count} record{'s' if count != 1 else ''})")
+                if nbytes >= need or kind == largest:
+                    fixes.append(fix)
+        parts.append(f"{floor} bytes of index and reserve")
+        return "; ".join(parts), ", ".join(fixes)
 
     def _reclaim(self, excess: Callable[[], int], ratio: float, strict: bool) -> dict[str, Any]:
         """``compaction.reclaim``, counted (a put that evicts unlinks its victims; the eviction
         thread shrinks them away)."""
-        done = compaction.reclaim(self.engine, excess, min_dead_ratio=ratio, gradual=not strict)
+        done = compaction.reclaim(self.engine, excess, min_dead_ratio=ratio, gradual=not strict,
+                                  batch_bytes=self.slack)  # (room comes back a slack at a time)
         self.counters["compacted_bytes"] += done["bytes_before"]
         self.counters["records_copied"] += done["copied"]
         return done
@@ -508,8 +561,12 @@ class Capacity:
         or 2 x (``deficit`` + a segment) bytes were evicted.  What is evicted is the start of the
         policy's order, which a log written in that order keeps together: whole segments die, and
         reclaiming them copies only the objects the policy keeps (a reused object in an old
-        segment is copied forward: reinserted).  Each object goes with its session references, in groups of up to
-        GROUP_MAX records.  Returns the bytes evicted."""
+        segment is copied forward: reinserted).
+
+        The victims are chosen without the write lock (puts go on meanwhile) and deleted
+        ``EVICT_UNITS`` at a time under it, each object with its session references in one
+        group; a victim put, deleted, moved, pinned or read since the order was taken stays.
+        Returns the bytes evicted."""
         engine = self.engine
         stats = engine.segment_stats()
         sizes: dict[int, int] = {}
@@ -530,92 +587,151 @@ class Capacity:
             order = self._order()
             self._since = set()  # objects put or read from here on are not victims of this run
         gone: list[Hashable] = []
-        copies: list[tuple[Hashable, Any, cdc.Choice]] = []
         chosen: list[tuple[Hashable, Any]] = []
+        evicted: list[tuple[Hashable, Any]] = []
+        copies: list[tuple[Hashable, Any, cdc.Choice]] = []
         freed = 0
         where = None
         cap = 2 * (deficit + engine.options.segment_bytes)
         try:
-            with engine.write_lock:  # sees every writer's records: decided and deleted under one lock
-                refs = engine.may_have_refs
-                later: list[tuple[Hashable, Any]] = []  # referenced by a live session: after the others
-                touched: set[int] = set()
+            later: list[Hashable] = []  # referenced by a live session: after the others
+            touched: set[int] = set()
 
-                def take(key: Hashable, loc: Any) -> None:
-                    nonlocal counted, freed
-                    seg, n = loc.segment, loc.header.record_len
-                    before = dead.get(seg, 0)
-                    dead[seg] = before + n
-                    if share(seg, before) >= ratio:
-                        counted += n
-                    elif share(seg, before + n) >= ratio:
-                        counted += before + n  # the segment now counts whole
-                    chosen.append((key, loc))
-                    touched.add(seg)
-                    freed += n
+            def take(key: Hashable, loc: Any) -> None:
+                nonlocal counted, freed
+                seg, n = loc.segment, loc.header.record_len
+                before = dead.get(seg, 0)
+                dead[seg] = before + n
+                if share(seg, before) >= ratio:
+                    counted += n
+                elif share(seg, before + n) >= ratio:
+                    counted += before + n  # the segment now counts whole
+                chosen.append((key, loc))
+                touched.add(seg)
+                freed += n
 
-                enough_at = None  # bytes evicted when the deficit was covered
-                for key in order:
-                    if freed >= cap:
-                        break
-                    if enough_at is None and counted >= deficit:
-                        enough_at = freed
-                    ns, k = key  # type: ignore[misc]
-                    if ns in self.retain or ns.startswith(b"\x00") or self.pinned(key) or key in self._since:
-                        continue
-                    loc = engine.lookup(ns, k)
-                    if loc is None:
-                        gone.append(key)  # deleted meanwhile (here or by another process)
-                    elif enough_at is not None and (loc.segment not in touched or
-                                                    freed - enough_at >= engine.options.segment_bytes):
-                        # enough, and the segments begun are finished (the next object is elsewhere), or
-                        # a segment's worth more went to finish them: one larger than today's segments
-                        # (written before the budget was set) is compacted, its live rest copied
-                        break
-                    elif refs and engine.sessions_of(ns, k):
-                        later.append((key, loc))
-                    else:
-                        take(key, loc)
-                for key, loc in later:
-                    if counted >= deficit or freed >= cap:
-                        break
+            enough_at = None  # bytes evicted when the deficit was covered
+            for key, loc in self._candidates(order):
+                if freed >= cap:
+                    break
+                if enough_at is None and counted >= deficit:
+                    enough_at = freed
+                if loc is LATER:
+                    later.append(key)
+                elif loc is None:
+                    gone.append(key)  # deleted meanwhile (here or by another process)
+                elif enough_at is not None and (loc.segment not in touched or
+                                                freed - enough_at >= engine.options.segment_bytes):
+                    # enough, and the segments begun are finished (the next object is elsewhere), or
+                    # a segment's worth more went to finish them: one larger than today's segments
+                    # (written before the budget was set) is compacted, its live rest copied
+                    break
+                else:
                     take(key, loc)
-                # each object with its references, in one group: one with more than a group holds is kept
-                units = [(key, loc, engine.deletion(*key, loc.header.flags)) for key, loc in chosen]  # type: ignore[misc]
-                with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
-                    units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]
-                    chosen = [(key, loc) for key, loc, _ in units]
-                    if self.follower is not None and chosen:
-                        self.follower.evicted([key for key, _ in chosen], [loc.header.record_len for _, loc in chosen])
-                    self._decided()
-                freed = sum(loc.header.record_len for _, loc in chosen)
-                # victims with a lossy copy to keep are replaced by it below (outside this lock), not deleted
-                copies = [(key, loc, choice) for key, loc in chosen
-                          if (choice := self._lossy_choice(key, loc.header)) is not None]
-                if not lossy:  # a put evicting by itself does not wait for re-encodes: deleted, counted
-                    self.counters["downtier_skipped"] += len(copies)
-                    copies = []
-                spared = {key for key, _, _ in copies}
-                batch: list[rec.EncodedRecord] = []
-                for _, _, unit in (u for u in units if u[0] not in spared):
-                    if len(batch) + len(unit) > fmt.GROUP_MAX:
-                        where, batch = engine.append_group(batch), []
-                    batch += unit
-                if batch:
-                    where = engine.append_group(batch)
-                with self._policy_lock:  # before a put of the same key can admit it again (it waits for this lock)
-                    for key in [*gone, *(key for key, _ in chosen)]:
-                        self._known.discard(key)
-                        self.policy.removed(key)
+            for key in later:
+                if counted >= deficit or freed >= cap:
+                    break
+                loc = engine.lookup(*key)  # type: ignore[misc]
+                if loc is None:
+                    gone.append(key)
+                else:
+                    take(key, loc)
+            for start in range(0, len(chosen), EVICT_UNITS):
+                done, kept, where = self._delete_victims(chosen[start:start + EVICT_UNITS], lossy, where)
+                evicted += done
+                copies += kept
+            if gone:
+                with engine.write_lock, self._policy_lock:
+                    for key in gone:
+                        if key in self._known and engine.lookup(*key) is None:  # type: ignore[misc]
+                            self._known.discard(key)
+                            self.policy.removed(key)
         finally:
             with self._policy_lock:
                 self._decided()
         if where is not None:  # durable with the sync that compaction does before it unlinks anything
             engine.settle_later(where)
+        freed = sum(loc.header.record_len for _, loc in evicted)
         taken, kept, replaced = self._down_tier(copies) if copies else (0, 0, 0)
-        self.counters["evictions"] += len(chosen) - kept
+        self.counters["evictions"] += len(evicted) - kept
         self.counters["evicted_bytes"] += freed - replaced
         return freed - taken
+
+    def _candidates(self, order: Iterator[Hashable]) -> Iterator[tuple[Hashable, Any]]:
+        """(key, its location, None if it is gone, or ``LATER`` if a session references it:
+        looked up when its turn comes) for the keys of the eviction order that may be victims --
+        not in a retained or reserved namespace, not pinned, not put or read since the order was
+        taken -- ``ORDER_BATCH`` at a time, an index snapshot per namespace.  Which keys are
+        referenced is read once per namespace (a walk over a store whose objects sessions all
+        reference looks nothing else up)."""
+        engine = self.engine
+        referenced: dict[bytes, set[bytes]] | None = {} if engine.may_have_refs else None
+        while True:
+            raw = list(itertools.islice(order, ORDER_BATCH))
+            if not raw:
+                return
+            since = self._since or ()
+            batch = [key for key in raw if not (key[0] in self.retain or key[0].startswith(b"\x00")  # type: ignore[index]
+                                                 or key in since or self.pinned(key))]
+            locs: dict[Hashable, Any] = {}
+            by_ns: dict[bytes, list[bytes]] = defaultdict(list)
+            for ns, k in batch:  # type: ignore[misc]
+                if referenced is not None:
+                    if ns not in referenced:
+                        referenced[ns] = engine.referenced(ns)
+                    if rec.ref_target_hash(k) in referenced[ns]:
+                        locs[(ns, k)] = LATER
+                        continue
+                by_ns[ns].append(k)
+            for ns, ks in by_ns.items():
+                locs.update(zip([(ns, k) for k in ks], engine.lookup_many(ns, ks)))
+            for key in batch:
+                yield key, locs[key]
+
+    def _delete_victims(self, part: list[tuple[Hashable, Any]], lossy: bool,
+                        where: Any) -> tuple[list[tuple[Hashable, Any]], list[tuple[Hashable, Any, cdc.Choice]], Any]:
+        """Under one hold of the write lock (it sees every writer's records): the victims of
+        ``part`` that still hold the record chosen, are not pinned and were not put or read
+        since, deleted with their references (those with a lossy copy to keep are left to
+        ``_down_tier``), traced and taken out of the policy.  Returns the victims taken, the
+        copies to make, and the last append position (``where`` if none)."""
+        engine = self.engine
+        with engine.write_lock:
+            by_ns: dict[bytes, list[tuple[Hashable, Any]]] = defaultdict(list)
+            for key, loc in part:
+                by_ns[key[0]].append((key, loc))  # type: ignore[index]
+            units = []
+            for ns, items in by_ns.items():
+                now = engine.lookup_many(ns, [key[1] for key, _ in items])  # type: ignore[index]
+                still = [(key, loc) for (key, loc), cur in zip(items, now)
+                         if cur is not None and cur.header.lsn == loc.header.lsn and not self.pinned(key)]
+                records = engine.deletions(ns, [(key[1], loc.header.flags) for key, loc in still])  # type: ignore[index]
+                units += [(key, loc, unit) for (key, loc), unit in zip(still, records)]
+            # each object with its references, in one group: one with more than a group holds is kept
+            with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
+                units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]  # type: ignore[operator]
+                taken = [(key, loc) for key, loc, _ in units]
+                if self.follower is not None and taken:
+                    self.follower.evicted([key for key, _ in taken], [loc.header.record_len for _, loc in taken])
+            # victims with a lossy copy to keep are replaced by it later (outside this lock), not deleted
+            copies = [(key, loc, choice) for key, loc in taken
+                      if (choice := self._lossy_choice(key, loc.header)) is not None]
+            if not lossy:  # a put evicting by itself does not wait for re-encodes: deleted, counted
+                self.counters["downtier_skipped"] += len(copies)
+                copies = []
+            spared = {key for key, _, _ in copies}
+            batch: list[rec.EncodedRecord] = []
+            for _, _, unit in (u for u in units if u[0] not in spared):
+                if len(batch) + len(unit) > fmt.GROUP_MAX:
+                    where, batch = engine.append_group(batch), []
+                batch += unit
+            if batch:
+                where = engine.append_group(batch)
+            with self._policy_lock:  # before a put of the same key can admit it again (it waits for the write lock)
+                for key, _ in taken:
+                    self._known.discard(key)
+                    self.policy.removed(key)
+        return taken, copies, where
 
     def _order(self) -> Iterator[Hashable]:
         """The policy's eviction order (caller holds the policy lock): listed whole now, or --
