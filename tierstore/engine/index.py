@@ -651,37 +651,34 @@ class ReadView:
                 out.append((key, _checked_flags(v, namespace, key, self.index.path)))
         return out
 
+    def _refs_under(self, prefix: bytes) -> list[bytes]:
+        """The keys of the derived refs table (``ns_len ns key_hash session``) under ``prefix``."""
+        out: list[bytes] = []
+        if self.index.refs is None:
+            return out
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.index.refs)
+            if cur.set_range(prefix):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(prefix):
+                        break
+                    out.append(k)
+        return out
+
     def references(self, namespace: bytes) -> dict[bytes, set[bytes]]:
         """key hash -> the sessions referencing it, of every referenced object of ``namespace``
         (one pass over the derived refs table)."""
         out: dict[bytes, set[bytes]] = {}
-        if self.index.refs is None:
-            return out
-        prefix = bytes((len(namespace),)) + namespace
-        cut = len(prefix) + fmt.REF_KEY_HASH_BYTES
-        with _reading(self.index.path):
-            cur = self.txn.cursor(db=self.index.refs)
-            if cur.set_range(prefix):
-                for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(prefix):
-                        break
-                    out.setdefault(k[len(prefix) : cut], set()).add(k[cut:])
+        start = len(namespace) + 1
+        cut = start + fmt.REF_KEY_HASH_BYTES
+        for k in self._refs_under(bytes((len(namespace),)) + namespace):
+            out.setdefault(k[start:cut], set()).add(k[cut:])
         return out
 
     def sessions_of(self, namespace: bytes, key: bytes) -> list[bytes]:
         """The sessions holding a reference on (namespace, key), from the derived refs table."""
-        if self.index.refs is None:
-            return []
         prefix = bytes((len(namespace),)) + namespace + rec.ref_target_hash(key)
-        out = []
-        with _reading(self.index.path):
-            cur = self.txn.cursor(db=self.index.refs)
-            if cur.set_range(prefix):
-                for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(prefix):
-                        break
-                    out.append(k[len(prefix) :])
-        return out
+        return [k[len(prefix) :] for k in self._refs_under(prefix)]
 
     def session_refs(self, namespace: bytes, session: bytes) -> list[tuple[bytes, bytes]]:
         """(ref key, target key) of every reference ``session`` holds in ``namespace``."""
