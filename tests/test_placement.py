@@ -266,3 +266,56 @@ def test_a_built_in_order_may_be_taken_in_parts(name):
     assert len(got) == len(set(got)) and set(got) <= held | {(b"ns", b"new")}
     assert set(got) >= held - {(b"ns", b"%d" % i) for i in range(40, 50)}  # every key held throughout came
     assert not pol.Policy.victims_resumable  # a policy of the user's is listed whole unless it says so
+
+
+def _pause_eviction_walk(s: tierstore.Store, deciding, go) -> None:
+    """Hold the eviction thread's walk of the order at its first object until ``go``."""
+    import threading
+
+    cap = s._capacity
+    real = cap.pinned
+
+    def pinned(key):
+        if threading.current_thread().name == "tierstore-evict" and not deciding.is_set():
+            deciding.set()
+            go.wait(60)
+        return real(key)
+
+    cap.pinned = pinned
+
+
+def test_a_trace_of_puts_and_reads_during_an_eviction_replays_to_the_same_decisions(tmp_path):
+    """Regression (a cold review of the eviction without the write lock): while the eviction
+    decided, an overwrite of the oldest object was traced after the run's evictions (so the
+    replay expected it evicted: the store spared it), and a new object's read was traced before
+    its put.  An object the order holds, put again, is traced at once; a new object and its
+    reads after the decision."""
+    import threading
+
+    path, log = str(tmp_path / "s"), str(tmp_path / "t.jsonl")
+    deciding, go = threading.Event(), threading.Event()
+    with tierstore.open(path, ssd_bytes=8 * MiB, durability="none", trace_to=log) as s:
+        for i in range(30):
+            s.put(f"k{i}", Blob(os.urandom(200_000)))
+        s.flush()
+        _pause_eviction_walk(s, deciding, go)
+        try:
+            i = 30
+            while not deciding.wait(0.01):
+                s.put(f"k{i}", Blob(os.urandom(200_000)))
+                i += 1
+                assert i < 60, "the eviction thread never woke"
+            t = threading.Thread(target=lambda: (s.put("k0", Blob(b"N" * 200_000)),
+                                                 s.put("fresh", Blob(b"F" * 1000)), s.get("fresh")), daemon=True)
+            t.start()
+            t.join(60)
+            assert not t.is_alive()
+        finally:
+            go.set()
+        s.flush()
+        assert s.get("k0").data == b"N" * 200_000 and s.stats()["tiers"]["ssd"]["evictions"] > 0
+    ops = list(tr.read_trace(log))
+    r = sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy="lru", follow=True)
+    assert r["evictions_checked"] > 0 and r["mismatches"] == [], r["mismatches"]
+    assert [o["op"] for o in ops if o.get("key") == "fresh"] == ["put", "get"]
+    assert r["ssd_hits"] == 2 and r["misses"] == 0  # (fresh, then k0 after the flush)

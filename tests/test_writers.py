@@ -657,3 +657,62 @@ def test_catching_up_beside_a_compaction_that_retires_a_listed_segment(store_pat
     assert failed and a.get("from-b").data == b"b"
     a.put("a2", Blob(b"a"))
     a.close()
+
+
+REFERRER = r"""
+import sys
+sys.path.insert(0, SRC)
+import tierstore
+s = tierstore.open(sys.argv[1], index_commit_ms=600_000, index_batch=10**6, lock_timeout=60)
+s.put("k0", tierstore.Blob(bytes([0]) * 200_000), session="chat")  # the same bytes: references only
+print("ready", flush=True)
+sys.stdin.readline()
+print(s.session_keys("chat"), flush=True)
+s.close()
+""".replace("SRC", repr(SRC))
+
+
+def test_an_object_another_writer_references_during_an_eviction_goes_after_unreferenced_ones(store_path):
+    """Regression (a cold review): the eviction read which objects sessions reference without
+    the write lock, and its locked check did not look again, so an object another process had
+    just referenced (a put of the same bytes: references only, the object's record unchanged)
+    was evicted as unreferenced -- with those references -- before unreferenced objects."""
+    import threading
+
+    deciding, go = threading.Event(), threading.Event()
+    with tierstore.open(store_path, ssd_bytes=8 << 20, durability="none") as s:
+        s.put("anchor", Blob(b"a" * 1000), namespace="other", session="x")  # the store holds references
+        for i in range(30):
+            s.put(f"k{i}", Blob(bytes([i]) * 200_000))
+        s.flush()
+        engine = s._engine
+        real = engine.referenced
+
+        def referenced(ns):  # the walk waits right after it read the references
+            out = real(ns)
+            if threading.current_thread().name == "tierstore-evict" and not deciding.is_set():
+                deciding.set()
+                go.wait(60)
+            return out
+
+        engine.referenced = referenced
+        other = None
+        try:
+            i = 30
+            while not deciding.wait(0.01):
+                s.put(f"k{i}", Blob(bytes([i]) * 200_000))
+                i += 1
+                assert i < 60, "the eviction thread never woke"
+            other = subprocess.Popen([sys.executable, "-c", REFERRER, store_path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+            assert other.stdout.readline().strip() == "ready"
+        finally:
+            go.set()
+        s.flush()
+        assert s.stats()["tiers"]["ssd"]["evictions"] > 0
+        assert "k0" in s.keys() and s.session_keys("chat") == ["k0"]
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        assert other.stdout.read().strip() == "['k0']"
+        assert other.wait(timeout=60) == 0
+    assert repair.fsck(store_path, deep=True).ok

@@ -55,7 +55,6 @@ LATER = object()  # _candidates: a session references the object (it goes after 
 EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
 USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
-NEAR_REFRESH_S = 0.005  # near it, this often, and whenever the estimate says the put must wait
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
 SEGMENTS_PER_BUDGET_MIN = 8  # segment_bytes= given with a budget: at most 1/8 of it
 SEGMENT_AUTO_MIN = 64 << 10
@@ -183,7 +182,8 @@ class Capacity:
         self._thread: threading.Thread | None = None
         self.background_error: str | None = None
         self._since: set[Hashable] | None = None  # during an eviction: objects put or read since its order was taken
-        self._joining: list[tuple[Any, ...]] = []  # puts that landed during a decision: admitted after it
+        self._joining: list[tuple[Any, ...]] = []  # new objects put (and read) during a decision: told after it
+        self._joining_keys: set[Hashable] = set()
         # a trace: told of what this handle does and of each eviction under the lock the
         # eviction decides under, so its lines come in the order the decisions saw
         self.follower: Any = None
@@ -276,11 +276,16 @@ class Capacity:
 
     def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
         with self._policy_lock:
-            self._known.add((ns, k))
-            if self._since is not None:  # an eviction is deciding: it joins the order (and the trace) after
-                self._since.add((ns, k))
-                self._joining.append((ns, k, nbytes, sessions, tokens))
-                return
+            key = (ns, k)
+            held = key in self._known and key not in self._joining_keys  # (in the policy's order now)
+            self._known.add(key)
+            if self._since is not None:  # an eviction is deciding: spared by it
+                self._since.add(key)
+                if not held:  # a new object joins the order (and the trace) after the decision
+                    self._joining.append(("put", ns, k, nbytes, sessions, tokens))
+                    self._joining_keys.add(key)
+                    return
+                # an object of the order put again: traced now, before the evictions it is spared from
             self._admit(ns, k, nbytes, sessions, tokens)
 
     def _admit(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int) -> None:
@@ -290,24 +295,31 @@ class Capacity:
         if self.follower is not None:
             self.follower.admitted(ns, k, nbytes, sessions, tokens)
 
+    def _touch(self, ns: bytes, k: bytes, nbytes: int, tokens: int) -> None:
+        self.policy.touched((ns, k))
+        if self.follower is not None:
+            self.follower.touched(ns, k, nbytes, tokens)
+
     def _decided(self) -> None:
-        """The end of an eviction's decision (under the policy lock): puts that landed while it
-        decided join the order now, so that the policy -- and a trace's replay -- sees them after
-        it (a session policy may rank a new object first)."""
+        """The end of an eviction's decision (under the policy lock): new objects put while it
+        decided join the order now, and their reads after them, so that the policy -- and a
+        trace's replay -- sees them after it (a session policy may rank a new object first)."""
         self._since = None
         joining, self._joining = self._joining, []
-        for item in joining:
-            if (item[0], item[1]) in self._known:  # (not deleted meanwhile)
-                self._admit(*item)
+        self._joining_keys = set()
+        for op, ns, k, *rest in joining:
+            if (ns, k) in self._known:  # (not deleted meanwhile)
+                (self._admit if op == "put" else self._touch)(ns, k, *rest)
 
     def touched(self, ns: bytes, k: bytes, nbytes: int = 0, tokens: int = 0) -> None:
         with self._policy_lock:
             self.counters["hits"] += 1
             if self._since is not None:
                 self._since.add((ns, k))
-            self.policy.touched((ns, k))
-            if self.follower is not None:
-                self.follower.touched(ns, k, nbytes, tokens)
+                if (ns, k) in self._joining_keys:  # put during this decision: read after its put
+                    self._joining.append(("touch", ns, k, nbytes, tokens))
+                    return
+            self._touch(ns, k, nbytes, tokens)
 
     def missed(self, ns: bytes, keys: list[bytes]) -> None:
         with self._policy_lock:
@@ -358,10 +370,9 @@ class Capacity:
             while True:
                 with self._est_lock:
                     used = self._used  # the files' bytes when last read, plus the puts landed since
-                    age, ahead = time.monotonic() - self._used_at, used + self._inflight + nbytes
-                    if age > USAGE_REFRESH_S or ahead > self.budget - 3 * self.slack and (age > NEAR_REFRESH_S or
-                                                                                         ahead > stop):
-                        used = self._refresh()  # other processes may have written, evictions freed room
+                    if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
+                            time.monotonic() - self._used_at > USAGE_REFRESH_S:
+                        used = self._refresh()  # near the bound, or other processes may have written
                     used += self._inflight  # puts of other threads not appended yet
                     if used + nbytes > self.budget - 2 * self.slack:
                         self._wake()
@@ -636,8 +647,9 @@ class Capacity:
                     gone.append(key)
                 else:
                     take(key, loc)
+            referenced = set(later)  # the others were chosen unreferenced: one referenced since stays
             for start in range(0, len(chosen), EVICT_UNITS):
-                done, kept, where = self._delete_victims(chosen[start:start + EVICT_UNITS], lossy, where)
+                done, kept, where = self._delete_victims(chosen[start:start + EVICT_UNITS], referenced, lossy, where)
                 evicted += done
                 copies += kept
             if gone:
@@ -688,13 +700,15 @@ class Capacity:
             for key in batch:
                 yield key, locs[key]
 
-    def _delete_victims(self, part: list[tuple[Hashable, Any]], lossy: bool,
+    def _delete_victims(self, part: list[tuple[Hashable, Any]], referenced: set[Hashable], lossy: bool,
                         where: Any) -> tuple[list[tuple[Hashable, Any]], list[tuple[Hashable, Any, cdc.Choice]], Any]:
         """Under one hold of the write lock (it sees every writer's records): the victims of
-        ``part`` that still hold the record chosen, are not pinned and were not put or read
-        since, deleted with their references (those with a lossy copy to keep are left to
-        ``_down_tier``), traced and taken out of the policy.  Returns the victims taken, the
-        copies to make, and the last append position (``where`` if none)."""
+        ``part`` that still hold the record chosen, are not pinned, were not put or read since,
+        and -- unless in ``referenced`` (chosen after the unreferenced ones) -- gained no session
+        reference since (another process's put of the same bytes), deleted with their references
+        (those with a lossy copy to keep are left to ``_down_tier``), traced and taken out of the
+        policy.  Returns the victims taken, the copies to make, and the last append position
+        (``where`` if none)."""
         engine = self.engine
         with engine.write_lock:
             by_ns: dict[bytes, list[tuple[Hashable, Any]]] = defaultdict(list)
@@ -709,7 +723,8 @@ class Capacity:
                 units += [(key, loc, unit) for (key, loc), unit in zip(still, records)]
             # each object with its references, in one group: one with more than a group holds is kept
             with self._policy_lock:  # a read racing the decision: before it (then spared) or traced after it
-                units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX]  # type: ignore[operator]
+                units = [u for u in units if u[0] not in self._since and len(u[2]) <= fmt.GROUP_MAX  # type: ignore[operator]
+                         and (len(u[2]) == 1 or u[0] in referenced)]
                 taken = [(key, loc) for key, loc, _ in units]
                 if self.follower is not None and taken:
                     self.follower.evicted([key for key, _ in taken], [loc.header.record_len for _, loc in taken])
