@@ -106,5 +106,6 @@ def test_index_enospc_is_store_full():
 
     idx = Index.__new__(Index)
     idx.path, idx.env, idx._write_lock = "/x", Env(), __import__("threading").Lock()
+    idx._readers_checked = __import__("time").monotonic()  # (a check of reader slots is not due)
     with pytest.raises(tierstore.StoreFull):
         idx._write(lambda txn: None)

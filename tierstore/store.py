@@ -1708,7 +1708,9 @@ class Store:
                                 f"{min_dead_ratio!r}")
         for attempt in (0, 1):
             try:
-                result = compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress)
+                # under a budget, victims go a slack at a time: the copies of a batch land before they go
+                batch = {} if self._capacity is None else {"batch_bytes": self._capacity.slack}
+                result = compaction.compact(self._engine, min_dead_ratio=min_dead_ratio, progress=progress, **batch)
                 self._engine.ensure_reserve()  # space was reclaimed: hold the reserve again
                 return result
             except StoreFull:  # a full disk: give up the reserve (once) and go on, it frees more than it takes

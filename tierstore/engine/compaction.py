@@ -54,19 +54,22 @@ SMALL_FRACTION = 4
 CARRY_SCAN_RECORDS = 250_000  # (~55k headers/s here: a few seconds at most, once per segment)
 
 
-def compact(engine: Engine, *, min_dead_ratio: float,
-            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def compact(engine: Engine, *, min_dead_ratio: float, progress: Callable[[int], None] | None = None,
+            batch_bytes: int = BATCH_BYTES) -> dict[str, Any]:
     """Steps 1-5 above; returns what was done (victims, records copied / carried / dropped).
-    ``progress(n)`` is told the bytes of each victim segment once it is done."""
+    ``progress(n)`` is told the bytes of each victim segment once it is done.  ``batch_bytes``:
+    victims are retired each time about this many were compacted (a budget's slack: the copies
+    of a batch land before its victims go)."""
     engine.check_writable()
     lock = engine.compaction_lock()  # one compaction at a time, across processes too
     try:
-        return _compact(engine, min_dead_ratio, progress)
+        return _compact(engine, min_dead_ratio, progress, batch_bytes)
     finally:
         engine.io.close(lock)
 
 
-def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], None] | None) -> dict[str, Any]:
+def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], None] | None,
+             batch_bytes: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine.commit(force=True, sync=True)
     small = engine.options.segment_bytes // SMALL_FRACTION
@@ -85,7 +88,7 @@ def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], No
         dead = stats.get(seg, (0, 0))[0]
         if size <= 0 or file_size < small or dead > 0 and dead / size >= min_dead_ratio:
             victims.append(seg)
-    got = _compact_victims(engine, victims, progress)
+    got = _compact_victims(engine, victims, progress, batch_bytes=batch_bytes)
     del got["blockers"]  # (reclaim's business)
     return {"victims": victims, **got, "seconds": time.perf_counter() - t0}
 
@@ -114,6 +117,8 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         last_need = None
         blockers: set[int] = set()  # survivors whose dead PUTs made the last pass carry DELETEs
         tried: set[int] = set()
+        kept: dict[int, int] | None = None  # (kept_bytes, read when first needed)
+        kept_of: set[int] = set()
         while (need := excess()) > 0:
             if last_need is not None and need >= last_need and not blockers:
                 counts["stalled"] = 1  # a pass freed nothing: stop rather than compact the same bytes again
@@ -146,7 +151,31 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                     break
                 victims.append(seg)
                 covered += size
-            if covered < need and not sealed and stats.get(active, (0, 0))[0] > 0 and not blockers:
+            if covered < need:
+                # then segments of few live objects whatever their dead bytes: SYNC and HEADERS
+                # records and page padding change no object and are not counted dead, and a
+                # segment of little else (small synced puts, evictions' deletes) holds room for good
+                if kept is None or not kept_of.issuperset(segs):
+                    # (again only for segments sealed since: those read before lose live bytes, never gain)
+                    kept, kept_of = engine.kept_bytes(), set(segs)
+                taken = set(victims)
+                spare = []
+                for seg in segs:
+                    size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
+                    free = size - kept.get(seg, 0)
+                    if seg not in taken and free > 0 and free / size >= min_dead_ratio:
+                        spare.append((-free / size, seg, free))
+                for _, seg, free in sorted(spare):
+                    if covered >= need:
+                        break
+                    victims.append(seg)
+                    covered += free
+            active_dead = stats.get(active, (0, 0))[0]
+            active_size = max(1, os.path.getsize(engine.segment_path(active)) - fmt.SEGMENT_HEADER_SIZE)
+            if covered < need and not sealed and active_dead > 0 and not blockers and \
+                    active_dead / active_size >= min_dead_ratio:
+                # (a share as sealed ones: one that only holds a DELETE carried forward -- the applied
+                # position's -- would be sealed and its DELETE carried on into the next, round and round)
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
                 last_need = None  # (sealing freed nothing yet)

@@ -718,12 +718,12 @@ class Engine:
         if self._behind is None:
             self._behind = here
         if not flags & fmt.APPEND_WRITING:
-            log.adopt(*published, published[2] - 1)
+            log.adopt(*published)
             self._entered_at = self._hold_start = published
             return
         scan = self._scan_from(published, verify=True)  # a writer died mid-append
         self._report_damage(scan, "a writer process died mid-append")
-        log.adopt(scan.active, scan.tail, scan.next_lsn, scan.next_lsn - 1)
+        log.adopt(scan.active, scan.tail, scan.next_lsn)
         self._entered_at = None  # say where the log ends now, at release
         self._hold_start = log.position()
 
@@ -1146,6 +1146,16 @@ class Engine:
                 held = refs.setdefault(parsed[2], set())
                 (held.add if m.location is not None else held.discard)(parsed[1])
         return {h for h, sessions in refs.items() if sessions}
+
+    @_index_reads
+    def kept_bytes(self) -> dict[int, int]:
+        """segment id -> what compacting it would write to keep its live objects (their records
+        and header copies), as the index has them applied (the memtable's records are not
+        counted: ``commit(force=True)`` first for all of this process's).  The rest of a segment
+        -- dead records, SYNC and HEADERS records, page padding -- a compaction frees."""
+        assert self.index is not None
+        with self.index.read() as view:
+            return view.kept_bytes()
 
     @_index_reads
     def session_refs(self, ns: bytes, sess: bytes) -> dict[bytes, bytes]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -28,6 +29,9 @@ _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
 _SEGSTAT = struct.Struct("<QB")  # dead bytes, state
 _FORMAT = struct.Struct("<HH")
+
+# a writer clears the reader slots of dead processes (liblmdb's reader_check) at most this often
+READER_CHECK_S = 1.0
 
 SEG_LIVE = 0
 SEG_DEAD = 1  # superseded by compaction; its file may be deleted
@@ -280,6 +284,7 @@ class Index:
         except lmdb.NotFoundError:
             self.refs = None
         self.closed = False
+        self._readers_checked = time.monotonic()  # (open checks them: Index.open)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -403,6 +408,20 @@ class Index:
         with self._read_txn() as txn, _reading(self.path):
             return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in txn.cursor(db=self.segments)}
 
+    def file_bytes(self) -> tuple[int, int]:
+        """(data.mdb's size, the bytes its tables' pages take): LMDB never shrinks its file, and
+        pages freed while a reader -- a process killed mid-read holds its slot until a writer
+        checks the table -- still needed them are not reused, so the first may be far larger."""
+        main = self.env.stat()  # (the table of table names)
+        pages = 2 + main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]  # + the meta pages
+        with _reading(self.path), self._read_txn() as txn:
+            for db in (self.objects, self.meta, self.segments, self.refs):
+                if db is not None:
+                    st = txn.stat(db)
+                    pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        psize = main["psize"]
+        return os.path.getsize(os.path.join(self.path, "data.mdb")), pages * psize
+
     def count(self) -> int:
         """Objects indexed (session references not counted)."""
         with self._read_txn() as txn, _reading(self.path):
@@ -425,6 +444,12 @@ class Index:
         undo the last one (replay from the log covers it); ``durable`` also syncs the meta page.
         """
         with self._write_lock:
+            now = time.monotonic()
+            if now - self._readers_checked >= READER_CHECK_S:
+                # slots of reader processes that died (killed mid-read) pin the pages their snapshot
+                # used: freed pages are not reused while they stay, and the file grows for good
+                self._readers_checked = now
+                self.env.reader_check()
             while True:
                 try:
                     txn = self.env.begin(write=True)
@@ -566,6 +591,11 @@ def _record_len_of(value: bytes) -> int:
     return struct.unpack_from("<Q", value, _LOC.size + 24)[0]
 
 
+def _header_len_of(value: bytes) -> int:
+    # header_len sits at offset 12 of the fixed header
+    return struct.unpack_from("<I", value, _LOC.size + 12)[0]
+
+
 class ReadView:
     """A consistent snapshot of the index (one LMDB read transaction).  Use as a context manager."""
 
@@ -701,6 +731,19 @@ class ReadView:
                     out.append(ns)
                 # jump past this namespace: next key with a greater (len, ns) prefix
                 ok = cur.set_range(bytes((k[0],)) + ns + b"\xff" * (fmt.KEY_MAX_BYTES + 1))
+        return out
+
+    def kept_bytes(self) -> dict[int, int]:
+        """segment id -> what copying its live PUT records forward writes (every namespace,
+        reserved ones too): each record (aligned to 8) and its header's copy in a HEADERS record,
+        read from each entry's lengths without decoding its header."""
+        out: dict[int, int] = {}
+        copy = fmt.HEADER_COPY.size
+        with _reading(self.index.path):
+            for v in self.txn.cursor(db=self.index.objects).iternext(keys=False, values=True):
+                seg = _LOC.unpack_from(v)[0]
+                n = ((_record_len_of(v) + 7) & ~7) + _header_len_of(v) + copy
+                out[seg] = out.get(seg, 0) + n
         return out
 
     def items(self) -> list[tuple[bytes, bytes, Location]]:

@@ -96,7 +96,10 @@ class Log:
         # the newest LSN a SYNC record vouches for: at open, none is owed (a later SYNC record names
         # every earlier LSN, and the first is written only after a sync of this process completed)
         self.certified_lsn = next_lsn - 1
-        self.last_data_lsn = next_lsn - 1  # the LSN of the last record appended that is not a SYNC record
+        # the LSN of the last record this writer appended that is not a SYNC or HEADERS record (other
+        # writers' records are not counted: each vouches for its own, and two writers that sync
+        # with nothing new would each write a SYNC record after the other's, a page a sync)
+        self.last_data_lsn = next_lsn - 1
         self.on_discard: Callable[[int], None] | None = None  # records from this LSN on were taken back
         # (lsn, segment, offset, header bytes) of records this writer appended whose header copy
         # no HEADERS record holds yet (SPEC.md §4.5): the next sync writes them
@@ -616,11 +619,11 @@ class Log:
         """(active segment, tail, next LSN): where the next record goes (caller holds append_lock)."""
         return self.active, self.tail, self.next_lsn
 
-    def adopt(self, active: int, tail: int, next_lsn: int, last_data_lsn: int | None) -> None:
+    def adopt(self, active: int, tail: int, next_lsn: int) -> None:
         """Other processes appended: the log now ends at ``tail`` of segment ``active`` and the
         next LSN is ``next_lsn`` (caller holds append_lock, with nothing buffered).  A segment
         left behind was sealed by another writer: this one syncs it before it next claims
-        durability past it."""
+        durability past it.  Their records are theirs to vouch for (``last_data_lsn`` stays)."""
         assert not self._buf
         if active != self.active:
             try:
@@ -636,8 +639,6 @@ class Log:
         self.tail, self.next_lsn = tail, next_lsn
         self.written, self.written_lsn = (active, tail), next_lsn - 1
         self._floor, self._floor_lsn = (active, tail), next_lsn - 1
-        if last_data_lsn is not None:
-            self.last_data_lsn = last_data_lsn
 
     def close(self) -> None:
         with self._sync_lock, self.append_lock:

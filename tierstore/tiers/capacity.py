@@ -53,6 +53,10 @@ SLACK_SHARE = 64
 ORDER_BATCH = 512  # keys of a resumable policy's eviction order taken per hold of the policy lock
 LATER = object()  # _candidates: a session references the object (it goes after the others)
 EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
+# StoreFull names the index's unused pages (and the rebuild that drops them) from this many
+INDEX_BLOAT_HINT = 1 << 20
+# what a synced put adds besides its records: the padding to a page, a SYNC and a HEADERS record
+SYNC_FOOTPRINT = fmt.PAGE + 512
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
 USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
@@ -365,6 +369,7 @@ class Capacity:
         # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
         # the eviction thread's deletes and copies, the index) has that slack to grow into
         stop = self.budget - self.slack
+        nbytes = self.footprint(nbytes)
         waiting = False
         try:
             while True:
@@ -394,8 +399,16 @@ class Capacity:
                 with self._est_lock:
                     self._waiting -= 1
 
+    def footprint(self, nbytes: int) -> int:
+        """What a put of records of ``nbytes`` adds to the files: with ``durability="sync"`` its
+        sync also pads the log to a page and appends a SYNC and a HEADERS record (a 200-byte put
+        takes 4 KiB: counted as 200, the estimate between two reads of the files' sizes fell
+        behind by that much a put, and puts passed the budget by 10 %)."""
+        return nbytes + SYNC_FOOTPRINT if self.engine.durability == "sync" else nbytes
+
     def landed(self, nbytes: int) -> None:
         """A put that ``make_room`` let through was appended (or failed): no longer in flight."""
+        nbytes = self.footprint(nbytes)
         with self._est_lock:
             self._inflight -= nbytes
             self._used += nbytes
@@ -421,10 +434,12 @@ class Capacity:
             self._adopt()
         floor = engine.disk_usage()[1]  # the index and the reserve: not evictable
         if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > stop:
-            raise StoreFull(f"a put of {nbytes} bytes cannot fit in ssd_bytes={budget}: puts stop {budget - stop} "
-                            f"bytes below the budget (a segment, or 1/{SLACK_SHARE} of the budget if more: room "
-                            f"for padding and compaction's copies) and the index and reserve take {floor}",
-                            hint="raise ssd_bytes=, or store the object in smaller pieces")
+            bloat, fix = self._index_bloat(nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE - stop)
+            raise StoreFull(f"a put taking {nbytes} bytes on disk cannot fit in ssd_bytes={budget}: puts stop "
+                            f"{budget - stop} bytes below the budget (a segment, or 1/{SLACK_SHARE} of the budget if "
+                            f"more: room for padding and compaction's copies) and the index and reserve take "
+                            f"{floor}{bloat}",
+                            hint=f"raise ssd_bytes={fix}, or store the object in smaller pieces")
         self.counters["eviction_runs" if strict else "background_runs"] += 1
         # first without evicting: segments mostly dead already (deletes, overwrites) and small ones
         # (what evictions leave: their DELETE, HEADERS and SYNC records) free room no object pays for
@@ -439,18 +454,21 @@ class Capacity:
         stuck = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
+            before = used
             evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
             done = self._reclaim(excess, ratio, strict)
             used = engine.disk_bytes()
-            # (a reclaim that stalled -- compacting freed nothing -- with nothing evicted is stuck too)
-            stuck = not evicted and (not done["victims"] or done["stalled"]) and ratio == RECLAIM_RATIOS[-1]
+            # nothing evicted at the lowest share, and compacting freed nothing: stuck (a put
+            # that tried again would compact the same records again, for ever)
+            stuck = not evicted and ratio == RECLAIM_RATIOS[-1] and \
+                (not done["victims"] or done["stalled"] or used >= before)
             if used + inflight + nbytes <= target or stuck:
                 break
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
         if strict and stuck and used + nbytes > stop:  # (not stuck: other threads' puts took the room; retry)
             left, fixes = self._left_over(used + nbytes - stop)
             raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
-                            f"for a put of {nbytes}: {left}", hint=f"{fixes}, or delete some objects")
+                            f"for a put taking {nbytes} on disk: {left}", hint=f"{fixes}, or delete some objects")
 
     def _left_over(self, need: int) -> tuple[str, str]:
         """What holds the bytes nothing can be evicted from (for StoreFull): each kind that
@@ -499,8 +517,24 @@ class Capacity:
                 parts.append(f"{nbytes} bytes {what} ({count} record{'s' if count != 1 else ''})")
                 if nbytes >= need or kind == largest:
                     fixes.append(fix)
-        parts.append(f"{floor} bytes of index and reserve")
-        return "; ".join(parts), ", ".join(fixes)
+        bloat, fix = self._index_bloat(need)
+        parts.append(f"{floor} bytes of index and reserve{bloat}")
+        return "; ".join(parts), ", ".join(fixes) + fix
+
+    def _index_bloat(self, need: int) -> tuple[str, str]:
+        """(what the index file holds beyond its tables' pages, the fix) for StoreFull, when that
+        is at least ``need`` (what a put lacks) and 1 MiB; else empty strings."""
+        index = self.engine.index
+        if index is None:
+            return "", ""
+        size, used = index.file_bytes()
+        spare = size - used
+        if spare < max(need, INDEX_BLOAT_HINT):
+            return "", ""
+        return (f" (the index file is {size} bytes, its tables use about {used}: LMDB never shrinks its file, "
+                f"and a process killed while it read kept freed pages from reuse)",
+                f", or rebuild the index small with `tierstore recover {self.engine.path}` while no process "
+                f"has the store open")
 
     def _reclaim(self, excess: Callable[[], int], ratio: float, strict: bool) -> dict[str, Any]:
         """``compaction.reclaim``, counted (a put that evicts unlinks its victims; the eviction
