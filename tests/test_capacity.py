@@ -626,14 +626,18 @@ def test_a_put_whose_reclaim_compacts_but_frees_nothing_raises_store_full(tmp_pa
             engine.seal_active(1)
             newest = engine.segments()[-2]
             got = compaction._compact_victims(engine, [newest], None)
-            rounds.append(newest)
+            rounds.append(("thread" if kw["gradual"] else "put", newest))
             return {**done, "victims": [*done["victims"], newest], "copied": done["copied"] + got["copied"]}
 
         monkeypatch.setattr(compaction, "reclaim", reclaim_and_copy)
         m, again = _put_until_full(s, 1, 20_000, "rag", seconds=60)
         assert again != "hang", f"the put was still inside after {len(rounds)} reclaims"
         assert m == 0 and "retained namespaces (rag)" in again, again
-        assert len(rounds) <= len(compaction_ratios()) + 1, rounds
+        # two tries of the put (the first may be other writers' puts taking what it freed), each
+        # a reclaim and one per dead share
+        assert len([r for r in rounds if r[0] == "put"]) <= 2 * (len(compaction_ratios()) + 1), rounds
+        # the eviction thread the put woke tries again only once the files changed
+        assert len([r for r in rounds if r[0] == "thread"]) <= 40, rounds
         assert len(s.keys(namespace="rag")) == n
         assert files_bytes(path) <= 2 * MiB
 

@@ -158,9 +158,12 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                 if kept is None or not kept_of.issuperset(segs):
                     # (again only for segments sealed since: those read before lose live bytes, never gain)
                     kept, kept_of = engine.kept_bytes(), set(segs)
+                # only segments the index has applied every record of: another writer's records not
+                # applied yet are live bytes it does not count
+                applied = engine.applied_position().segment
                 taken = set(victims)
                 spare = []
-                for seg in segs:
+                for seg in (seg for seg in segs if seg < applied):
                     size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
                     free = size - kept.get(seg, 0)
                     if seg not in taken and free > 0 and free / size >= min_dead_ratio:

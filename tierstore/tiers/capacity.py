@@ -55,6 +55,8 @@ LATER = object()  # _candidates: a session references the object (it goes after 
 EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
 # StoreFull names the index's unused pages (and the rebuild that drops them) from this many
 INDEX_BLOAT_HINT = 1 << 20
+# a put's eviction rounds in a row that evict nothing and compact without freeing before StoreFull
+FUTILE_ROUNDS = 2
 # what a synced put adds besides its records: the padding to a page, a SYNC and a HEADERS record
 SYNC_FOOTPRINT = fmt.PAGE + 512
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
@@ -191,6 +193,8 @@ class Capacity:
         # a trace: told of what this handle does and of each eviction under the lock the
         # eviction decides under, so its lines come in the order the decisions saw
         self.follower: Any = None
+        self._futile = 0  # a put's eviction rounds in a row that compacted but freed nothing
+        self._futile_at: int | None = None  # the files' bytes after the thread's last run, if it freed nothing
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
                          "eviction_runs": 0, "background_runs": 0, "records_copied": 0,
                          "downtiered": 0, "downtiered_bytes": 0, "downtier_failures": 0, "downtier_skipped": 0}
@@ -427,8 +431,8 @@ class Capacity:
         budget = self.budget
         stop = budget - self.slack  # where a put stops (make_room)
         used = engine.disk_bytes()
-        if used + inflight + nbytes <= (stop if strict else target):
-            return
+        if used + inflight + nbytes <= (stop if strict else target) or not strict and used == self._futile_at:
+            return  # (the thread's last run freed nothing, and nothing changed since: it would not now)
         t0 = time.perf_counter()
         if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
             self._adopt()
@@ -451,21 +455,32 @@ class Capacity:
         if used + inflight + nbytes <= target:
             (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
             return
-        stuck = False
+        stuck = futile = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
             before = used
             evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
             done = self._reclaim(excess, ratio, strict)
             used = engine.disk_bytes()
-            # nothing evicted at the lowest share, and compacting freed nothing: stuck (a put
-            # that tried again would compact the same records again, for ever)
-            stuck = not evicted and ratio == RECLAIM_RATIOS[-1] and \
-                (not done["victims"] or done["stalled"] or used >= before)
+            # nothing evicted at the lowest share, and nothing compacted or the files did not
+            # shrink by a page: stuck -- for a put, when it happens again at its next try (it would compact
+            # the same records again, for ever), as once may be other writers' puts landing
+            # meanwhile, or objects they put while the order was taken (not victims of this run)
+            futile = not evicted and ratio == RECLAIM_RATIOS[-1] and \
+                (not done["victims"] or done["stalled"] or used > before - fmt.PAGE)
+            if futile and strict:
+                self._futile += 1
+                stuck = self._futile >= FUTILE_ROUNDS
+            else:
+                stuck = futile
+                self._futile_at = used if futile else None
             if used + inflight + nbytes <= target or stuck:
                 break
+        if strict and not futile:
+            self._futile = 0
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
         if strict and stuck and used + nbytes > stop:  # (not stuck: other threads' puts took the room; retry)
+            self._futile = 0
             left, fixes = self._left_over(used + nbytes - stop)
             raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
                             f"for a put taking {nbytes} on disk: {left}", hint=f"{fixes}, or delete some objects")
