@@ -211,8 +211,14 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
     batch: list[int] = []
     size = 0
     for seg in victims:
+        n = os.path.getsize(engine.segment_path(seg))
+        if batch and size + n > batch_bytes:
+            # a batch's copies land before its victims go: it holds at most batch_bytes of victims
+            # (or one larger victim); it closed only once past them (a budget's slack and a segment more)
+            compact_batch(engine, batch, carry, counts, progress, gradual=gradual)
+            batch, size = [], 0
         batch.append(seg)
-        size += os.path.getsize(engine.segment_path(seg))
+        size += n
         if size >= batch_bytes or len(batch) >= BATCH_SEGMENTS or seg == victims[-1]:
             compact_batch(engine, batch, carry, counts, progress, gradual=gradual)
             batch, size = [], 0
