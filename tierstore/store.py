@@ -419,11 +419,11 @@ class Store:
         if capacity is None:
             yield
             return
-        capacity.make_room(nbytes)
+        shared = capacity.make_room(nbytes)
         try:
             yield
         finally:
-            capacity.landed(nbytes)
+            capacity.landed(nbytes, shared)
 
     def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
         """Make appended puts durable, then send them to the remote tier (when there is one).

@@ -171,6 +171,12 @@ APPEND_REFS = 2  # state bit 1: the log holds (or held) session references (§5.
 # written).  Little-endian, never synced (after a crash the first writer opens alone, runs
 # recovery and writes it again)
 APPEND_STATE = struct.Struct("<4sIQQQ")
+# SPEC.md §1, §7.9 (informative): puts in flight of the writer processes that share a budget
+# (ssd_bytes), INFLIGHT_SLOTS slots of (pid, handle token, bytes; a free slot is all zeros),
+# little-endian, read and changed under the file's flock, never synced
+INFLIGHT_FILE = "INFLIGHT"
+INFLIGHT_SLOT = struct.Struct("<IIQ")
+INFLIGHT_SLOTS = 64
 RESERVE_FILE = "RESERVE"  # §1 (informative): space a writer gives up when the disk is full
 REMOTE_FILE = "REMOTE"  # §1, §14.5 (informative): what the remote tier has not been sent yet
 REMOTE_LOCK_FILE = "REMOTE.lock"  # §1, §14.5 (informative): flock of the one process whose remote tier writes

@@ -42,6 +42,7 @@ from ..format import constants as fmt
 from ..format import record as rec
 from ..names import encode_namespace
 from . import policy as pol
+from .inflight import InFlight
 
 CAPACITY_OPTIONS = ("ssd_bytes", "retain", "ssd_policy", "downtier")
 RETAIN = ("always",)  # what retain={namespace: ...} may say
@@ -60,7 +61,7 @@ FUTILE_ROUNDS = 2
 # what a synced put adds besides its records: the padding to a page, a SYNC and a HEADERS record
 SYNC_FOOTPRINT = fmt.PAGE + 512
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
-USAGE_REFRESH_S = 0.1  # far from the bound, a put reads the files' sizes at most this often (other writers)
+USAGE_REFRESH_S = 0.01  # far from the bound, a put reads the files' sizes at most this often (other writers)
 SEGMENTS_PER_BUDGET = 16  # without segment_bytes=, segments of ssd_bytes / 16: reclaim works on small files
 SEGMENTS_PER_BUDGET_MIN = 8  # segment_bytes= given with a budget: at most 1/8 of it
 SEGMENT_AUTO_MIN = 64 << 10
@@ -193,6 +194,8 @@ class Capacity:
         # a trace: told of what this handle does and of each eviction under the lock the
         # eviction decides under, so its lines come in the order the decisions saw
         self.follower: Any = None
+        # other processes' puts in flight near the bound
+        self.shared = InFlight(engine.path, limit=budget, alone=engine.alone)
         self._futile = 0  # a put's eviction rounds in a row that compacted but freed nothing
         self._futile_at: int | None = None  # the files' bytes after the thread's last run, if it freed nothing
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
@@ -362,14 +365,16 @@ class Capacity:
         """A segment, or 1/64 of the budget if that is more: the unit space comes back in."""
         return max(self.budget // SLACK_SHARE, self.engine.options.segment_bytes)
 
-    def make_room(self, nbytes: int) -> None:
+    def make_room(self, nbytes: int) -> int:
         """Before a put of ``nbytes`` (its records' length).  Past ``budget - 2 * slack`` the
         eviction thread is woken (it evicts down to ``budget - 3 * slack`` while puts go on); a
         put that would pass ``budget - slack`` waits for it, or evicts itself (down to ``budget -
         2 * slack``) when the thread is idle.  StoreFull when the put is larger than the budget, or
         when what is left is pinned or retained (the objects evicted before that was found stay
-        evicted).  The caller calls ``landed(nbytes)`` once the put is appended (or failed): until
-        then its bytes count as in flight, so that puts in other threads count them too."""
+        evicted).  The caller calls ``landed(nbytes, <what this returned>)`` once the put is
+        appended (or failed): until then its bytes count as in flight, so that puts in other
+        threads count them too -- and, near the bound, puts in other processes (``inflight.py``:
+        returns the bytes published there)."""
         # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
         # the eviction thread's deletes and copies, the index) has that slack to grow into
         stop = self.budget - self.slack
@@ -377,17 +382,26 @@ class Capacity:
         waiting = False
         try:
             while True:
+                others = 0
                 with self._est_lock:
                     used = self._used  # the files' bytes when last read, plus the puts landed since
-                    if used + self._inflight + nbytes > self.budget - 3 * self.slack or \
-                            time.monotonic() - self._used_at > USAGE_REFRESH_S:
+                    near = used + self._inflight + nbytes > self.budget - 3 * self.slack
+                    if near or time.monotonic() - self._used_at > USAGE_REFRESH_S:
                         used = self._refresh()  # near the bound, or other processes may have written
                     used += self._inflight  # puts of other threads not appended yet
                     if used + nbytes > self.budget - 2 * self.slack:
                         self._wake()
                     if used + nbytes <= stop:
-                        self._inflight += nbytes
-                        return
+                        # near the bound, or another process's put near it is in flight
+                        if self.shared is None or not near and not self.shared.busy():
+                            self._inflight += nbytes
+                            return 0
+                        # other processes' puts in flight count too, and this one for them
+                        room = stop - used - nbytes
+                        fits, others = self.shared.reserve(nbytes, lambda others, room=room: others <= room)
+                        if fits:
+                            self._inflight += nbytes
+                            return nbytes
                     if not waiting:
                         waiting = True
                         self._waiting += 1
@@ -395,7 +409,7 @@ class Capacity:
                 if self._room_lock.acquire(timeout=ROOM_POLL_S):
                     try:
                         self._evict_until(nbytes, self.budget - 2 * self.slack, strict=True,
-                                          inflight=self._inflight)
+                                          inflight=self._inflight + others)
                     finally:
                         self._room_lock.release()
         finally:
@@ -410,12 +424,15 @@ class Capacity:
         behind by that much a put, and puts passed the budget by 10 %)."""
         return nbytes + SYNC_FOOTPRINT if self.engine.durability == "sync" else nbytes
 
-    def landed(self, nbytes: int) -> None:
-        """A put that ``make_room`` let through was appended (or failed): no longer in flight."""
+    def landed(self, nbytes: int, shared: int = 0) -> None:
+        """A put that ``make_room`` let through was appended (or failed): no longer in flight
+        (``shared``: what ``make_room`` returned, the bytes it told other processes of)."""
         nbytes = self.footprint(nbytes)
         with self._est_lock:
             self._inflight -= nbytes
             self._used += nbytes
+        if shared and self.shared is not None:
+            self.shared.release(shared)
 
     def _refresh(self) -> int:
         """The bytes in use, from the files (``disk_bytes``), remembered with when they were read."""
@@ -611,6 +628,8 @@ class Capacity:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        if self.shared is not None:
+            self.shared.close()
 
     def _evict(self, deficit: int, ratio: float, *, lossy: bool = True) -> int:
         """Delete objects in the policy's order -- objects no session references before the
