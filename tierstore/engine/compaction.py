@@ -119,6 +119,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         tried: set[int] = set()
         kept: dict[int, int] | None = None  # (kept_bytes, read when first needed)
         kept_of: set[int] = set()
+        kept_applied = None  # the applied position read before them
         while (need := excess()) > 0:
             if last_need is not None and need >= last_need and not blockers:
                 counts["stalled"] = 1  # a pass freed nothing: stop rather than compact the same bytes again
@@ -155,12 +156,15 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                 # then segments of few live objects whatever their dead bytes: SYNC and HEADERS
                 # records and page padding change no object and are not counted dead, and a
                 # segment of little else (small synced puts, evictions' deletes) holds room for good
-                if kept is None or not kept_of.issuperset(segs):
-                    # (again only for segments sealed since: those read before lose live bytes, never gain)
+                # only segments the index had applied every record of when the kept bytes were read:
+                # another writer's records not applied yet are live bytes they do not count (read
+                # again for segments sealed since, or once the index applied more: a segment read
+                # before loses live bytes, never gains, unless it held records not applied then)
+                now_applied = engine.applied_position()
+                if kept is None or not kept_of.issuperset(segs) or now_applied != kept_applied:
+                    kept_applied = now_applied  # (first: the kept bytes count at least what it names)
                     kept, kept_of = engine.kept_bytes(), set(segs)
-                # only segments the index has applied every record of: another writer's records not
-                # applied yet are live bytes it does not count
-                applied = engine.applied_position().segment
+                applied = kept_applied.segment
                 taken = set(victims)
                 spare = []
                 for seg in (seg for seg in segs if seg < applied):

@@ -385,7 +385,9 @@ class Capacity:
                 others = 0
                 with self._est_lock:
                     used = self._used  # the files' bytes when last read, plus the puts landed since
-                    near = used + self._inflight + nbytes > self.budget - 3 * self.slack
+                    # (a put larger than a slack is judged on fresh sizes: one on sizes up to
+                    # USAGE_REFRESH_S old passed the bound by what others landed meanwhile)
+                    near = used + self._inflight + nbytes > self.budget - 3 * self.slack or nbytes > self.slack
                     if near or time.monotonic() - self._used_at > USAGE_REFRESH_S:
                         used = self._refresh()  # near the bound, or other processes may have written
                     used += self._inflight  # puts of other threads not appended yet
@@ -397,8 +399,12 @@ class Capacity:
                             self._inflight += nbytes
                             return 0
                         # other processes' puts in flight count too, and this one for them
-                        room = stop - used - nbytes
-                        fits, others = self.shared.reserve(nbytes, lambda others, room=room: others <= room)
+                        # with the files read again under the table's lock: a put another process
+                        # released before is in them, one it has not is in the table
+                        def room_for(others: int, nbytes: int = nbytes) -> bool:
+                            return self._refresh() + self._inflight + others + nbytes <= stop
+
+                        fits, others = self.shared.reserve(nbytes, room_for)
                         if fits:
                             self._inflight += nbytes
                             return nbytes
