@@ -395,7 +395,7 @@ class Capacity:
                         self._wake()
                     if used + nbytes <= stop:
                         # near the bound, or another process's put near it is in flight
-                        if self.shared is None or not near and not self.shared.busy():
+                        if not near and not self.shared.busy():
                             self._inflight += nbytes
                             return 0
                         # other processes' puts in flight count too, and this one for them
@@ -437,7 +437,7 @@ class Capacity:
         with self._est_lock:
             self._inflight -= nbytes
             self._used += nbytes
-        if shared and self.shared is not None:
+        if shared:
             self.shared.release(shared)
 
     def _refresh(self) -> int:
@@ -634,8 +634,7 @@ class Capacity:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        if self.shared is not None:
-            self.shared.close()
+        self.shared.close()
 
     def _evict(self, deficit: int, ratio: float, *, lossy: bool = True) -> int:
         """Delete objects in the policy's order -- objects no session references before the

@@ -100,23 +100,14 @@ class InFlight:
         self._change(-nbytes, None)
 
     def close(self) -> None:
+        """Free this handle's slot (puts it still has in flight stop counting) and the file."""
+        if self.fd < 0:
+            return
+        if self.mine:
+            try:
+                self._change(-self.mine, None)
+            except OSError:
+                pass  # (the next reader frees it once this process is gone)
         with self._lock:
-            if self.fd < 0:
-                return
-            if self.mine:
-                self.mine = 0
-                try:
-                    self._change_closed()
-                except OSError:
-                    pass
             os.close(self.fd)
             self.fd = -1
-
-    def _change_closed(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            for i, (pid, token, _) in enumerate(self._slots()):
-                if (pid, token) == (self.pid, self.token):
-                    self._put(i, (0, 0, 0))
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
