@@ -757,7 +757,11 @@ def test_a_writer_killed_while_it_read_does_not_grow_the_index_for_good(tmp_path
                 s.put(f"k{i}", Blob(os.urandom(100)))  # every page of the table rewritten, the old ones freed
             s.flush()
             sizes.append(_index_file(path))
-        assert sizes[-1] == sizes[9], sizes  # (each round grew it by ~100 KiB while the slot stayed)
+        # each round grew it by ~100 KiB while the slot stayed (+3 MB over the last 30 rounds); now
+        # it settles within a few rounds at ~450 KiB (the store's own threads' snapshots may still
+        # hold a round's pages once or twice: +8 KiB seen late in a CI run), so allow two rounds
+        assert sizes[-1] - sizes[9] <= 256 * 1024, sizes
+        assert sizes[-1] <= 1024 * 1024, sizes
         assert sorted(s.keys()) == sorted(f"k{i}" for i in range(500))
 
 
