@@ -115,6 +115,15 @@ class PosixIO:
     def flock(self, fd: int, op: int) -> None:
         fcntl.flock(fd, op)
 
+    def names(self, path: str, fd: int) -> bool:
+        """Whether ``path`` is (still) the name of the file open as ``fd``."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        own = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
     def cached_fraction(self, fd: int, offset: int, length: int) -> float | None:
         """The fraction of [offset, offset+length) in the page cache (Linux cachestat), or None
         when the kernel cannot say."""

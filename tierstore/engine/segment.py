@@ -53,7 +53,10 @@ def open_segment(io: PosixIO, path: str, flags: int = os.O_RDONLY) -> int:
     """Open a segment file to read it, with a shared ``flock`` held for as long as the
     descriptor is open (SPEC.md §7.5): a writer shrinks a retired segment away only while it
     holds the exclusive lock, so no descriptor opened here ever sees a segment shrink.  A
-    segment being shrunk is gone: FileNotFoundError, as if it had been unlinked."""
+    segment being shrunk is gone: FileNotFoundError, as if it had been unlinked.  So is one
+    renamed for shrinking between this open and its lock: a writer may have shrunk it whole and
+    let go of its lock in that gap (the file is then empty or short), so with the lock held the
+    name must still be this file's."""
     fd = io.open(path, flags)
     try:
         io.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -66,6 +69,9 @@ def open_segment(io: PosixIO, path: str, flags: int = os.O_RDONLY) -> int:
     except BaseException:
         io.close(fd)
         raise
+    if not io.names(path, fd):  # (once the lock is held a rename leaves the bytes alone: the
+        io.close(fd)  # shrinking writer cannot take its exclusive lock and unlinks it at once)
+        raise FileNotFoundError(errno.ENOENT, "segment retired (being deleted)", path)
     return fd
 
 
