@@ -214,6 +214,24 @@ def collected(engine: Engine, tiers: Hierarchy, remote: RemoteTier | None, capac
                          name="tierstore-release").start()
 
 
+class _Room:
+    """``Store._room_for`` with a budget: ``make_room`` on entry, ``landed`` on exit."""
+
+    __slots__ = ("capacity", "nbytes", "shared")
+
+    def __init__(self, capacity: Capacity, nbytes: int) -> None:
+        self.capacity, self.nbytes, self.shared = capacity, nbytes, 0
+
+    def __enter__(self) -> None:
+        self.shared = self.capacity.make_room(self.nbytes)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.capacity.landed(self.nbytes, self.shared)
+
+
+_NO_BUDGET = contextlib.nullcontext()
+
+
 class Store:
     """A handle on a tierstore directory.  Create with ``tierstore.open``.
 
@@ -411,19 +429,10 @@ class Store:
             raise
         return where, record
 
-    @contextlib.contextmanager
-    def _room_for(self, nbytes: int) -> Iterator[None]:
+    def _room_for(self, nbytes: int) -> Any:
         """With ``ssd_bytes``: make room for a put of ``nbytes`` first, and count it in flight
-        until it is appended (or failed)."""
-        capacity = self._capacity
-        if capacity is None:
-            yield
-            return
-        shared = capacity.make_room(nbytes)
-        try:
-            yield
-        finally:
-            capacity.landed(nbytes, shared)
+        until it is appended (or failed).  A context manager."""
+        return _NO_BUDGET if self._capacity is None else _Room(self._capacity, nbytes)
 
     def _settle_puts(self, where: Any, records: list[rec.EncodedRecord]) -> None:
         """Make appended puts durable, then send them to the remote tier (when there is one).

@@ -960,3 +960,85 @@ def test_a_request_sharing_a_block_whose_load_failed_never_stores_what_it_comput
                     assert torch.equal(got, want), (name, ci, li)
                     checked += 1
     assert checked  # R's chunk, recomputed, is stored again
+
+
+# one tensor-parallel rank's worker in its own process, as vLLM runs them: its own paged caches
+# (random contents, seeded by the rank), saving chunk c from blocks 2c, 2c+1, one chunk a step
+RANK_WORKER = r"""
+import json, pathlib, sys
+sys.path.insert(0, ROOT)
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from tests.vllm.test_vllm_connector import _rank_caches, _tp_config, _worker_step, kv_cache_config
+from tierstore.integrations.vllm import ChunkSave, TierstoreConnectorMetadata as M
+tmp, rank, keys = pathlib.Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+w = KVConnectorFactory.create_connector(_tp_config(tmp, rank), KVConnectorRole.WORKER, kv_cache_config())
+caches = _rank_caches(rank)
+w.register_kv_caches(caches)
+for c, ks in enumerate(keys):
+    _worker_step(w, caches, M(saves=[ChunkSave("r", [bytes.fromhex(k) for k in ks], [2 * c, 2 * c + 1])]))
+w.shutdown()
+print(json.dumps(w.counters))
+""".replace("ROOT", repr(str(__import__("pathlib").Path(__file__).resolve().parents[2])))
+
+
+def _tp_config(tmp_path, rank=None):
+    cfg = make_config(tmp_path, tmp_path / "kv", extra=None if rank is None else {"tp_rank": rank, "pp_rank": 0})
+    cfg.parallel_config.tensor_parallel_size = 2
+    return cfg
+
+
+def _rank_caches(rank, zero=False):
+    caches = paged_caches(False)
+    g = torch.Generator().manual_seed(rank)
+    for t in caches.values():
+        t.copy_(torch.zeros(t.shape) if zero else torch.randn(t.shape, generator=g).to(t.dtype))
+    return caches
+
+
+def test_tensor_parallel_ranks_in_separate_processes_share_one_store(tmp_path):
+    """Each tensor-parallel rank is its own process and stores its own heads: two rank processes
+    save the chunks of one prompt into one store at the same time (several writer processes), the
+    scheduler then matches the whole prefix (each chunk counted once every rank stored it), and
+    each rank loads back its own heads, bit exact, never the other rank's."""
+    import subprocess
+    import sys
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    from tierstore.integrations.vllm import ChunkLoad
+    from tierstore.integrations.vllm import TierstoreConnectorMetadata as M
+
+    chunks = 12
+    make_config(tmp_path, tmp_path / "kv")  # (the model's config.json, before the ranks read it)
+    sched = KVConnectorFactory.create_connector(_tp_config(tmp_path), KVConnectorRole.SCHEDULER, kv_cache_config())
+    init_none_hash(sha256)
+    req = Request("r", list(range(100, 100 + 32 * chunks + 1)), SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    per_rank = sched._keys_for(req)  # [rank][chunk]
+    keys = [[per_rank[r][c].hex() for r in range(2)] for c in range(chunks)]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_WORKER, str(tmp_path), str(rank), json.dumps(keys)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["chunks_saved"] == chunks
+    assert sched.get_num_new_matched_tokens(req, 0) == (32 * chunks, False)
+    sched.shutdown()
+    for rank in (0, 1):
+        w = KVConnectorFactory.create_connector(_tp_config(tmp_path, rank), KVConnectorRole.WORKER, kv_cache_config())
+        caches = _rank_caches(rank, zero=True)
+        w.register_kv_caches(caches)
+        loads = [ChunkLoad("r", [bytes.fromhex(k) for k in ks], [2 * c, 2 * c + 1], [0, 1])
+                 for c, ks in enumerate(keys)]
+        assert _worker_step(w, caches, M(loads=loads)) == set()
+        w.shutdown()
+        want, other = _rank_caches(rank), _rank_caches(1 - rank)
+        for name, t in caches.items():
+            assert torch.equal(t[: 2 * chunks], want[name][: 2 * chunks])
+            assert not torch.equal(t[: 2 * chunks], other[name][: 2 * chunks])
+    with tierstore.open(tmp_path / "kv", readonly=True) as s:
+        assert len(s.keys(namespace="vllm")) == 2 * chunks

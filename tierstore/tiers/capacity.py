@@ -24,7 +24,6 @@ that re-encodes an object (down-tiering).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -160,6 +159,21 @@ def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
             "downtier": downtier_options(downtier) if downtier is not None else {}}
 
 
+class _OwnPuts:
+    """``Capacity.own_puts``: the keys a thread appends for the handle, in its thread-local."""
+
+    __slots__ = ("local", "keys")
+
+    def __init__(self, local: threading.local, keys: set[Hashable]) -> None:
+        self.local, self.keys = local, keys
+
+    def __enter__(self) -> None:
+        self.local.own = self.keys
+
+    def __exit__(self, *exc: Any) -> None:
+        self.local.own = ()
+
+
 class _GiveWay(Exception):
     """Raised inside a down-tiering re-encode when a put waits for room: never leaves this module."""
 
@@ -196,6 +210,9 @@ class Capacity:
         self.follower: Any = None
         # other processes' puts in flight near the bound
         self.shared = InFlight(engine.path, limit=budget, alone=engine.alone)
+        # a segment, or 1/64 of the budget if that is more: the unit space comes back in
+        self.slack = max(budget // SLACK_SHARE, engine.options.segment_bytes)
+        self._sync_extra = SYNC_FOOTPRINT if engine.durability == "sync" else 0  # (footprint)
         self._futile = 0  # a put's eviction rounds in a row that compacted but freed nothing
         self._futile_at: int | None = None  # the files' bytes after the thread's last run, if it freed nothing
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
@@ -274,16 +291,12 @@ class Capacity:
                     self.policy.cost_hint(key, tokens)
                 self.policy.admitted(key, hdr.record_len, ())
 
-    @contextlib.contextmanager
-    def own_puts(self, ns: bytes, keys: list[bytes]) -> Iterator[None]:
-        """Around the handle's append of puts of ``keys``: ``_on_write`` leaves them to
-        ``admitted``, which the handle calls next, so that the policy is told of each put once (a
-        second admission moves a session policy's clock: the simulator would decide otherwise)."""
-        self._local.own = {(ns, k) for k in keys}
-        try:
-            yield
-        finally:
-            self._local.own = ()
+    def own_puts(self, ns: bytes, keys: list[bytes]) -> "_OwnPuts":
+        """Around the handle's append of puts of ``keys`` (a context manager): ``_on_write``
+        leaves them to ``admitted``, which the handle calls next, so that the policy is told of
+        each put once (a second admission moves a session policy's clock: the simulator would
+        decide otherwise)."""
+        return _OwnPuts(self._local, {(ns, k) for k in keys})
 
     def admitted(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int = 0) -> None:
         with self._policy_lock:
@@ -360,11 +373,6 @@ class Capacity:
 
     # -- making room ----------------------------------------------------------------------------
 
-    @property
-    def slack(self) -> int:
-        """A segment, or 1/64 of the budget if that is more: the unit space comes back in."""
-        return max(self.budget // SLACK_SHARE, self.engine.options.segment_bytes)
-
     def make_room(self, nbytes: int) -> int:
         """Before a put of ``nbytes`` (its records' length).  Past ``budget - 2 * slack`` the
         eviction thread is woken (it evicts down to ``budget - 3 * slack`` while puts go on); a
@@ -377,8 +385,9 @@ class Capacity:
         returns the bytes published there)."""
         # a slack below the budget, a put stops: what else grows the files meanwhile (page padding,
         # the eviction thread's deletes and copies, the index) has that slack to grow into
-        stop = self.budget - self.slack
-        nbytes = self.footprint(nbytes)
+        budget, slack = self.budget, self.slack
+        stop = budget - slack
+        nbytes += self._sync_extra  # (footprint)
         waiting = False
         try:
             while True:
@@ -387,11 +396,11 @@ class Capacity:
                     used = self._used  # the files' bytes when last read, plus the puts landed since
                     # (a put larger than a slack is judged on fresh sizes: one on sizes up to
                     # USAGE_REFRESH_S old passed the bound by what others landed meanwhile)
-                    near = used + self._inflight + nbytes > self.budget - 3 * self.slack or nbytes > self.slack
+                    near = used + self._inflight + nbytes > budget - 3 * slack or nbytes > slack
                     if near or time.monotonic() - self._used_at > USAGE_REFRESH_S:
                         used = self._refresh()  # near the bound, or other processes may have written
                     used += self._inflight  # puts of other threads not appended yet
-                    if used + nbytes > self.budget - 2 * self.slack:
+                    if used + nbytes > budget - 2 * slack:
                         self._wake()
                     if used + nbytes <= stop:
                         # near the bound, or another process's put near it is in flight
@@ -428,12 +437,12 @@ class Capacity:
         sync also pads the log to a page and appends a SYNC and a HEADERS record (a 200-byte put
         takes 4 KiB: counted as 200, the estimate between two reads of the files' sizes fell
         behind by that much a put, and puts passed the budget by 10 %)."""
-        return nbytes + SYNC_FOOTPRINT if self.engine.durability == "sync" else nbytes
+        return nbytes + self._sync_extra
 
     def landed(self, nbytes: int, shared: int = 0) -> None:
         """A put that ``make_room`` let through was appended (or failed): no longer in flight
         (``shared``: what ``make_room`` returned, the bytes it told other processes of)."""
-        nbytes = self.footprint(nbytes)
+        nbytes += self._sync_extra  # (footprint)
         with self._est_lock:
             self._inflight -= nbytes
             self._used += nbytes

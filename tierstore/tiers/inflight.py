@@ -14,6 +14,7 @@ the test) and never reads anything else of the store.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import secrets
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from ..format import constants as fmt
 
 _SIZE = fmt.INFLIGHT_SLOT.size * fmt.INFLIGHT_SLOTS
+_ZEROS = bytes(_SIZE)
 
 
 def _alive(pid: int) -> bool:
@@ -45,8 +47,23 @@ class InFlight:
         self.path = os.path.join(root, fmt.INFLIGHT_FILE)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self.limit = limit
-        if alone:
-            os.ftruncate(self.fd, 0)
+        self._map: mmap.mmap | None = None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                if alone:  # (zeros, not a truncation: the file never shrinks under a mapping)
+                    os.pwrite(self.fd, _ZEROS, 0)
+                elif os.fstat(self.fd).st_size < _SIZE:
+                    os.ftruncate(self.fd, _SIZE)
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            try:  # ``busy`` on every put far from the bound: a look at the mapping, not a pread
+                self._map = mmap.mmap(self.fd, _SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            except (OSError, ValueError):
+                pass  # (a file system without shared mappings: pread)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.pid, self.token = os.getpid(), secrets.randbits(32) or 1
         self.mine = 0  # bytes this handle published
         self._lock = threading.Lock()  # (flock does not exclude this process's threads)
@@ -88,6 +105,8 @@ class InFlight:
 
     def busy(self) -> bool:
         """Whether any handle has puts in flight in the table (read without the lock: a hint)."""
+        if self._map is not None:
+            return self._map[:] != _ZEROS
         return os.pread(self.fd, _SIZE, 0).strip(b"\0") != b""
 
     def reserve(self, nbytes: int, fits: Callable[[int], bool]) -> tuple[bool, int]:
@@ -109,5 +128,8 @@ class InFlight:
             except OSError:
                 pass  # (the next reader frees it once this process is gone)
         with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
             os.close(self.fd)
             self.fd = -1
