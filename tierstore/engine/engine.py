@@ -369,6 +369,8 @@ class Engine:
                        append_lock=self._append, alone=self._alone_now if self._append is not None else None,
                        header_copies=self.options.header_copies)
         self.log.on_discard = self._on_discard
+        if self._append is not None:  # other writers' records are read past this one's
+            self.log.mine = {}
         self.ensure_reserve()
 
     def _not_found_hint(self, create: bool) -> str:
@@ -762,7 +764,7 @@ class Engine:
         for attempt in range(3):
             try:
                 scan = recovery.scan_log(self.io, self.path, self.store_uuid, frm, writable=False, repair=False,
-                                         verify_tail=False)
+                                         verify_tail=False, skip=self.log.mine if self.log is not None else None)
                 break
             except (recovery.IndexAhead, FileNotFoundError):
                 # another process's compaction retired a segment (the first, or one listed before it
@@ -983,6 +985,8 @@ class Engine:
         self.index.apply(batch, Applied(last.segment, last.offset, last.lsn, last.offset + last.record_len),
                          durable=sync)
         self.counters["index_commits"] += 1
+        if self.log is not None:
+            self.log.forget_mine(last.lsn)
         with self._pending_lock:
             del self._pending[:n]
             self._oldest_pending = time.monotonic() if self._pending else None

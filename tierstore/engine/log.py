@@ -107,6 +107,12 @@ class Log:
         self._copies_bytes = 0
         self.copies_dropped = 0  # copies never written (more were pending than COPIES_PENDING_MAX)
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
+        # with other writer processes (the owner sets it to {}): this writer's records, (segment,
+        # offset) -> (end, first LSN, last LSN), a group as one entry from its GROUP record on, so
+        # that reading the others' records passes over them unread (SegmentScanner's ``skip``)
+        self.mine: dict[tuple[int, int], tuple[int, int, int]] | None = None
+        self._mine_order: collections.deque[tuple[tuple[int, int], int]] = collections.deque()
+        self._mine_lock = threading.Lock()  # (the committer forgets while appends note)
         self._to_close: list[int] = []  # fds of sealed segments, closed by the next sync
         if tail % fmt.PAGE:
             self.sync()  # start on a page boundary: never write into a page holding recovered records
@@ -203,6 +209,8 @@ class Log:
                 self._advance(new_tail, lsn, buffered=False)
             where = Appended(self.active, start, lsn, end)
             self._keep_copy(lsn, self.active, start, header.raw)
+            if self.mine is not None:
+                self._note_mine(start, new_tail, lsn, lsn)
             if on_written is not None:
                 on_written(where, header)
             return where
@@ -256,6 +264,8 @@ class Log:
                 self._advance(pos, lsn - 1, buffered=False)
             for where, header in placed:
                 self._keep_copy(where.lsn, where.segment, where.offset, header.raw)
+            if self.mine is not None:
+                self._note_mine(placed[0][0].offset, pos, placed[0][0].lsn, lsn - 1)
             if on_written is not None:
                 for where, header in placed[1:]:
                     on_written(where, header)
@@ -411,9 +421,31 @@ class Log:
                             "is reopened (never torn); reopen to see what is durable")
         return True
 
+    def _note_mine(self, offset: int, end: int, first: int, last: int) -> None:
+        """This writer's record(s) from ``offset`` of the active segment to ``end`` (caller holds
+        append_lock)."""
+        key = (self.active, offset)
+        with self._mine_lock:
+            self.mine[key] = (end, first, last)  # type: ignore[index]
+            self._mine_order.append((key, last))
+
+    def forget_mine(self, lsn: int) -> None:
+        """The index applied the log up to ``lsn``: no reading of the others' records starts
+        before it, so this writer's records up to it need not be known any more."""
+        order, mine = self._mine_order, self.mine
+        if mine is None:
+            return
+        with self._mine_lock:
+            while order and order[0][1] <= lsn:
+                mine.pop(order.popleft()[0], None)
+
     def _discarded(self, first: int) -> None:
         """Records from LSN ``first`` on were taken back: forget their header copies (their
         positions and LSNs will be reused by other records) and tell the owner."""
+        order, mine = self._mine_order, self.mine
+        with self._mine_lock:
+            while mine is not None and order and order[-1][1] >= first:  # (nor are they this writer's)
+                mine.pop(order.pop()[0], None)
         self._copies = collections.deque(c for c in self._copies if c[0] < first)
         self._copies_bytes = sum(len(c[3]) + fmt.HEADER_COPY.size for c in self._copies)
         if self.on_discard is not None:

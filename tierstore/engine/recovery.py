@@ -191,8 +191,10 @@ class _LogScanner:
     def __init__(self, io: PosixIO, root: str, store_uuid: bytes | None, *, writable: bool, repair: bool,
                  verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0,
                  verify_tail: bool = True,
-                 witness: Callable[[int, int], rec.RecordHeader | None] | None = None) -> None:
+                 witness: Callable[[int, int], rec.RecordHeader | None] | None = None,
+                 skip: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> None:
         self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
+        self.skip = skip  # the caller's own records: passed over unread (SegmentScanner)
         # repair: the previous index's copy of the record header at (segment, offset), if it had one
         self.witness = witness
         self._restored: set[tuple[int, int]] = set()
@@ -280,7 +282,7 @@ class _LogScanner:
                 expect = header.base_lsn
             size = io.size(fd)
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
-                                            verify_payload=self._verify(is_last), size=size)
+                                            verify_payload=self._verify(is_last), size=size, skip=self.skip)
             group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
 
             def take(off: int, hdr: rec.RecordHeader, copied: bool = False) -> None:
@@ -740,16 +742,19 @@ class _LogScanner:
 def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | None, *, writable: bool,
              repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None,
              proven_lsn: int = 0, verify_tail: bool = True,
-             witness: Callable[[int, int], rec.RecordHeader | None] | None = None) -> LogScan:
+             witness: Callable[[int, int], rec.RecordHeader | None] | None = None,
+             skip: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> LogScan:
     """Scan the log from ``start`` (None: from the first segment) and cut a torn tail if writable.
     ``verify_tail=False`` skips the payload checksums of the last segment (a writer catching up
-    with records other live writers wrote whole, SPEC.md §7.8).
+    with records other live writers wrote whole, SPEC.md §7.8).  ``skip``: the caller's own
+    records, passed over unread and left out of the result (``SegmentScanner``).
 
     Returns the records past ``start`` in LSN order and where the valid log ends.  Raises
     ``IndexAhead`` when ``start`` is not in the log.  See the module docstring for the rules.
     """
     return _LogScanner(io, root, store_uuid, writable=writable, repair=repair, verify_sealed=verify_sealed,
-                       progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail, witness=witness).run(start)
+                       progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail, witness=witness,
+                       skip=skip).run(start)
 
 
 def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:

@@ -186,12 +186,17 @@ class SegmentScanner:
 
     After iteration ``stop`` says where and why the valid prefix ended.  ``expect_lsn`` (if
     given) enforces dense LSNs; ``verify_payload`` checks every extent checksum (recovery of
-    the log tail does; header-only scans are for sealed, synced segments).
+    the log tail does; header-only scans are for sealed, synced segments).  ``skip``: records
+    the caller wrote itself and needs no header of (a writer reading the others' records,
+    SPEC.md §7.8), (segment, offset) -> (end, first LSN, last LSN): passed over unread when
+    the scan meets one there with the LSN it expects (never where it expects none).
     """
 
     def __init__(self, io: PosixIO, fd: int, seg_id: int, *, path: str, start: int = fmt.SEGMENT_HEADER_SIZE,
-                 expect_lsn: int | None = None, verify_payload: bool = True, size: int | None = None) -> None:
+                 expect_lsn: int | None = None, verify_payload: bool = True, size: int | None = None,
+                 skip: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> None:
         self.io, self.fd, self.seg_id, self.path = io, fd, seg_id, path
+        self.skip = skip
         self.start = start
         self.expect_lsn = expect_lsn
         self.verify_payload = verify_payload
@@ -205,7 +210,13 @@ class SegmentScanner:
     def records(self) -> Iterator[tuple[int, rec.RecordHeader]]:
         win = _Window(self.io, self.fd, self.size)
         p = self.start
+        skip, seg = self.skip, self.seg_id
         while True:
+            if skip:
+                hop = skip.get((seg, p))
+                if hop is not None and hop[1] == self.expect_lsn and hop[0] <= self.size:
+                    p, self.last_lsn, self.expect_lsn = hop[0], hop[2], hop[2] + 1
+                    continue
             stop = self._next(win, p)
             if isinstance(stop, ScanStop):
                 if stop.reason != "end":
