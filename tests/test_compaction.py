@@ -532,3 +532,35 @@ def test_compaction_moves_an_applied_position_left_on_a_sync_record_by_replay(st
         assert s.stats()["objects_indexed"] == 5 and s.namespaces() == ["default"]  # the mark is no object
     report = repair.fsck(store_path)
     assert report.ok and report.objects == 5, report.findings
+
+
+@pytest.mark.parametrize("batch_kib", [64, 1024])
+def test_a_reclaim_copies_a_nearly_live_blocker_only_if_a_batch_may(tmp_path, batch_kib):
+    """A put with ``session=`` writes its object and the session's reference side by side;
+    dropping the session deletes the reference.  Compacting the segment of that DELETE must carry
+    it (the reference's PUT is still on disk, beside the object), and the object's segment then
+    joined the next pass whatever its dead share: a 400 KiB object copied whole to free a hundred
+    bytes, past a budget whose slack a batch's copies must fit in (a stress run: 106-109 % of
+    ``ssd_bytes``).  Such a blocker is compacted only when its live bytes fit in a batch
+    (``batch_bytes``); otherwise the DELETE is carried on.  Twin: with room for it in a batch,
+    the blocker goes and the DELETE with it."""
+    from tierstore.engine import compaction
+
+    with tierstore.open(str(tmp_path / "s"), segment_bytes="1MiB", exclusive=True) as s:
+        engine = s._engine
+        big = os.urandom(400 << 10)  # (more than a "small" segment: 1/4 of segment_bytes)
+        s.put("big", Blob(big), session="chat")
+        s.put("big", Blob(big), session="keep")  # (the same bytes: a second reference only)
+        engine.seal_active(1)  # [big, its two references]
+        s.put("filler", Blob(os.urandom(500 << 10)))
+        s.delete("filler")
+        assert s.drop_session("chat") == 0  # ("keep" holds it)
+        engine.seal_active(1)  # [filler, its DELETE, the reference's DELETE]: mostly dead
+        first = engine.lookup(b"default", b"big").segment
+        done = compaction.reclaim(engine, lambda: 1 << 20, min_dead_ratio=0.5, batch_bytes=batch_kib << 10)
+        moved = engine.lookup(b"default", b"big").segment != first
+        assert moved == (batch_kib == 1024), done
+        assert (first in done["victims"]) == moved
+        assert bytes(s.get("big").data) == big and s.session_keys("chat") == [] and s.session_keys("keep") == ["big"]
+    with tierstore.open(str(tmp_path / "s")) as s:  # the reference stays deleted after a reopen
+        assert bytes(s.get("big").data) == big and s.session_keys("chat") == [] and s.session_keys("keep") == ["big"]

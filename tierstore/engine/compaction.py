@@ -112,7 +112,8 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         t0 = time.perf_counter()
         engine.commit(force=True, sync=True)
         done: list[int] = []
-        counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0, "stalled": 0}
+        counts = {"copied": 0, "copied_bytes": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0,
+                  "stalled": 0}
         sealed = False
         last_need = None
         blockers: set[int] = set()  # survivors whose dead PUTs made the last pass carry DELETEs
@@ -189,8 +190,12 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                 continue
             # the survivors that held the PUTs of DELETEs the last pass had to carry join in, whatever
             # their dead share: with them gone those DELETEs are dropped (carried again and again
-            # otherwise, their dead bytes never freed)
-            victims = sorted(set(victims) | (blockers & set(segs)))
+            # otherwise, their dead bytes never freed) -- those whose live bytes a batch may copy: a
+            # batch's copies land before its victims go, and a blocker that is nearly all live (a
+            # large object beside its session's dropped reference) copied whole passed the budget
+            # by its size to free a hundred bytes; its DELETEs are carried on instead
+            victims = sorted(set(victims) | {seg for seg in blockers & set(segs) if _live_bytes(engine, seg, stats)
+                                             <= batch_bytes})
             blockers = set()
             if not victims:
                 break
@@ -205,13 +210,22 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         engine.io.close(lock)
 
 
+def _live_bytes(engine: Engine, seg: int, stats: dict[int, tuple[int, int]]) -> int:
+    """What compacting sealed segment ``seg`` copies at most: its bytes that are not dead."""
+    try:
+        size = os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE
+    except FileNotFoundError:
+        return 0
+    return max(0, size - stats.get(seg, (0, 0))[0])
+
+
 def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int], None] | None, *,
                      gradual: bool = False, batch_bytes: int = BATCH_BYTES) -> dict[str, Any]:
     """Steps 3-5 on ``victims`` (ascending), oldest first, in batches: an interrupted compaction
     keeps what it finished."""
     carry, blockers = _carry_rule(engine, set(victims))
     bytes_before = sum(os.path.getsize(engine.segment_path(s)) for s in victims)
-    counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
+    counts = {"copied": 0, "copied_bytes": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
     size = 0
     for seg in victims:
@@ -383,6 +397,7 @@ def _copy_live(engine: Engine, fd: int, seg: int, batch: list[int], live: list[t
                 _copy_record(engine, fd, off, hdr)
                 moved.append((hdr.namespace, hdr.key))
                 counts["copied"] += 1
+                counts["copied_bytes"] += hdr.record_len
             else:
                 if cur is not None:
                     counts["dropped"] += 1

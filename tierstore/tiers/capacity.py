@@ -57,6 +57,7 @@ EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for 
 INDEX_BLOAT_HINT = 1 << 20
 # a put's eviction rounds in a row that evict nothing and compact without freeing before StoreFull
 FUTILE_ROUNDS = 2
+FREED_MIN = fmt.SEGMENT_HEADER_SIZE + 2 * fmt.PAGE  # a round that frees less is futile (_evict_until)
 # what a synced put adds besides its records: the padding to a page, a SYNC and a HEADERS record
 SYNC_FOOTPRINT = fmt.PAGE + 512
 ROOM_POLL_S = 0.005  # a put over the bound while the thread evicts looks at the files this often
@@ -490,16 +491,18 @@ class Capacity:
         stuck = futile = False
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
-            before = used
             evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
             done = self._reclaim(excess, ratio, strict)
             used = engine.disk_bytes()
-            # nothing evicted at the lowest share, and nothing compacted or the files did not
-            # shrink by a page: stuck -- for a put, when it happens again at its next try (it would compact
-            # the same records again, for ever), as once may be other writers' puts landing
-            # meanwhile, or objects they put while the order was taken (not victims of this run)
-            futile = not evicted and ratio == RECLAIM_RATIOS[-1] and \
-                (not done["victims"] or done["stalled"] or used > before - fmt.PAGE)
+            # nothing evicted at the lowest share, and nothing compacted or the compaction freed less
+            # than a new segment and a sync take (what it retired less what it copied): stuck -- for
+            # a put, when it happens again at its next try (it would compact the same records again,
+            # for ever), as once may be other writers' puts landing meanwhile, or objects they put
+            # while the order was taken (not victims of this run).  (Not by the files' size: other
+            # writer processes' puts grow it while a round frees MBs -- two such rounds in a row
+            # raised StoreFull with MBs evictable.)
+            freed = done["bytes_before"] - done["copied_bytes"]
+            futile = not evicted and ratio == RECLAIM_RATIOS[-1] and (not done["victims"] or freed < FREED_MIN)
             if futile and strict:
                 self._futile += 1
                 stuck = self._futile >= FUTILE_ROUNDS
