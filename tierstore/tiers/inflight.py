@@ -105,8 +105,12 @@ class InFlight:
 
     def busy(self) -> bool:
         """Whether any handle has puts in flight in the table (read without the lock: a hint)."""
-        if self._map is not None:
-            return self._map[:] != _ZEROS
+        m = self._map
+        if m is not None:
+            try:
+                return m[:] != _ZEROS
+            except ValueError:  # (closed meanwhile: the handle is closing, its puts fail anyway)
+                return False
         return os.pread(self.fd, _SIZE, 0).strip(b"\0") != b""
 
     def reserve(self, nbytes: int, fits: Callable[[int], bool]) -> tuple[bool, int]:
