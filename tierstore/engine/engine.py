@@ -1435,6 +1435,11 @@ class Engine:
         with self._shrink_lock:
             self._shrinking += nbytes
 
+    def grown_bytes(self) -> int:
+        """Bytes this handle has added to the log's files since it opened (its records, their
+        padding, the headers of segments it began; not other processes')."""
+        return self.log.grown if self.log is not None else 0
+
     def disk_bytes(self) -> int:
         """Bytes the store occupies on disk: its segment files, the index's files and the
         reserve (what ``ssd_bytes`` bounds)."""

@@ -71,6 +71,7 @@ class Log:
         self._sync_lock = threading.Lock()
         self.active = active
         self.tail = tail  # end of the log, buffered bytes included
+        self.grown = 0  # bytes this writer added to the log's files (records, padding, segment headers)
         self.next_lsn = next_lsn
         self.fd = io.open(self._path(active), os.O_RDWR)
         # a segment an older minor version began (SPEC.md §11): this writer appends nothing to it,
@@ -332,6 +333,7 @@ class Log:
         self.next_lsn = lsn + 1
         self.last_data_lsn = lsn
         self.unsynced_bytes += new_tail - self.tail
+        self.grown += new_tail - self.tail
         self.tail = new_tail
         if not buffered:
             self.written = (self.active, new_tail)
@@ -515,6 +517,7 @@ class Log:
             self.unsynced_bytes = 0
             self.oldest_unsynced = None
         self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
+        self.grown += fmt.SEGMENT_HEADER_SIZE
         self.written = (new_id, self.tail)
         self._older_minor = False
 
@@ -526,6 +529,7 @@ class Log:
             target = rec.align_up(self.tail, fmt.PAGE)
             for b in self._pad_iov(self.tail, target):
                 self._buf += b
+            self.grown += target - self.tail
             self.tail = target
 
     def _fdatasync(self, fd: int) -> None:

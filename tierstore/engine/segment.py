@@ -69,8 +69,13 @@ def open_segment(io: PosixIO, path: str, flags: int = os.O_RDONLY) -> int:
     except BaseException:
         io.close(fd)
         raise
-    if not io.names(path, fd):  # (once the lock is held a rename leaves the bytes alone: the
-        io.close(fd)  # shrinking writer cannot take its exclusive lock and unlinks it at once)
+    try:
+        named = io.names(path, fd)  # (once the lock is held a rename leaves the bytes alone: the
+    except BaseException:  # shrinking writer cannot take its exclusive lock and unlinks it at once)
+        io.close(fd)
+        raise
+    if not named:
+        io.close(fd)
         raise FileNotFoundError(errno.ENOENT, "segment retired (being deleted)", path)
     return fd
 

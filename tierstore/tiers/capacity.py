@@ -492,16 +492,19 @@ class Capacity:
         for ratio in RECLAIM_RATIOS:
             # evict until segments at least ``ratio`` dead hold the deficit, then compact those
             evicted = self._evict(used + inflight + nbytes - target, ratio, lossy=not strict)
+            grown = engine.grown_bytes()
             done = self._reclaim(excess, ratio, strict)
+            grown = engine.grown_bytes() - grown
             used = engine.disk_bytes()
             # nothing evicted at the lowest share, and nothing compacted or the compaction freed less
-            # than a new segment and a sync take (what it retired less what it copied): stuck -- for
+            # than a new segment and a sync take (what it retired less what this handle added to the
+            # log meanwhile: copies, carried DELETEs, syncs' records and padding, new segments): stuck -- for
             # a put, when it happens again at its next try (it would compact the same records again,
             # for ever), as once may be other writers' puts landing meanwhile, or objects they put
             # while the order was taken (not victims of this run).  (Not by the files' size: other
             # writer processes' puts grow it while a round frees MBs -- two such rounds in a row
             # raised StoreFull with MBs evictable.)
-            freed = done["bytes_before"] - done["copied_bytes"]
+            freed = done["bytes_before"] - grown
             futile = not evicted and ratio == RECLAIM_RATIOS[-1] and (not done["victims"] or freed < FREED_MIN)
             if futile and strict:
                 self._futile += 1
