@@ -112,8 +112,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         t0 = time.perf_counter()
         engine.commit(force=True, sync=True)
         done: list[int] = []
-        counts = {"copied": 0, "copied_bytes": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0,
-                  "stalled": 0}
+        counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0, "stalled": 0}
         sealed = False
         last_need = None
         blockers: set[int] = set()  # survivors whose dead PUTs made the last pass carry DELETEs
@@ -225,7 +224,7 @@ def _compact_victims(engine: Engine, victims: list[int], progress: Callable[[int
     keeps what it finished."""
     carry, blockers = _carry_rule(engine, set(victims))
     bytes_before = sum(os.path.getsize(engine.segment_path(s)) for s in victims)
-    counts = {"copied": 0, "copied_bytes": 0, "carried_deletes": 0, "dropped": 0}
+    counts = {"copied": 0, "carried_deletes": 0, "dropped": 0}
     batch: list[int] = []
     size = 0
     for seg in victims:
@@ -397,7 +396,6 @@ def _copy_live(engine: Engine, fd: int, seg: int, batch: list[int], live: list[t
                 _copy_record(engine, fd, off, hdr)
                 moved.append((hdr.namespace, hdr.key))
                 counts["copied"] += 1
-                counts["copied_bytes"] += hdr.record_len
             else:
                 if cur is not None:
                     counts["dropped"] += 1

@@ -213,7 +213,11 @@ class Capacity:
         self.shared = InFlight(engine.path, limit=budget, alone=engine.alone)
         # a segment, or 1/64 of the budget if that is more: the unit space comes back in
         self.slack = max(budget // SLACK_SHARE, engine.options.segment_bytes)
-        self._sync_extra = SYNC_FOOTPRINT if engine.durability == "sync" else 0  # (footprint)
+        # what a put adds to the files besides its records: with durability="sync" its sync also
+        # pads the log to a page and appends a SYNC and a HEADERS record (a 200-byte put takes
+        # 4 KiB: counted as 200, the estimate between two reads of the files' sizes fell behind by
+        # that much a put, and puts passed the budget by 10 %)
+        self._sync_extra = SYNC_FOOTPRINT if engine.durability == "sync" else 0
         self._futile = 0  # a put's eviction rounds in a row that compacted but freed nothing
         self._futile_at: int | None = None  # the files' bytes after the thread's last run, if it freed nothing
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0, "compacted_bytes": 0,
@@ -388,7 +392,7 @@ class Capacity:
         # the eviction thread's deletes and copies, the index) has that slack to grow into
         budget, slack = self.budget, self.slack
         stop = budget - slack
-        nbytes += self._sync_extra  # (footprint)
+        nbytes += self._sync_extra  # (what its sync adds)
         waiting = False
         try:
             while True:
@@ -433,17 +437,10 @@ class Capacity:
                 with self._est_lock:
                     self._waiting -= 1
 
-    def footprint(self, nbytes: int) -> int:
-        """What a put of records of ``nbytes`` adds to the files: with ``durability="sync"`` its
-        sync also pads the log to a page and appends a SYNC and a HEADERS record (a 200-byte put
-        takes 4 KiB: counted as 200, the estimate between two reads of the files' sizes fell
-        behind by that much a put, and puts passed the budget by 10 %)."""
-        return nbytes + self._sync_extra
-
     def landed(self, nbytes: int, shared: int = 0) -> None:
         """A put that ``make_room`` let through was appended (or failed): no longer in flight
         (``shared``: what ``make_room`` returned, the bytes it told other processes of)."""
-        nbytes += self._sync_extra  # (footprint)
+        nbytes += self._sync_extra  # (what its sync adds)
         with self._est_lock:
             self._inflight -= nbytes
             self._used += nbytes
