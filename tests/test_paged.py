@@ -19,6 +19,19 @@ if HAS_TORCH:
 NB, BS, H, D = 40, 16, 4, 32
 
 
+@pytest.fixture(autouse=True, params=["numba", "numpy"])
+def copies(request, monkeypatch):
+    """Every test runs twice: host copies by the loop numba compiles (a dev dependency: its absence
+    fails these runs) and by numpy's copies (what runs without numba)."""
+    from tierstore.integrations import paged
+
+    if request.param == "numpy":
+        monkeypatch.setattr(paged, "compiled_kernel", lambda: None)
+    else:
+        assert paged.compiled_kernel() is not None, "numba is a dev dependency: the compiled copies must be tested"
+    return request.param
+
+
 def make(form, mem, ratio, dtype):
     n = BS // ratio
     if form == "bhnc":  # vLLM 0.33: [blocks, heads, block_tokens, K|V]
@@ -131,6 +144,14 @@ def test_unknown_layouts_and_bad_chunks_are_refused():
     valid = torch.randn(2, H, BS, D).half()  # the valid twin: the same call with a position that exists
     scatter(t, lay, [1], valid, positions=[0])
     assert torch.equal(per_block(t, "bhnc")[1], valid)
+    before = t.clone()
+    for bad in ([NB], [-1], [3, NB + 5]):  # block ids outside the pool: refused before any byte moves
+        with pytest.raises(InvalidObject, match="outside the pool"):
+            scatter(t, lay, [0] * (len(bad) - 1) + bad[-1:], torch.randn(2, H, len(bad) * BS, D).half())
+        with pytest.raises(InvalidObject, match="outside the pool"):
+            gather(t, lay, bad, torch.empty(2, H, len(bad) * BS, D, dtype=torch.float16))
+    assert torch.equal(t, before)
+    gather(t, lay, [NB - 1], torch.empty(2, H, BS, D, dtype=torch.float16))  # the last block exists
 
 
 @pytest.mark.parametrize("form,mem,ratio", [("bhnc", "NHD", 1), ("bhnc", "HND", 2), ("kv_first", "NHD", 1),

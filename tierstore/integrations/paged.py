@@ -18,17 +18,19 @@ varies with the backend (NHD, HND, layer-interleaved: only the strides differ), 
 kernel blocks may split each scheduler block in ``r`` pieces (``blocks = r * num_blocks``).
 Older releases used ``[2, blocks, block_size, heads, dim]`` (FlashAttention),
 ``[blocks, 2, block_size, heads, dim]`` (FlashInfer) and ``[blocks, block_size, dim]`` (MLA);
-they are read too.  Copies between host tensors go through
-numpy views whose elements are whole ``head_dim`` rows, so a block moves in runs of ``head_dim *
-itemsize`` bytes; device tensors use torch copies on their device.  On this project's 2-core
-CPU a gather runs at 0.6-0.9x and a scatter at 0.45-0.65x a memcpy of the same blocks' bytes in
-the same direction (docs/benchmarks.md: each 256-byte row is reordered between the two layouts).
+they are read too.  Copies between host tensors run a loop compiled by numba when it is
+installed (the ``fast`` extra; vLLM depends on it): it walks each block in the pool's memory
+order, one ``head_dim`` row at a time, at about the speed of a memcpy of the same pages
+(docs/benchmarks.md).  Without numba, numpy copies views whose elements are whole rows (0.5-0.9x
+a memcpy: numpy's per-element loop).  Device tensors use torch copies on their device.
 
 It owns the copy and nothing else: no I/O, no engine state, no imports of the engines.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +88,7 @@ class PagedLayout:
     def kernel_blocks(self, block_ids: Any) -> list[int]:
         """Scheduler block ids -> the kernel blocks that hold their tokens, in token order."""
         r = self.ratio
-        return [int(b) * r + i for b in block_ids for i in range(r)]
+        return list(map(int, block_ids)) if r == 1 else [int(b) * r + i for b in block_ids for i in range(r)]
 
     def blocks(self, layer: Any) -> Any:
         """``layer`` with the kernel block first and, per block, ``[2, heads, tokens, dim]``
@@ -113,18 +115,77 @@ def _rows(t: Any) -> np.ndarray:
     return a.view(np.dtype((np.void, a.shape[-1] * a.itemsize)))[..., 0]
 
 
+def _bytes(t: Any) -> np.ndarray:
+    """A host tensor as a numpy uint8 array sharing its memory (the last dimension in bytes)."""
+    if t.stride(-1) != 1:
+        raise InvalidObject("the last dimension of a paged KV tensor must be contiguous")
+    b = t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
+                                                                   8: torch.int64}[t.element_size()])
+    return b.numpy().view(np.uint8)
+
+
+def _copy_blocks(pool: np.ndarray, chunk: np.ndarray, js: np.ndarray, bs: np.ndarray, tok: int, to_chunk: bool) -> None:
+    """``chunk``'s block ``js[i]`` <- ``pool[bs[i]]`` (or back) for each ``i``.  ``pool``:
+    ``[blocks, X, Y, Z, bytes]``, ``chunk``: ``[X, Y, Z * blocks, bytes]`` with axis ``tok`` (0-2) of
+    X, Y, Z the tokens, any strides (the caller orders X, Y, Z by the pool's strides, so the rows
+    are visited in its memory order).  The caller checks every index: this loop does not."""
+    nx, ny, nz, w = pool.shape[1], pool.shape[2], pool.shape[3], pool.shape[4]
+    for i in range(bs.shape[0]):
+        b = bs[i]
+        j = js[i] * (nx, ny, nz)[tok]
+        dx, dy, dz = (j, 0, 0) if tok == 0 else ((0, j, 0) if tok == 1 else (0, 0, j))
+        for x in range(nx):
+            for y in range(ny):
+                for z in range(nz):
+                    src, dst = pool[b, x, y, z], chunk[x + dx, y + dy, z + dz]
+                    if to_chunk:
+                        for k in range(w):
+                            dst[k] = src[k]
+                    else:
+                        for k in range(w):
+                            src[k] = dst[k]
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_kernel() -> Any:
+    """``_copy_blocks`` compiled by numba (cached on disk by numba), or None: numba is not
+    installed, or ``TIERSTORE_PAGED=numpy`` asks for the numpy copies."""
+    if os.environ.get("TIERSTORE_PAGED") == "numpy":
+        return None
+    try:
+        import numba
+    except ImportError:
+        return None
+    sig = "void(u1[:,:,:,:,:], u1[:,:,:,:], i8[:], i8[:], i8, b1)"
+    try:
+        return numba.njit(sig, cache=True, nogil=True, boundscheck=False)(_copy_blocks)
+    except RuntimeError:  # no writable cache directory (a read-only install): compiled in each process
+        return numba.njit(sig, nogil=True, boundscheck=False)(_copy_blocks)
+
+
 def _host(a: Any, b: Any) -> bool:
     return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
 
 
 class PagedLayer:
-    """One layer's paged tensor with its layout, and (on the host) the numpy view the copies use,
-    made once: a connector keeps one per layer (building the view costs more than a block's copy)."""
+    """One layer's paged tensor with its layout, and (on the host) the views the copies use,
+    made once: a connector keeps one per layer (building the views costs more than a block's
+    copy).  ``compiled``: the numba loop (True), numpy's copies (False), or numba when it is
+    installed (None)."""
 
-    def __init__(self, layer: Any, layout: PagedLayout) -> None:
+    def __init__(self, layer: Any, layout: PagedLayout, *, compiled: bool | None = None) -> None:
         self.tensor, self.layout = layer, layout
         self.blocks = layout.blocks(layer)
-        self.rows = _rows(self.blocks) if self.blocks.device.type == "cpu" else None
+        host = self.blocks.device.type == "cpu"
+        self.kernel = compiled_kernel() if host and compiled is not False else None
+        if compiled and self.kernel is None:
+            raise InvalidObject("compiled paged copies need numba (pip install 'tierstore[fast]')")
+        self.rows = _rows(self.blocks) if host and self.kernel is None else None
+        if self.kernel is not None:  # [blocks, 2|1, heads|1, n, bytes], and the order of its strides
+            b5 = self.blocks if layout.kind == "kv" else self.blocks.unsqueeze(1).unsqueeze(1)
+            order = sorted((0, 1, 2), key=lambda d: -b5.stride(d + 1))
+            self.pool = _bytes(b5).transpose(0, *(d + 1 for d in order), 4)
+            self.order, self.tok = (*order, 3), order.index(2)  # the chunk's axes in that order; its tokens
 
     def gather(self, block_ids: Any, out: Any) -> Any:
         """The tokens of the scheduler blocks ``block_ids`` (in order) into ``out``, a chunk layer of
@@ -135,7 +196,7 @@ class PagedLayer:
         if tuple(out.shape) != want:
             raise InvalidObject(f"a chunk layer of shape {list(out.shape)} for {len(block_ids)} blocks; "
                                 f"expected {list(want)}")
-        self._copy(out, list(enumerate(ids)), to_chunk=True)
+        self._copy(out, range(len(ids)), ids, to_chunk=True)
         return out
 
     def scatter(self, block_ids: Any, src: Any, *, positions: Any = None) -> None:
@@ -153,19 +214,34 @@ class PagedLayer:
             raise InvalidObject(f"scatter: a chunk layer of shape {list(src.shape)} does not fit blocks of {bs} "
                                 f"tokens at positions {pos[:8]}")
         r = layout.ratio
-        self._copy(src, [(p * r + i, int(b) * r + i) for p, b in zip(pos, block_ids) for i in range(r)],
-                   to_chunk=False)
+        self._copy(src, [p * r + i for p in pos for i in range(r)], layout.kernel_blocks(block_ids), to_chunk=False)
 
-    def _copy(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
-        """Block by block, between this layer's kernel blocks and the chunk layer ``chunk``."""
+    def _copy(self, chunk: Any, js: Any, bs: list[int], *, to_chunk: bool) -> None:
+        """Between the chunk layer ``chunk``'s blocks ``js`` and this layer's kernel blocks ``bs``."""
         n, kv = self.layout.block_tokens, self.layout.kind == "kv"
-        if self.rows is not None and chunk.device.type == "cpu" and chunk.dtype == self.tensor.dtype:
+        host = chunk.device.type == "cpu" and chunk.dtype == self.tensor.dtype
+        blocks, room = self.blocks.shape[0], (chunk.shape[2] if kv else chunk.shape[0]) // n
+        if bs and (min(bs) < 0 or max(bs) >= blocks or min(js) < 0 or max(js) >= room):
+            bad = sorted({(j, b) for j, b in zip(js, bs) if not (0 <= b < blocks and 0 <= j < room)})
+            raise InvalidObject(f"block ids outside the pool of {blocks} kernel blocks or a chunk of {room} blocks "
+                                f"(chunk block, pool block): {bad[:8]}")
+        if host and self.kernel is not None:
+            if not bs:
+                return
+            c = (_bytes(chunk) if kv else _bytes(chunk)[None, None]).transpose(self.order)
+            if any(c.shape[d] != self.pool.shape[d + 1] for d in range(4) if d != self.tok):
+                raise InvalidObject(f"a chunk of {list(chunk.shape)} does not fit blocks of "
+                                    f"{list(self.blocks.shape[1:])}")
+            self.kernel(self.pool, c, np.array(js, dtype=np.int64), np.array(bs, dtype=np.int64), self.tok,
+                        to_chunk)  # the loop checks no index: checked above
+            return
+        if self.rows is not None and host:
             p, c = self.rows, _rows(chunk)  # pool [blocks, 2, heads, n] / [blocks, n]; chunk [2, heads, T] / [T]
-            for j, b in pairs:
+            for j, b in zip(js, bs):
                 cv = c[..., j * n:(j + 1) * n] if kv else c[j * n:(j + 1) * n]
                 np.copyto(cv, p[b]) if to_chunk else np.copyto(p[b], cv)
             return
-        self._copy_torch(chunk, pairs, to_chunk=to_chunk)
+        self._copy_torch(chunk, list(zip(js, bs)), to_chunk=to_chunk)
 
     def _copy_torch(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
         """The same with torch on the layer's device: one gather (index_select) or scatter
