@@ -522,17 +522,36 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
             raise CorruptionError("reserved extent field is not zero", **where)
         lengths.append(n)
         crcs.append(c)
-    meta = unpack_meta(meta_bytes, **where) if f.meta_len else {}
     lengths_t = tuple(lengths)
+    memo = (f.kind, f.codec, meta_bytes, lengths_t) if f.type == fmt.REC_PUT and f.kind != fmt.KIND_REF else None
+    meta = _CHECKED_META.get(memo) if memo is not None else None
+    checked = meta is not None
+    if meta is None:
+        meta = unpack_meta(meta_bytes, **where) if f.meta_len else {}
     hdr = RecordHeader(f.type, f.flags, f.lsn, f.record_len, f.kind, f.align_log2, f.codec, namespace, key,
                        meta, lengths_t, tuple(crcs), f.header_crc, raw,
                        extent_offsets(f.header_len, f.align_log2, lengths_t))
-    _check_layout(hdr, **where)
+    _check_layout(hdr, contents_checked=checked, **where)
+    if memo is not None and not checked:
+        if len(_CHECKED_META) >= _CHECKED_META_MAX:
+            _CHECKED_META.clear()
+        _CHECKED_META[memo] = meta
     return hdr
 
 
-def _check_layout(h: RecordHeader, **where: Any) -> None:
-    """Type-specific rules: key/namespace presence, extent placement, metadata schema."""
+# (kind, codec, metadata bytes, extent lengths) of PUT records whose contents passed
+# _check_put_contents -> their metadata, decoded once: the records of a batch or of one model's
+# chunks share them, and a scan decodes thousands.  Exact (the whole key is what the check
+# reads); the dicts are shared, as headers are (readers never change them: user metadata is
+# copied out).  Bounded: cleared when full.
+_CHECKED_META: dict[tuple[int, int, bytes, tuple[int, ...]], dict[str, Any]] = {}
+_CHECKED_META_MAX = 4096
+
+
+def _check_layout(h: RecordHeader, *, contents_checked: bool = False, **where: Any) -> None:
+    """Type-specific rules: key/namespace presence, extent placement, metadata schema
+    (``contents_checked``: a PUT whose kind, codec, metadata and extent lengths passed
+    ``_check_put_contents`` before, in another record)."""
     if h.type == fmt.REC_PAD:
         if (h.kind or h.namespace or h.key or h.meta or h.extent_lengths or h.lsn
                 or h.header_len != fmt.RECORD_HEADER_SIZE):  # header_len 48: meta_len 0 (§4.5)
@@ -574,8 +593,6 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
                 or fmt.RECORD_HEADER.unpack_from(h.raw)[META_LEN_FIELD]):
             raise CorruptionError("DELETE record with content", **where)  # meta_len 0 (§4.5)
         return
-    if h.codec not in fmt.CODEC_NAMES:
-        raise CorruptionError(f"unknown codec id {h.codec}", **where)
     if (h.namespace == fmt.REF_NAMESPACE) != (h.kind == fmt.KIND_REF):
         raise CorruptionError("ref records live in the reserved ref namespace, and only they do", **where)
     if h.kind == fmt.KIND_REF:
@@ -585,6 +602,19 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
                 or type(h.meta.get("key_str")) is not bool or h.flags
                 or parsed[2] != ref_target_hash(target)):
             raise CorruptionError("bad ref record", **where)
+    if not contents_checked:
+        _check_put_contents(h, **where)
+    offsets = h.offsets
+    end = offsets[-1] + h.extent_lengths[-1] if offsets else h.header_len
+    if end != h.record_len:
+        raise CorruptionError(f"record_len {h.record_len} does not match its extents ({end})", **where)
+
+
+def _check_put_contents(h: RecordHeader, **where: Any) -> None:
+    """A PUT's codec, metadata schema and extent lengths: a function of its kind, codec,
+    metadata and extent lengths alone (``decode_header`` remembers which passed)."""
+    if h.codec not in fmt.CODEC_NAMES:
+        raise CorruptionError(f"unknown codec id {h.codec}", **where)
     expected = expected_extent_lengths(h.kind, h.meta, **where)
     if h.codec == fmt.CODEC_RAW:
         if "codec_params" in h.meta:
@@ -593,10 +623,6 @@ def _check_layout(h: RecordHeader, **where: Any) -> None:
             raise CorruptionError("extent lengths do not match the object's metadata", **where)
     else:
         _check_coded_lengths(h, expected, **where)
-    offsets = h.offsets
-    end = offsets[-1] + h.extent_lengths[-1] if offsets else h.header_len
-    if end != h.record_len:
-        raise CorruptionError(f"record_len {h.record_len} does not match its extents ({end})", **where)
 
 
 def _check_coded_lengths(h: RecordHeader, logical: list[int], **where: Any) -> None:
