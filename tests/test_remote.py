@@ -676,7 +676,7 @@ def test_remote_sync_sends_what_the_server_lacks_and_fsck_checks_it(tmp_path, se
     assert all(np.array_equal(b.get(b"k%d" % i, namespace="m").data, kv(i)) for i in range(5))
     b.close()
     with tierstore.open(path, remote=server.url) as a:  # a second sync finds everything there
-        assert a.remote_sync() == {"checked": 5, "sent": 0, "present": 5, "local_only": 0, "failed": 0}
+        assert a.remote_sync() == {"checked": 5, "sent": 0, "present": 5, "local_only": 0, "failed": 0, "refused": 0}
         a.delete(b"k0", namespace="m")
     assert main(["fsck", "--remote", server.url, "--namespace", "m"]) == 0
     r = redis.Redis(port=server.port)
@@ -923,3 +923,138 @@ def test_two_sends_of_one_version_at_once_leave_a_value_that_verifies(tmp_path, 
     finally:
         tier.close()
         plain.close()
+
+
+# -- refusals, clocks, handles beside (a cold review, 2026-12-03) ------------------------------------------
+
+def test_a_value_the_server_refuses_is_dropped_not_retried_ahead_of_the_others(tmp_path):
+    """A value larger than the server's proto-max-bulk-len is never sent (refused before any byte
+    moves: no staging key, so nothing without an expiry), counted in ``refused``; the keys
+    behind it in the write-back queue are sent.  Its twin, an object that fits, is sent."""
+    s = RedisServer(tmp_path, "--proto-max-bulk-len", "1mb").start()
+    try:
+        a = node(tmp_path, "a", s.url, remote_policy="write-back")
+        a.put(b"big", tierstore.KVCache(kv(1, layers=8, tokens=2048)), namespace="m")  # 2 MiB record
+        for i in range(5):
+            a.put(b"k%d" % i, tierstore.Blob(b"v%d" % i), namespace="m")
+        wait_for(lambda: remote_of(a)["puts"] == 5 and remote_of(a)["queue_length"] == 0)
+        assert remote_of(a)["refused"] == 1
+        r = redis.Redis(port=s.port)
+        assert not [k for k in r.keys(b"*") if b":w:" in k]  # no staging key left behind
+        assert r.exists(remote_key(b"m", b"k4")) and not r.exists(remote_key(b"m", b"big"))
+        assert a.get(b"big", namespace="m").data.shape == (8, 2, 2, 2048, 8)  # local, untouched
+        a.close()
+        b = node(tmp_path, "b", s.url, remote_policy="write-through")
+        b.put(b"big", tierstore.KVCache(kv(1, layers=8, tokens=2048)), namespace="m")  # write-through too
+        assert remote_of(b)["refused"] == 1 and not remote_of(b)["down"]
+        b.close()
+    finally:
+        s.stop()
+
+
+def test_a_foreign_key_type_under_a_name_blocks_only_that_key(tmp_path, server):
+    r = redis.Redis(port=server.port)
+    r.rpush(remote_key(b"m", b"k0"), b"someone else's list")
+    a = node(tmp_path, "a", server.url, remote_policy="write-back")
+    for i in range(4):
+        a.put(b"k%d" % i, tierstore.Blob(b"v%d" % i), namespace="m")
+    wait_for(lambda: remote_of(a)["puts"] == 3 and remote_of(a)["queue_length"] == 0)
+    assert remote_of(a)["refused"] == 1
+    a.close()
+    out = subprocess.run([sys.executable, "-m", "tierstore", "fsck", "--remote", server.url, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and len(report["damaged"]) == 1 and "WRONGTYPE" in report["damaged"][0]["why"]
+    assert report["values"] == 3  # the others were checked
+
+
+def test_a_stamp_far_in_the_future_is_a_damaged_value_not_a_clock(tmp_path, server):
+    """A well-formed envelope with a stamp of 2^64-1 (crafted, or a clock gone wild) is a miss
+    and moves no clock: later puts still work, across a reopen.  Its twin: a stamp an hour
+    ahead (clock skew) is a value."""
+    from tierstore.tiers.remote import CLOCK, Version, envelope, parse_envelope
+
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    r = redis.Redis(port=server.port)
+    r.set(remote_key(b"m", b"evil"), envelope(Version((1 << 64) - 1, bytes(16)), 8) + bytes(8))
+    assert not a.contains(b"evil", namespace="m")
+    with pytest.raises(tierstore.NotFound):
+        a.get(b"evil", namespace="m")
+    a.put(b"k2", tierstore.Blob(b"v2"), namespace="m")
+    a.close()
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k3", tierstore.Blob(b"v3"), namespace="m")
+    assert remote_of(a)["puts"] == 1
+    CLOCK.seen(time.time_ns() + 3600 * 10**9)  # a node whose clock runs an hour ahead: its values count
+    a.put(b"k4", tierstore.Blob(b"v4"), namespace="m")
+    a.close()
+    assert parse_envelope(r.get(remote_key(b"m", b"k4"))).version.stamp > time.time_ns() + 3000 * 10**9
+    b = node(tmp_path, "b", server.url)
+    assert b.get(b"k4", namespace="m").data == b"v4"
+    b.close()
+
+
+def test_a_put_of_a_handle_beside_the_remote_handle_is_kept(tmp_path, server):
+    """A handle without remote= on a store that another handle sends to a remote: its put is
+    newer than the server's value, and the remote handle serves it (it used to fetch the
+    server's older value and write it back over the put)."""
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k", tierstore.Blob(b"old"), namespace="m")
+    plain = tierstore.open(str(tmp_path / "a"))
+    plain.put(b"k", tierstore.Blob(b"new"), namespace="m")
+    assert a.get(b"k", namespace="m").data == b"new"
+    assert plain.get(b"k", namespace="m").data == b"new"
+    assert remote_of(a)["stale"] == 0
+    plain.close()
+    assert a.remote_sync()["sent"] == 1  # sent by the remote handle's sync
+    b = node(tmp_path, "b", server.url)
+    assert b.get(b"k", namespace="m").data == b"new"
+    a.close()
+    b.close()
+
+
+def test_a_second_session_of_the_same_chunk_writes_no_bytes_with_a_remote(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    chunk = tierstore.KVCache(kv(7))
+    a.put(b"c", chunk, namespace="m", session="s1")
+    written, sent = a.stats()["counters"]["bytes_written"], remote_of(a)["bytes_out"]
+    a.put(b"c", chunk, namespace="m", session="s2")
+    assert a.stats()["counters"]["dedup_puts"] == 1
+    assert a.stats()["counters"]["bytes_written"] - written < 1024  # a session reference, not the chunk
+    assert remote_of(a)["bytes_out"] == sent  # nothing new to send
+    a.drop_session("s1", namespace="m")
+    assert a.contains(b"c", namespace="m")  # s2 still holds it
+    a.close()
+
+
+def test_a_user_without_a_password_in_the_url_takes_it_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TIERSTORE_REMOTE_PASSWORD", "pw")
+    t = parse_url("redis://alice@127.0.0.1:6379/0")
+    assert (t.username, t.password) == ("alice", "pw")
+    t = parse_url("redis://:other@127.0.0.1:6379/0")
+    assert (t.username, t.password) == (None, "other")
+
+
+def test_get_many_counts_misses_like_get(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    assert a.get_many([b"x%d" % i for i in range(10)], namespace="m") == [None] * 10
+    assert remote_of(a)["misses"] == 10
+    with pytest.raises(tierstore.NotFound):
+        a.get(b"y", namespace="m")
+    assert remote_of(a)["misses"] == 11
+    a.close()
+
+
+def test_info_of_a_key_deleted_here_waits_for_no_tombstone(tmp_path, server):
+    a = node(tmp_path, "a", server.url)
+    b = node(tmp_path, "b", server.url, remote_policy="write-back")
+    a.put(b"k", tierstore.Blob(b"v"), namespace="m")
+    b._remote.queue._stopping = True  # (the sender sends nothing: the tombstone stays pending)
+    b.delete(b"k", namespace="m")
+    assert b._remote.queue.tombstone_of(b"m", b"k") is not None
+    with pytest.raises(tierstore.NotFound):
+        b.info(b"k", namespace="m")
+    b._remote.queue._stopping = False
+    a.close()
+    b.close()

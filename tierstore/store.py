@@ -27,6 +27,7 @@ import functools
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, wait
@@ -50,7 +51,17 @@ from .scoped import NamespaceHandle
 from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens_of
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
-from .tiers.remote import REMOTE_OPTIONS, Remote, RemoteDown, RemoteTier, Version, remote_options, version_of
+from .tiers.remote import (
+    CLOCK,
+    REMOTE_OPTIONS,
+    Remote,
+    RemoteDown,
+    RemoteRefused,
+    RemoteTier,
+    Version,
+    remote_options,
+    version_of,
+)
 from .tiers.trace import TRACE_OPTIONS, TraceWriter, trace_options
 
 TIERS = ("ssd", "dram", "gpu")
@@ -267,6 +278,8 @@ class Store:
         # _cache_fetched
         self._tiers: Hierarchy | None = None
         self._remote: RemoteTier | None = None
+        self._remote_beside = False  # a REMOTE file: another handle sends this store to a remote
+        self._remote_checked = 0.0  # (looked for again at most once a second until found)
         self._capacity: Capacity | None = None
         self._trace: TraceWriter | None = None
         # told of puts, reads, misses, deletes and sessions: the SSD budget's policy, a trace
@@ -496,6 +509,9 @@ class Store:
                     continue
                 try:
                     remote.push(rec.EncodedRecord(loc.header, r.extents), v)
+                except RemoteRefused:  # the server takes no retry of it: the object stays local
+                    remote.count("refused")
+                    remote.queue.sent(v.stamp)
                 except RemoteDown:
                     remote.queue.add(h.namespace, h.key, v.stamp)
                 else:
@@ -516,6 +532,8 @@ class Store:
                 continue
             try:
                 remote.tombstone(ns, k, v)
+            except RemoteRefused:  # (a key of another type under the name: nothing of ours to hide)
+                remote.count("refused")
             except RemoteDown:
                 remote.queue.add_tombstone(ns, k, v)
 
@@ -533,7 +551,14 @@ class Store:
             block = blk.apply_codec(block, choice, dictionary)
         remote = self._remote
         if remote is None or not remote.writes:
-            return rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2, block.codec)
+            if not self._beside_remote():
+                return rec.encode_put(ns, k, kflags, block.kind, block.meta, block.extents, block.align_log2,
+                                      block.codec)
+            # another handle sends this store to a remote: a version, so that its reads keep this put
+            # (newer than the server's) instead of the server's older value; it reaches the server by
+            # that handle's next sweep or remote_sync (this handle sends nothing)
+            meta = {**block.meta, fmt.META_VERSION: [CLOCK.next(), self._engine.store_uuid]}
+            return rec.encode_put(ns, k, kflags, block.kind, meta, block.extents, block.align_log2, block.codec)
         stamp = remote.queue.issue()  # the version other nodes compare (SPEC.md §14.2)
         try:
             meta = {**block.meta, fmt.META_VERSION: [stamp, remote.origin]}
@@ -541,6 +566,17 @@ class Store:
         except BaseException:
             remote.queue.sent(stamp)
             raise
+
+    def _beside_remote(self) -> bool:
+        """Whether the store has a remote tier that another handle (of any process) sends to:
+        its REMOTE file exists (SPEC.md §14.5).  Looked for at most once a second until found."""
+        if not self._remote_beside:
+            now = time.monotonic()
+            if now < self._remote_checked:
+                return False
+            self._remote_checked = now + 1.0
+            self._remote_beside = os.path.exists(os.path.join(self.path, fmt.REMOTE_FILE))
+        return self._remote_beside
 
     def _append_puts(self, puts: list[tuple[bytes, int, rec.EncodedRecord]], ns: bytes, sess: bytes | None) -> Any:
         """Append encoded puts of namespace ``ns`` (with their session references) as one atomic
@@ -1030,7 +1066,9 @@ class Store:
         unreachable, or evicted from it.  A newer version or a tombstone on the server is never
         replaced.  ``progress(n)`` is called with each batch's count.  Returns counts:
         ``checked``, ``sent``, ``present`` (the server holds this or a newer version), ``local_only``
-        (objects that need a zstd dictionary, which stay local) and ``failed`` (no answer).
+        (objects that need a zstd dictionary, which stay local), ``failed`` (no answer) and
+        ``refused`` (the server refused the value: larger than it takes, or another type of key
+        under its name).
         (``tierstore remote-sync PATH --remote URL``.)"""
         self._check_writable()
         remote = self._remote
@@ -1039,7 +1077,7 @@ class Store:
                                 hint='tierstore.open(path, remote="redis://host:6379/0")')
         engine = self._engine
         names = [encode_namespace(namespace)] if namespace is not None else engine.namespaces()
-        counts = {"checked": 0, "sent": 0, "present": 0, "local_only": 0, "failed": 0}
+        counts = {"checked": 0, "sent": 0, "present": 0, "local_only": 0, "failed": 0, "refused": 0}
         for ns in names:
             keys = sorted(engine.keys(ns))
             for i in range(0, len(keys), 256):
@@ -1062,6 +1100,9 @@ class Store:
                         continue
                     try:
                         counts["sent" if remote.push(record, version) else "present"] += 1
+                    except RemoteRefused:
+                        remote.count("refused")
+                        counts["refused"] += 1
                     except RemoteDown:
                         counts["failed"] += 1
                 if progress is not None:
@@ -1298,6 +1339,9 @@ class Store:
                 states = self._remote.states(ns, ks)
             except RemoteDown:
                 states = [None] * len(ks)
+            else:  # held nowhere (or deleted everywhere): misses, as a get's fetch counts them
+                self._remote.count("misses", sum(1 for st, loc in zip(states, locs)
+                                                 if loc is None and (st is None or st.tombstone)))
             for n, st in enumerate(states):
                 locs[n], fetched = self._reconcile(ns, ks[n], locs[n], st, layers, rows)
                 if fetched is not None:
@@ -1531,7 +1575,8 @@ class Store:
                 got = self._remote.fetch_extents(ns, k, lambda h: [])
             except RemoteDown:
                 got = None
-            if got is None or got[1] is None:
+            tomb = self._remote.queue.tombstone_of(ns, k)  # deleted here, the tombstone not yet sent
+            if got is None or got[1] is None or tomb is not None and got[0].version <= tomb:
                 raise
             loc, tiers = Location(None, None, got[1].hdr), ("remote",)  # type: ignore[arg-type]
         h = loc.header
@@ -1550,7 +1595,8 @@ class Store:
             checksum=f"crc32c:{h.header_crc:08x}", extent_checksums=h.extent_crcs,
             tiers=tiers, lsn=h.lsn, segment=loc.segment, offset=loc.offset, layer_start=meta.get("layer_start"),
             metric=meta.get("metric"), media_type=meta.get("media_type"),
-            has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None, meta=meta.get("meta", {}),
+            has_ids=meta.get("ids") if h.kind == fmt.KIND_VECTORS else None,
+            meta=copy.deepcopy(meta.get("meta", {})),  # the caller's to change: not the cached header's
             sessions=sessions,
         )
 

@@ -133,10 +133,10 @@ def cmd_remote_sync(args: argparse.Namespace) -> int:
     def text() -> None:
         print(f"{args.path} -> {counts['remote']}: {counts['checked']} checked, {counts['sent']} sent, "
               f"{counts['present']} already there, {counts['local_only']} local only (zstd dictionary), "
-              f"{counts['failed']} failed")
+              f"{counts['failed']} failed, {counts['refused']} refused by the server")
 
     _emit(args, counts, text)
-    return EXIT_OK if not counts["failed"] else EXIT_FINDINGS
+    return EXIT_OK if not counts["failed"] and not counts["refused"] else EXIT_FINDINGS
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
@@ -635,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
         return EXIT_OK
     except StoreLocked as e:
+        if not hasattr(args, "lock_timeout"):  # a command that does not wait (remote-sync): the error's own hint
+            return _fail(args, EXIT_LOCKED, f"{e.message} (hint: {e.hint or 'stop the process that holds it'})")
         return _fail(args, EXIT_LOCKED, f"{e.message} (hint: stop the process that writes to the store, or wait "
                                         "longer with --lock-timeout SECONDS)")
     except StoreNotFound as e:

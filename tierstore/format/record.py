@@ -764,9 +764,17 @@ def _checked_product(values: Sequence[int], **where: Any) -> int:
 
 def same_object(a: RecordHeader, b: RecordHeader) -> bool:
     """Same stored bytes: kind, codec, key flags, metadata, extent lengths and checksums
-    (two records of one object, e.g. before and after compaction copied it)."""
-    return a.lsn == b.lsn or (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags and a.meta == b.meta
-                              and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
+    (two records of one object, e.g. before and after compaction copied it).  The remote
+    tier's ``version`` (SPEC.md §14.2) says when and where a put was made, not what it holds:
+    two puts of the same bytes are the same object (a second session's put of a stored chunk
+    writes no bytes with a remote tier too)."""
+    return a.lsn == b.lsn or (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags
+                              and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs
+                              and (a.meta == b.meta or _unversioned(a.meta) == _unversioned(b.meta)))
+
+
+def _unversioned(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k != fmt.META_VERSION}
 
 
 def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> list[int]:

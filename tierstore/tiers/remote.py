@@ -68,11 +68,18 @@ end
 return 1
 """
 STAGE_TTL_MS = 60_000  # a staged value a dead client left behind expires
+FUTURE_NS = 86_400 * 10**9  # a stamp further ahead of this node's clock than a day is damage, not skew
+VALUE_MAX_DEFAULT = 512 << 20  # Redis's proto-max-bulk-len by default: the largest value it takes
 
 
 class RemoteDown(Exception):
     """The remote did not answer (or refused): the caller degrades to local-only.  Internal to
     the handle and this module; never raised to users."""
+
+
+class RemoteRefused(RemoteDown):
+    """The server answered and refused this command (a value larger than it takes, a key of
+    another type under the name): trying the same send again will not help, other keys' may."""
 
 
 class Version(NamedTuple):
@@ -121,11 +128,9 @@ def parse_url(url: str) -> Target:
     path = path.split("?")[0]
     username = password = None
     if at:
-        user, colon, pw = userinfo.partition(":")
-        username = urllib.parse.unquote(user) or None
+        user, colon, pw = userinfo.partition(":")  # redis://user@host: a user (as redis-py reads it),
+        username = urllib.parse.unquote(user) or None  # the password from the environment
         password = urllib.parse.unquote(pw) if colon else None
-        if not colon:  # redis://password@host is how some clients spell a bare password
-            username, password = None, urllib.parse.unquote(user)
     password = password or os.environ.get(ENV_PASSWORD) or None
     username = username or os.environ.get(ENV_USER) or None
     hosts = []
@@ -196,6 +201,8 @@ def parse_envelope(b: bytes) -> Remote:
         raise CorruptionError(f"remote value: layout {layout} (this reader knows {fmt.REMOTE_LAYOUT})")
     if flags & ~fmt.REMOTE_FLAGS_KNOWN or reserved or reserved2:
         raise CorruptionError("remote value: unknown flags or non-zero reserved fields")
+    if stamp > time.time_ns() + FUTURE_NS:  # (0: an object put before its store had a remote)
+        raise CorruptionError("remote value: a version stamp more than a day ahead of this node's clock")
     tomb = bool(flags & fmt.REMOTE_FLAG_TOMBSTONE)
     if tomb and record_len:
         raise CorruptionError("remote value: a tombstone with a record length")
@@ -279,9 +286,14 @@ class Clock:
 
     def seen(self, stamp: int) -> None:
         """Another node's version was seen: later stamps of this process exceed it (so an
-        overwrite is newer than what it overwrote, whatever the clocks' skew)."""
+        overwrite is newer than what it overwrote, whatever the clocks' skew, up to a day:
+        ``parse_envelope`` refuses stamps further ahead, and this ignores them)."""
         with self._lock:
-            self._last = max(self._last, stamp)
+            if stamp <= time.time_ns() + FUTURE_NS:
+                self._last = max(self._last, stamp)
+
+
+CLOCK = Clock()  # one per process: the stamps of its handles (with remote= or beside one) never tie
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -346,13 +358,14 @@ class RemoteTier:
         self.policy = policy
         self.origin = origin
         self.retry_s, self.timeout, self.connect_timeout = retry_s, timeout, connect_timeout
-        self.clock = Clock()
+        self.clock = CLOCK
         self.counters = {"hits": 0, "misses": 0, "stale": 0, "bad_values": 0, "bytes_in": 0, "bytes_out": 0,
                          "puts": 0, "put_conflicts": 0, "tombstones": 0, "errors": 0, "full": 0, "skipped": 0,
-                         "queued": 0, "queue_dropped": 0, "resent": 0, "not_cached": 0}
+                         "queued": 0, "queue_dropped": 0, "resent": 0, "not_cached": 0, "refused": 0}
         self._latency: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self._down_until = 0.0
         self._down_logged = False
+        self._full_logged = False
         self._bad_logged: set[bytes] = set()
         self._damaged: dict[bytes, Version] = {}  # name -> the version of a value whose body failed its checks
         self._counting = threading.Lock()
@@ -360,6 +373,7 @@ class RemoteTier:
         self._errors = _redis_errors()
         self._client: Any = None  # connected on first use: a server down at open is a failure counted
         self._cas: Any = None
+        self.value_max: int | None = None  # the server's proto-max-bulk-len, read by the first put
         self._connect_lock = threading.Lock()
         self.queue = PushQueue(self, queue, state_path)
         self.clock.seen(self.queue.pushed_to)
@@ -398,40 +412,51 @@ class RemoteTier:
         try:
             out = fn(*args, **kwargs)
         except self._errors as e:
-            self._failed(e)
+            if self._failed(e):
+                raise RemoteRefused(self._scrub(str(e))) from None
             raise RemoteDown(self._scrub(str(e))) from None
         self._latency.append((time.perf_counter() - t0) * 1e3)
         if self._down_logged:
             _log.warning("remote %s answers again", self.url)
             self._down_logged = False
+        self._full_logged = False
         return out
 
     def _scrub(self, text: str) -> str:
         pw = self.target.password
         return text.replace(pw, "***") if pw else text
 
-    def _failed(self, e: BaseException) -> None:
+    def _failed(self, e: BaseException) -> bool:
+        """Count (and log) a failure; True if the server refused the command itself."""
         import redis
 
         text = self._scrub(str(e))
         if "OOM" in text or "maxmemory" in text:
-            self.count("full")  # a full server (noeviction): an error counted, not down
-            if not self._down_logged:
+            self.count("full")  # a full server (noeviction): an error counted, not down; logged
+            if not self._full_logged:  # once until a command succeeds again
+                self._full_logged = True
                 _log.warning("remote %s is full: %s", self.url, text)
-            return
+            return False
         if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type,
             self.count("errors")  # a database out of range): counted and logged once per kind;
             kind = text.split(" ")[0][:40]  # the server itself answers, so it is not down
             if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
                 self._refusals_logged.add(kind)
                 _log.warning("remote %s refused a command: %s", self.url, text)
-            return
+            return True
         self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
             _log.warning("remote %s unavailable (%s: %s); serving local data only, retrying every %.1f s",
                          self.url, type(e).__name__, text, self.retry_s)
             self._down_logged = True
+
+    def _log_refusal(self, kind: str, text: str) -> None:
+        """A send refused before it was tried (too large for the server): logged once per kind."""
+        self.count("errors")
+        if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
+            self._refusals_logged.add(kind)
+            _log.warning("remote %s: %s", self.url, text)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a counter (callers' threads and the push queue's count at once)."""
@@ -623,7 +648,11 @@ class RemoteTier:
         Raises RemoteDown if the server does not answer."""
         report: dict[str, Any] = {"remote": self.url, "values": 0, "tombstones": 0, "bytes": 0, "damaged": []}
         for name in self._call(lambda: list(self.scan(ns))):
-            value = self._call(lambda name=name: self.client.get(name))
+            try:
+                value = self._call(lambda name=name: self.client.get(name))
+            except RemoteRefused as e:  # e.g. WRONGTYPE: another type under the layout's name
+                report["damaged"].append({"key": name.decode("ascii", "replace"), "why": f"refused: {e}"})
+                continue
             if value is None:  # deleted or evicted since the scan
                 continue
             parsed = parse_remote_key(name)
@@ -656,9 +685,16 @@ class RemoteTier:
         total = len(env) + hdr.record_len
 
         def run() -> int:
-            pipe = self.client.pipeline(transaction=False)
+            client = self.client
+            if self.value_max is None:
+                self.value_max = _value_max(client)
+            if total > self.value_max:
+                return -2
+            pipe = client.pipeline(transaction=False)
+            # the stage's expiry first (a SET with PX), so that whatever fails later in the pipeline
+            # leaves nothing for long; SETRANGE keeps it: a client dying mid-upload leaves nothing
+            pipe.set(stage, b"", px=STAGE_TTL_MS)
             pipe.setrange(stage, total - 1, b"\0")  # one allocation of the whole value, zeroed
-            pipe.pexpire(stage, STAGE_TTL_MS)  # at once: a client dying mid-upload leaves nothing for long
             pos = 0
             for buf in [env, *record.iovecs()]:
                 view = rec.byte_view(buf)  # redis-py sizes a value by len(): flat bytes, not an array view
@@ -668,6 +704,10 @@ class RemoteTier:
             return int(self._cas(keys=[name, stage], args=[env]))
 
         out = self._call(run)
+        if out == -2:
+            self._log_refusal("value too large", f"a value of {total} bytes for {name!r}: the server takes at "
+                                 f"most {self.value_max} (proto-max-bulk-len); the object stays local")
+            raise RemoteRefused("value too large for the server")
         if out == -1:
             raise RemoteDown("the staged value vanished before it was swapped in (server evicting)")
         self.count("bytes_out", total)
@@ -685,6 +725,17 @@ class RemoteTier:
         out = self._call(run)
         self.count("tombstones" if out == 1 else "put_conflicts")
         return out == 1
+
+
+def _value_max(client: Any) -> int:
+    """The largest value the server takes (its ``proto-max-bulk-len``), or Redis's default where
+    CONFIG is not allowed (an ACL, a managed service) or the client is a cluster's."""
+    import redis
+
+    try:
+        return int(client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+    except (redis.exceptions.ResponseError, KeyError, TypeError, ValueError):  # refused, or not one answer
+        return VALUE_MAX_DEFAULT  # (a server that does not answer raises: the put fails, counted)
 
 
 def write_state(path: str, data: bytes) -> None:
@@ -899,7 +950,10 @@ class PushQueue:
             item = None if tomb else next(iter(self._items.items()), None)
         if tomb is not None:
             (ns, k), version = tomb
-            tier.tombstone(ns, k, version)
+            try:
+                tier.tombstone(ns, k, version)
+            except RemoteRefused:  # (counted and logged): retrying would block the keys behind it
+                tier.count("refused")
             with self._cv:
                 if self._tombs.get((ns, k)) == version:
                     del self._tombs[(ns, k)]
@@ -907,7 +961,10 @@ class PushQueue:
             return
         if item is not None:
             (ns, k), queued = item
-            self._send(ns, k)
+            try:
+                self._send(ns, k)
+            except RemoteRefused:  # too large, a foreign key type: dropped (counted), not retried ahead
+                tier.count("refused")  # of the keys behind it
             with self._cv:
                 if self._items.get((ns, k)) is queued:
                     del self._items[(ns, k)]
