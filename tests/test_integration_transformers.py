@@ -274,3 +274,81 @@ def test_fingerprint_matches_the_worked_example_of_the_spec():
 
     LlamaForCausalLM = type("LlamaForCausalLM", (), {"config": Config(), "dtype": torch.float32})
     assert model_fingerprint(LlamaForCausalLM()).hex() == "66c438b893cbb390a78c79f44aa9162a"  # SPEC.md §13.1
+
+
+# -- a new user's review (2026-12-03) ---------------------------------------------------------------
+
+def test_beam_search_saves_nothing_and_the_next_prompt_stays_exact(store_path, caplog):
+    """Under beam search the cache's rows are beams in beam order, not the returned sequence:
+    saving row 0 stored another beam's KV under the sequence's keys.  Nothing is saved now (one
+    warning); the prefix of a greedy run before it still loads, and a later prompt is exact."""
+    model = _model("llama")
+    ids = _ids(40)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)  # stores 2 chunks of the prompt
+        before = store.stats()["objects_indexed"]
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            out = pc.generate(ids, max_new_tokens=40, num_beams=4, do_sample=False)
+        assert store.stats()["objects_indexed"] == before
+        assert any("beam search" in m for m in caplog.messages)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=40, num_beams=4, do_sample=False,
+                                               attention_mask=torch.ones_like(ids)))
+        follow = out[:, :-1]
+        assert torch.equal(pc.generate(follow, max_new_tokens=8, do_sample=False), _greedy(model, follow, 8))
+
+
+def test_a_padded_row_is_refused_before_anything_runs(store_path):
+    model = _model("llama")
+    ids = _ids(40)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        with pytest.raises(InvalidObject, match="padding"):
+            pc.generate(ids, attention_mask=mask, max_new_tokens=2)
+        assert store.stats()["objects_indexed"] == 0
+        pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # the valid twin
+        assert store.stats()["objects_indexed"] == 2
+
+
+def test_a_model_whose_k_and_v_differ_in_head_size_is_refused_at_construction(store_path):
+    cfg = transformers.DeepseekV3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                        first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=16,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=VOCAB)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with tierstore.open(store_path) as store:
+        with pytest.raises(InvalidObject, match="head size"):
+            PrefixCache(store, model, chunk_tokens=16)
+
+
+def test_generate_under_cpu_autocast_saves_and_reloads_exactly(store_path):
+    """Under CPU autocast K leaves RoPE in float32 and V in bfloat16: V is widened (lossless) and
+    the chunk stored; a generation under autocast from the loaded prefix gives the same tokens."""
+    model = _model("llama")
+    ids = _ids(40)
+    with tierstore.open(store_path) as store, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        first = pc.generate(ids, max_new_tokens=8, do_sample=False)
+        assert store.stats()["objects_indexed"] == 2  # 47 tokens in the cache: 2 full chunks
+        assert store.info(pc.hashes(ids[0])[0], namespace="transformers").dtype == "float32"
+        assert torch.equal(pc.generate(ids, max_new_tokens=8, do_sample=False), first)
+
+
+def test_a_prefix_two_sessions_share_outlives_dropping_either(store_path):
+    model = _model("llama")
+    system = _ids(32, seed=7)
+    a = torch.cat([system, _ids(40, seed=8)], dim=1)
+    b = torch.cat([system, _ids(40, seed=9)], dim=1)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pa = PrefixCache(store, model, chunk_tokens=16, session="conv-a")
+        pb = PrefixCache(store, model, chunk_tokens=16, session="conv-b")
+        pa.generate(a, max_new_tokens=1, do_sample=False)
+        assert pb.cached_tokens(b) == 32
+        pb.generate(b, max_new_tokens=1, do_sample=False)
+        store.drop_session("conv-a", namespace="transformers")
+        assert pb.cached_tokens(b) == 64  # the shared 32 and b's own 32
+        store.drop_session("conv-b", namespace="transformers")
+        assert pb.cached_tokens(b) == 0

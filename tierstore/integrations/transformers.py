@@ -16,6 +16,7 @@ It uses only tierstore's public API and never touches a store's internals.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -73,9 +74,19 @@ def _full_attention_only(config: Any) -> None:
             "sliding_attention" if getattr(text, "sliding_window", None) is not None else "full_attention"]
     other = sorted({t for t in types if t != "full_attention"})
     if other:
+        sliding = any("sliding" in t for t in other)
         raise InvalidObject(f"PrefixCache stores plain full-attention KV; this model has {', '.join(other)} layers",
                             hint="a sliding-window cache keeps only the last window of tokens, so its chunks are "
-                                 "not a prefix; use a config without sliding_window (if the model allows) or no cache")
+                                 "not a prefix; use a config without sliding_window (if the model allows) or no cache"
+                            if sliding else "these layers' caches are not a per-token prefix of K and V: generate "
+                                            "without PrefixCache")
+    v_dim = getattr(text, "v_head_dim", None)
+    qk_dim = getattr(text, "qk_head_dim", None) or (
+        (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)) or None
+    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
+        raise InvalidObject(f"PrefixCache stores K and V of one head size; this model's keys have {qk_dim} and its "
+                            f"values {v_dim} per head (multi-head latent attention, e.g. DeepSeek-V2/V3)",
+                            hint="generate without PrefixCache")
 
 
 class PrefixCache:
@@ -105,6 +116,7 @@ class PrefixCache:
         # may only read: load and generate, save nothing, delete nothing
         self.writable = not store.readonly and (not isinstance(store, NamespaceHandle) or store.name == namespace)
         self._warned: set[bytes] = set()  # damaged chunks it cannot delete: warned once each
+        self._warned_beams = False
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
@@ -224,37 +236,70 @@ class PrefixCache:
                                 f"{', '.join(other)}",
                                 hint="generate with a plain DynamicCache (PrefixCache.generate makes one)")
         held = cache.get_seq_length()
+        if ids.shape[0] > layers[0].keys.shape[0]:
+            raise InvalidObject(f"save: {ids.shape[0]} rows of token ids for a cache of {layers[0].keys.shape[0]}")
+        # K and V of one dtype (under CPU autocast K comes out of RoPE in float32, V in bfloat16):
+        # the narrower one is widened, which loses nothing; a load gives both in the wider dtype
+        wide = functools.reduce(torch.promote_types, [t.dtype for layer in layers for t in (layer.keys, layer.values)])
         written = 0
         for b in range(ids.shape[0]):
             n = min(held, ids.shape[1]) // self.chunk_tokens * self.chunk_tokens
             hashes = self.hashes(ids[b, :n])
+            # with a session, chunks already stored are put too: the same bytes write only this
+            # session's reference (so dropping another conversation that shares them keeps them)
             have = self.store.contains_many(hashes, namespace=self.namespace) if hashes else []
             items = []
             for i, (h, stored) in enumerate(zip(hashes, have)):
-                if stored:
+                if stored and self.session is None:
                     continue
                 s, e = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
-                pieces = [(layer.keys[b, :, s:e].detach(), layer.values[b, :, s:e].detach()) for layer in layers]
+                pieces = [(layer.keys[b, :, s:e].detach().to(wide), layer.values[b, :, s:e].detach().to(wide))
+                          for layer in layers]
                 items.append((h, KVCache.from_layers(pieces)))
             for j in range(0, len(items), 1024):
                 self.store.put_many(items[j : j + 1024], namespace=self.namespace, session=self.session,
                                     codec=self.codec)
-            written += len(items)
+            written += have.count(False)
         return written
 
     def generate(self, input_ids: Any, **kwargs: Any) -> Any:
         """``model.generate`` with the longest stored prefix loaded first and the new full chunks
-        saved after (prompt and generated tokens alike).  One row of ``input_ids``; other
-        arguments go to ``generate`` unchanged (``attention_mask`` is made for the full row)."""
+        saved after (prompt and generated tokens alike).  One row of ``input_ids``, unpadded;
+        other arguments go to ``generate`` unchanged (``attention_mask`` is made for the full
+        row; one with zeros, i.e. padding, is refused: the KV of a padded row is not the row's).
+        With beam search (or several sequences returned) the cache's rows are beams, not the
+        returned sequence: it runs ``model.generate`` alone, loading and saving nothing (logged
+        once).  A save that
+        fails is logged; the generation is returned all the same."""
         ids = self._rows(input_ids).to(self.model.device)
         if ids.shape[0] != 1:
             raise InvalidObject("generate takes one row of token ids", hint="call it per row")
         if self.cache_argument in kwargs or "past_key_values" in kwargs:
             raise InvalidObject("PrefixCache.generate makes the cache itself; do not pass one")
-        cache, _ = self.load(ids)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise InvalidObject("PrefixCache.generate takes a row without padding: attention_mask has zeros",
+                                hint="pass the row's tokens without its padding (the chunks are keyed by tokens)")
         kwargs.setdefault("attention_mask", torch.ones_like(ids))
+        config = kwargs.get("generation_config") or self.model.generation_config
+        rows = max(int(kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1),
+                   int(kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1))
+        if rows > 1:  # the cache's rows are beams (or samples), not the returned sequence: plain generate
+            if not self._warned_beams:
+                self._warned_beams = True
+                _log.warning("tierstore: PrefixCache.generate neither loads nor saves under beam search or several "
+                             "returned sequences (the cache's rows are beams, not one sequence)")
+            return self.model.generate(ids, **kwargs)
+        cache, _ = self.load(ids)
         out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        if self.writable:
+        if not self.writable:
+            return out
+        layers = list(getattr(cache, "layers", []))
+        if sequences.shape[0] != 1 or any(layer.keys is not None and layer.keys.shape[0] != 1 for layer in layers):
+            return out  # (rows the arguments above did not announce: saved from no row)
+        try:
             self.save(sequences[:, : cache.get_seq_length()], cache)
+        except TierstoreError as e:  # the generation stands; its chunks are a later miss
+            _log.warning("tierstore: PrefixCache.generate could not save its chunks: %s", e)
         return out
