@@ -319,9 +319,8 @@ def test_a_model_whose_k_and_v_differ_in_head_size_is_refused_at_construction(st
                                         first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=16,
                                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=VOCAB)
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with tierstore.open(store_path) as store:
-        with pytest.raises(InvalidObject, match="head size"):
-            PrefixCache(store, model, chunk_tokens=16)
+    with tierstore.open(store_path) as store, pytest.raises(InvalidObject, match="head size"):
+        PrefixCache(store, model, chunk_tokens=16)
 
 
 def test_generate_under_cpu_autocast_saves_and_reloads_exactly(store_path):

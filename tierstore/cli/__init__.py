@@ -158,7 +158,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         first_error = str(e)
     repaired = None
     if args.fix and (report is None or not report.ok):
-        repaired = repair.recover(args.path)
+        _warn_if_waiting(args)
+        repaired = repair.recover(args.path, lock_timeout=args.lock_timeout)
         before = report.as_dict() if report is not None else {"ok": False, "error": first_error}
         report = _check(args)
 
@@ -545,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also verify every record of the log (overwritten and deleted ones too) and run LMDB's "
                          "structural verifier on the index")
     sp.add_argument("--fix", action="store_true", help="repair what it finds (as `recover` does); read-only without")
+    sp.add_argument("--lock-timeout", type=float, default=60.0,
+                    help="with --fix: seconds to wait for running writers (the repair needs the store alone)")
     sp = add("recover", cmd_recover, "verify every record, cut a torn tail, quarantine damage (never deleting it) "
                                      "and rebuild the index from the segments")
     sp.add_argument("path")

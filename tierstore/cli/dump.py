@@ -133,12 +133,23 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
 
     if key is None:
         seg_dir = os.path.join(path, fmt.SEGMENTS_DIR)
-        return {"path": path, "segments": [dump_segment(os.path.join(seg_dir, seglib.segment_name(s)))
-                                           for s in seglib.list_segments(DEFAULT_IO, seg_dir)]}
+        segments = []
+        for s in seglib.list_segments(DEFAULT_IO, seg_dir):
+            try:
+                segments.append(dump_segment(os.path.join(seg_dir, seglib.segment_name(s))))
+            except FileNotFoundError:  # retired since the listing by another writer (a compaction, the
+                continue  # SSD budget): its records live on in later segments, or are gone for good
+        return {"path": path, "segments": segments}
     with open_store(path, create=False, readonly=True) as store:
-        info = store.info(key, namespace=namespace)
-        seg = os.path.join(path, fmt.SEGMENTS_DIR, seglib.segment_name(info.segment))
-        fd = seglib.open_segment(DEFAULT_IO, seg)
+        for attempt in range(3):  # the object moves if a compaction retires its segment meanwhile
+            info = store.info(key, namespace=namespace)
+            seg = os.path.join(path, fmt.SEGMENTS_DIR, seglib.segment_name(info.segment))
+            try:
+                fd = seglib.open_segment(DEFAULT_IO, seg)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             hdr = rec.decode_header(DEFAULT_IO.pread(fd, fmt.HEADER_MAX_BYTES, info.offset))
             bad = seglib.verify_extents(DEFAULT_IO, fd, info.offset, hdr)

@@ -34,6 +34,16 @@ _FORMAT = struct.Struct("<HH")
 # before an index commit: every commit (2.5 us with 5 reader processes here; once a second let a
 # stress run's synced puts grow the file by 4.5 MB in the second after a kill)
 READER_CHECK_S = 0.0
+REBUILD_CHECK_S = 0.2  # how often a read-only index looks whether a rebuild replaced its file
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the index's data file, None if it is not there."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 SEG_LIVE = 0
 SEG_DEAD = 1  # superseded by compaction; its file may be deleted
@@ -258,11 +268,12 @@ def _forked() -> None:
     fcntl locks are not inherited and a reader slot is cleared only by the process that owns
     it) and opens its own when a handle of its own needs one."""
     global _ENVS_LOCK
-    for env, *_ in _ENVS.values():
-        try:
-            env.close()
-        except lmdb.Error:  # (a closed copy needs nothing more)
-            pass
+    for ent in _ENVS.values():
+        for env in (*ent[5], ent[0]):
+            try:
+                env.close()
+            except lmdb.Error:  # (a closed copy needs nothing more)
+                pass
     _ENVS.clear()
     _ENVS_LOCK = threading.Lock()
 
@@ -273,7 +284,8 @@ os.register_at_fork(after_in_child=_forked)
 class Index:
     """Handle on the shared LMDB environment of one store."""
 
-    def __init__(self, path: str, env: lmdb.Environment, lock: threading.Lock, writable: bool) -> None:
+    def __init__(self, path: str, env: lmdb.Environment, lock: threading.Lock, writable: bool,
+                 file: tuple[int, int] | None = None) -> None:
         self.path = path
         self.env = env
         self.writable = writable
@@ -287,6 +299,8 @@ class Index:
             self.refs = None
         self.closed = False
         self._readers_checked = time.monotonic()  # (open checks them: Index.open)
+        self._file = file  # the data file this environment maps (a rebuild replaces it)
+        self._file_checked = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -323,7 +337,8 @@ class Index:
                     raise damaged(f"index is not LMDB data format v1: {e}", real) from None
                 except lmdb.Error as e:
                     raise damaged(f"cannot open index: {e}", real) from None
-                ent = _ENVS[real] = [env, 0, threading.Lock(), writable]
+                # [env, handles, write lock, writable, the data file it maps, environments replaced]
+                ent = _ENVS[real] = [env, 0, threading.Lock(), writable, _file_id(real), []]
             elif writable and not ent[3]:
                 raise StoreLocked("the store is open read-only in this process: a writable handle cannot open "
                                   "beside it", path=real,
@@ -331,7 +346,7 @@ class Index:
                                        "writable handle before them")
             ent[1] += 1
         try:
-            idx = cls(real, ent[0], ent[2], writable)
+            idx = cls(real, ent[0], ent[2], writable, ent[4])
         except lmdb.Error as e:
             cls._release(real)
             raise damaged(f"index is missing its tables: {e}", real) from None
@@ -345,7 +360,8 @@ class Index:
             ent = _ENVS[real]
             ent[1] -= 1
             if ent[1] == 0:
-                ent[0].close()
+                for env in (*ent[5], ent[0]):
+                    env.close()
                 del _ENVS[real]
 
     def close(self) -> None:
@@ -355,7 +371,50 @@ class Index:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def _follow_rebuild(self) -> None:
+        """A read-only index whose file a recovery (or a writer that opened alone) replaced with a
+        rebuilt one (SPEC.md §9: the rebuild is renamed over ``index/``) maps the old, unlinked
+        file, which nobody writes any more: switch to the new file.  Looked at at most every
+        ``REBUILD_CHECK_S``.  The old environment stays open (another thread may be reading
+        it) until the last handle of the store in this process closes."""
+        now = time.monotonic()
+        if now - self._file_checked < REBUILD_CHECK_S:
+            return
+        self._file_checked = now
+        current = _file_id(self.path)
+        if current is None or current == self._file:  # (None: between the rename and its replacement)
+            return
+        with _ENVS_LOCK:
+            ent = _ENVS.get(self.path)
+            if ent is None:
+                return
+            if ent[4] != current:  # the first handle to notice opens the new file for all of them
+                problem = check_file(self.path)
+                if problem is not None:
+                    return  # (not a usable file yet: a later look)
+                try:
+                    env = lmdb.open(self.path, subdir=True, readonly=True, max_dbs=8, max_readers=1024, lock=True,
+                                    create=False)
+                except lmdb.Error:
+                    return
+                ent[5].append(ent[0])
+                ent[0], ent[4] = env, current
+            env = ent[0]
+        try:
+            objects, meta = env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
+            segments = env.open_db(b"segments", create=False)
+        except lmdb.Error:
+            return
+        try:
+            refs: Any = env.open_db(b"refs", create=False)
+        except lmdb.NotFoundError:  # (a 1.0 index)
+            refs = None
+        self.env, self.objects, self.meta, self.segments, self.refs = env, objects, meta, segments, refs
+        self._file = current
+
     def _read_txn(self) -> lmdb.Transaction:
+        if not self.writable:
+            self._follow_rebuild()
         try:
             return self.env.begin(buffers=False)
         except lmdb.MapResizedError:

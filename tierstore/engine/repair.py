@@ -335,13 +335,8 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
     report = Report()
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
     fds: dict[int, int] = {}
-    for seg in seglib.list_segments(io, seg_dir):
-        try:  # held open (and locked shared) for the whole check: a compaction cannot shrink them
-            fds[seg] = seglib.open_segment(io, os.path.join(seg_dir, seglib.segment_name(seg)))
-        except FileNotFoundError:
-            continue  # retired by a compaction since the listing
-    segs = list(fds)
-    report.segments = len(segs)
+    _open_segments(io, seg_dir, fds)
+    report.segments = len(fds)
     try:
         if deep:
             # verify-then-trust: LMDB's offline verifier walks the file in Python first, since
@@ -354,6 +349,9 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
                 return report
         try:
             with index.read() as view:
+                # segments other writers made since the listing (a rollover, a compaction's copies)
+                # hold records this snapshot of the index may name: open them too (SPEC.md §7.8)
+                _open_segments(io, seg_dir, fds)
                 applied = view.applied()
                 indexed = _check_index_to_log(io, view, fds, report, progress)
                 if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
@@ -362,6 +360,8 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         except (CorruptionError, lmdb.Error) as e:
             report.error(f"index unreadable: {getattr(e, 'message', e)}; `tierstore recover PATH` rebuilds it")
             return report
+        segs = sorted(fds)
+        report.segments = len(segs)
         _check_log_to_index(io, seg_dir, segs, fds, applied, indexed, report, deep)
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):
@@ -379,6 +379,18 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         for fd in fds.values():
             io.close(fd)
     return report
+
+
+def _open_segments(io: PosixIO, seg_dir: str, fds: dict[int, int]) -> None:
+    """Open (and lock shared) the listed segments not yet in ``fds``: held open for the whole
+    check, so that a compaction cannot shrink them."""
+    for seg in seglib.list_segments(io, seg_dir):
+        if seg in fds:
+            continue
+        try:
+            fds[seg] = seglib.open_segment(io, os.path.join(seg_dir, seglib.segment_name(seg)))
+        except FileNotFoundError:
+            continue  # retired by a compaction since the listing
 
 
 def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Report,
