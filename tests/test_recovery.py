@@ -492,3 +492,54 @@ def test_large_warm_extent_read_in_halves_is_verified(store_path):
             f.write(b)
         with tierstore.open(store_path, dram_bytes=0, direct_reads="never") as s:
             assert np.array_equal(s.get("big").data, big)
+
+
+def test_recover_never_deletes_a_put_made_after_it_let_go_of_the_lock(tmp_path, monkeypatch):
+    """recover decides which keys lost the record that deleted them (a damaged DELETE with no
+    header copy: the key would come back) under the writer lock, lets go of it, then deletes
+    them as an ordinary writer: a writer that got in between and put one of those keys again
+    keeps its put (it used to be deleted, acknowledged or not).  Its twin: without that put,
+    the key stays deleted."""
+    import json
+    import subprocess
+    import sys
+
+    from tierstore.engine import repair
+
+    def damaged_store(path):
+        with tierstore.open(path, segment_bytes="1MiB", header_copies=False) as s:
+            s.put("K", tierstore.Blob(b"v1" * 1000))
+            s.delete("K")
+            for i in range(6):
+                s.put(f"filler{i}", tierstore.Blob(os.urandom(300_000)))  # seals the DELETE's segment
+        out = subprocess.run([sys.executable, "-m", "tierstore", "dump", path, "--json"], capture_output=True,
+                             text=True, timeout=120).stdout
+        for sg in json.loads(out)["segments"]:
+            for r in sg.get("records", []):
+                if r["type"] == "delete" and r.get("key") == "K":
+                    with open(sg["path"], "r+b") as f:
+                        f.seek(r["offset"])
+                        f.write(b"\xaa" * 48)
+                    return
+        raise AssertionError("no DELETE of K")
+
+    twin = str(tmp_path / "twin")
+    damaged_store(twin)
+    assert [k["key"] for k in repair.recover(twin)["stale_keys_deleted"]] == ["K"]
+    with tierstore.open(twin, readonly=True) as r:
+        assert not r.contains("K")
+
+    path = str(tmp_path / "s")
+    damaged_store(path)
+    real_open_engine = repair.open_engine
+
+    def a_writer_gets_in_first(*a, **k):  # the moment between the rebuild and the deletes
+        subprocess.run([sys.executable, "-c", "import sys, tierstore\nwith tierstore.open(sys.argv[1]) as s:\n"
+                        "    s.put('K', tierstore.Blob(b'v3'))\n", path], check=True, timeout=120)
+        return real_open_engine(*a, **k)
+
+    monkeypatch.setattr(repair, "open_engine", a_writer_gets_in_first)
+    result = repair.recover(path)
+    assert result["stale_keys_deleted"] == []
+    with tierstore.open(path, readonly=True) as r:
+        assert r.get("K").data == b"v3"

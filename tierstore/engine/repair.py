@@ -105,7 +105,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             shutil.rmtree(leftover)
     finally:
         io.close(lock)
-    stale: list[tuple[bytes, bytes]] = []
+    stale: list[tuple[bytes, bytes, int, int]] = []
     if previous is not None and scan.damage:
         known, applied = previous
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
@@ -114,17 +114,21 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
                 for ns, key, loc in view.items():
                     was = known.get((ns, key))
                     if loc.header.lsn <= applied and (was is None or was > loc.header.lsn):
-                        stale.append((ns, key))
+                        stale.append((ns, key, loc.segment, loc.offset))
         finally:
             idx.close()
     dangling: list[dict[str, str]] = []
     orphans: list[dict[str, Any]] = []
+    deleted: list[tuple[bytes, bytes]] = []
     engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
     try:
         with engine.write_lock:
-            for ns, key in stale:
+            for ns, key, seg, off in stale:
                 loc = engine.lookup(ns, key)
-                if loc is not None:  # the object goes with its session references, as a delete does
+                # the object goes with its session references, as a delete does -- unless a writer
+                # that opened between the rebuild and this has put it since (the lock was let go)
+                if loc is not None and (loc.segment, loc.offset) == (seg, off):
+                    deleted.append((ns, key))
                     engine.append_group(engine.deletion(ns, key, loc.header.flags))
             orphans = _drop_blobs_without_dictionary(engine)
             dangling = _drop_dangling_references(engine)
@@ -140,7 +144,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             "gb_per_second": scan.bytes_scanned / 1e9 / seconds if seconds else None,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
             "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key)}
-                                   for ns, key in stale],
+                                   for ns, key in deleted],
             "next_lsn": scan.next_lsn, "old_index": scan.old_index, "references_dropped": dangling,
             "blobs_without_dictionary": orphans}
 
