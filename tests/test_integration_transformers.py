@@ -351,3 +351,15 @@ def test_a_prefix_two_sessions_share_outlives_dropping_either(store_path):
         assert pb.cached_tokens(b) == 64  # the shared 32 and b's own 32
         store.drop_session("conv-b", namespace="transformers")
         assert pb.cached_tokens(b) == 0
+
+
+def test_lossy_chunks_are_never_loaded_by_a_cache_without_the_codec(store_path):
+    model = _model("llama")
+    ids = _ids(40)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        lossy = PrefixCache(store, model, chunk_tokens=16, codec="int8")
+        lossy.generate(ids, max_new_tokens=1, do_sample=False)
+        assert lossy.cached_tokens(ids) == 32
+        assert PrefixCache(store, model, chunk_tokens=16).cached_tokens(ids) == 0  # lossless: its own keys
+        assert PrefixCache(store, model, chunk_tokens=16, codec="zstd").salt == \
+            PrefixCache(store, model, chunk_tokens=16).salt  # a lossless codec shares them

@@ -168,6 +168,16 @@ def test_bad_options_are_clear_errors(tmp_path):
     cfg = make_config(tmp_path, tmp_path / "kv", chunk_tokens=24)
     with pytest.raises(ValueError, match="multiple of the block size"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    for extra, match in (({"chunk_token": 64}, "unknown .*'chunk_token' \\(did you mean 'chunk_tokens'\\?\\)"),
+                         ({"max_pending_byte": "1GiB"}, "did you mean 'max_pending_bytes'"),
+                         ({"namespace": "a/b"}, "namespace"), ({"namespace": ""}, "namespace"),
+                         ({"chunk_tokens": "256"}, "chunk_tokens")):
+        cfg = make_config(tmp_path, tmp_path / "kv", extra=extra)  # refused at start, for both roles
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=match):
+                KVConnectorFactory.create_connector(cfg, role, kv_cache_config())
+    cfg = make_config(tmp_path, tmp_path / "kv", extra={"namespace": "vllm-a", "max_pending_bytes": "1GiB"})
+    KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())  # the valid twin
 
 
 # -- many steps: chunked prefill, preemption, decode (a model runner's bookkeeping, played here) ---

@@ -108,8 +108,7 @@ class PrefixCache:
         if type(chunk_tokens) is not int or chunk_tokens < 1:
             raise InvalidObject(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         _full_attention_only(model.config)
-        if codec is not None:
-            codecs.parse(codec, "kv")  # a codec that cannot store KV: refused now, not after a generation
+        choice = codecs.parse(codec, "kv") if codec is not None else None  # refused now, not after a generation
         if session is not None:
             store.session_keys(session, namespace=namespace)  # checks the session's and namespace's names
         # a read-only store, or a tenant's handle (store.namespace(...)) over another namespace it
@@ -120,6 +119,9 @@ class PrefixCache:
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
+        if choice is not None and not choice.codec.lossless:  # lossy chunks under keys of their own (SPEC.md
+            spec = choice.spec.encode()  # §13.1): a PrefixCache without the codec never loads them
+            self.salt = hashlib.sha256(b"tierstore/transformers/lossy" + self.salt + spec).digest()[:16]
         forward = inspect.signature(type(model).forward).parameters
         # the name of the model's cache argument: "cache" in transformers 5, "past_key_values" before
         self.cache_argument = "cache" if "cache" in forward else "past_key_values"

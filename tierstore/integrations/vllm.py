@@ -52,6 +52,7 @@ It uses only tierstore's public API and vLLM's connector interface.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
 import logging
@@ -74,6 +75,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import tierstore
 
 from .. import CorruptionError, InvalidObject, KVCache, MLACache, TierstoreError, chunk_hashes
+from ..names import check_namespace
 from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
@@ -155,6 +157,9 @@ class _Tracked:
 # vLLM's KV cache dtypes held as raw bytes (torch.uint8) that are plain fp8 values
 _FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # KV cache dtypes whose pool holds plain values of a float dtype (others pack scales or bits)
+# the keys of kv_connector_extra_config this connector reads (docs/integrations.md)
+EXTRA_KEYS = ("path", "chunk_tokens", "namespace", "codec", "durability", "model_id", "max_pending_bytes", "tp_rank",
+              "pp_rank", "store_options")
 _PLAIN_CACHE = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32", "fp8_inc"})
 
 
@@ -180,12 +185,18 @@ class TierstoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:  # a typo would otherwise fall back to a default without a word
+            close = {k: difflib.get_close_matches(k, EXTRA_KEYS, n=1) for k in unknown}
+            raise ValueError("TierstoreConnector: unknown kv_connector_extra_config keys: " + ", ".join(
+                f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "") for k in unknown)
+                + f"; known: {', '.join(EXTRA_KEYS)}")
         path = extra.get("path")
         if not path:
             raise ValueError("TierstoreConnector needs kv_connector_extra_config.path (the store's directory)")
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._chunk = int(extra.get("chunk_tokens", 256))
-        if self._chunk <= 0 or self._chunk % self._block_size:
+        self._chunk = extra.get("chunk_tokens", 256)
+        if type(self._chunk) is not int or self._chunk <= 0 or self._chunk % self._block_size:
             raise ValueError(f"chunk_tokens={self._chunk} must be a positive multiple of the block size "
                              f"({self._block_size})")
         pc = vllm_config.parallel_config
@@ -200,7 +211,11 @@ class TierstoreConnector(KVConnectorBase_V1):
             _log.warning("tierstore: kv_load_failure_policy is 'fail': a chunk evicted or damaged between its match "
                          "and its load fails the request; 'recompute' recomputes its blocks instead")
         self._fp8 = _FP8_CACHE.get(cache_dtype)
-        self._namespace = str(extra.get("namespace", "vllm"))
+        self._namespace = extra.get("namespace", "vllm")
+        try:  # checked now: a bad name would fail the scheduler at the first request
+            check_namespace(self._namespace)
+        except TierstoreError as e:
+            raise ValueError(f"kv_connector_extra_config.namespace: {e}") from None
         self._mla = bool(vllm_config.model_config.use_mla)
         self._codec = extra.get("codec")
         if self._codec is not None:  # checked now: a codec refused at each save would store nothing, quietly
