@@ -378,11 +378,12 @@ def test_a_kv_codec_applies_to_kv_chunks_and_other_formats_are_stored_raw(path):
         assert g is not None, fmt
         err = (g.tensor - o.tensor).abs().max().item()
         assert (err == 0) if fmt == MemoryFormat.KV_MLA_FMT else (0 < err < 0.05)  # raw blob / int8 KV
-        assert b.store.info(key_of(k), namespace=namespace_of(k)).codec == \
+        assert b.store.info(key_of(k), namespace=namespace_of(k, "int8")).codec == \
             ("raw" if fmt == MemoryFormat.KV_MLA_FMT else "int8")
         o.ref_count_down()
         g.ref_count_down()
     assert len(done) == 2
+    assert not b.store.contains(key_of(k), namespace=namespace_of(k))  # int8 chunks: namespaces of their own
     b.store.close()  # a write that fails: no callback
     o = b.local_cpu_backend.allocate(torch.Size((2, 2, 16, 16)), torch.float32, MemoryFormat.KV_2LTD)
     for f in b.batched_submit_put_task([CacheEngineKey("m", 1, 0, 99, torch.float32, {})], [o],
@@ -436,3 +437,30 @@ def test_which_namespaces_count_against_a_worker():
     assert mine(w0, ns("a~b/c", 2, 0)) and not mine(w0, ns("a", 2, 1)) and mine(w0, ns("old", 4, 3))
     assert mine(w1, ns("a", 2, 1)) and mine(w1, ns("other/model", 8, 1)) and not mine(w1, ns("old", 4, 3))
     assert mine(SimpleNamespace(_worker=None), ns("a", 2, 1))  # no metadata: one worker, every namespace
+
+
+def test_a_plugin_without_the_lossy_codec_never_retrieves_its_chunks(path):
+    """Chunks stored with ``tierstore.codec: int8`` live in namespaces of their own: a plugin
+    configured without it (lossless, the default) misses them instead of returning int8 KV.
+    The twin: the same configuration again retrieves them."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    k = CacheEngineKey("m", 1, 0, 4242, torch.float32, {})
+    for codec, hit in (("int8", None), (None, False), ("int8", True)):
+        eng = engine(path, torch.zeros(LAYERS, 2, 32, HEADS, DIM),
+                     extra={"tierstore.codec": codec} if codec else None)
+        b = backend_of(eng)
+        if hit is None:
+            o = b.local_cpu_backend.allocate(torch.Size((2, 2, 16, 16)), torch.float32, MemoryFormat.KV_2LTD)
+            o.tensor.normal_()
+            for f in b.batched_submit_put_task([k], [o]) or []:
+                f.result()
+            o.ref_count_down()
+        else:
+            assert b.contains(k) is hit
+            g = b.get_blocking(k)
+            assert (g is not None) is hit
+            if g is not None:
+                g.ref_count_down()
+        close(eng)

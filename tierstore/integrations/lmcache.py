@@ -54,16 +54,17 @@ def _setting(config: Any, name: str, default: Any = None) -> Any:
     return extra.get(CONFIG_PREFIX + name, default)
 
 
-def namespace_of(key: CacheEngineKey) -> str:
+def namespace_of(key: CacheEngineKey, lossy: str | None = None) -> str:
     """Where a key's chunks live: one namespace per model, world size, worker id, dtype and
-    LMCache tags (``lmcache.tag.*``: part of a key's identity in LMCache).  The name is readable
-    -- ``lmcache~<model>~ws<N>~w<id>~<dtype>~<digest>``, the model name's characters other than
-    letters, digits, ``.``, ``_`` and ``-`` as ``~`` and cut to fit -- and made exact by the
-    digest: 16 hex digits of SHA-256 over all of those fields in full (a long model path, two
-    ranks or two dtypes never share a namespace)."""
+    LMCache tags (``lmcache.tag.*``: part of a key's identity in LMCache), and per lossy codec
+    (``lossy``: its spec, e.g. ``int8``; a plugin without it never reads those chunks).  The
+    name is readable -- ``lmcache~<model>~ws<N>~w<id>~<dtype>~<digest>``, the model name's
+    characters other than letters, digits, ``.``, ``_`` and ``-`` as ``~`` and cut to fit -- and
+    made exact by the digest: 16 hex digits of SHA-256 over all of those fields in full (a long
+    model path, two ranks or two dtypes never share a namespace)."""
     dtype = str(key.dtype).removeprefix("torch.")
-    ident = json.dumps([key.model_name, int(key.world_size), int(key.worker_id), dtype,
-                        [list(t) for t in key.tags or ()]], default=str).encode()
+    fields = [key.model_name, int(key.world_size), int(key.worker_id), dtype, [list(t) for t in key.tags or ()]]
+    ident = json.dumps(fields + ([lossy] if lossy else []), default=str).encode()
     digest = hashlib.sha256(ident).hexdigest()[:16]
     tail = f"~ws{key.world_size}~w{key.worker_id}~{dtype}~{digest}"
     model = re.sub(r"[^A-Za-z0-9._-]", "~", key.model_name)[: 100 - len("lmcache~") - len(tail)]
@@ -113,11 +114,13 @@ class TierstoreBackend(StoragePluginInterface):
         limit = _setting(config, "max_bytes")
         self.max_bytes = parse_size(limit, "tierstore.max_bytes") if limit is not None else None
         self.codec = _setting(config, "codec")
+        self.lossy: str | None = None  # a lossy codec's spec: its chunks get namespaces of their own
         if self.codec is not None:
             try:
-                codecs.parse(self.codec, "kv")  # checked now, not at the first store
+                choice = codecs.parse(self.codec, "kv")  # checked now, not at the first store
             except InvalidObject as e:
                 raise InvalidObject(f"tierstore.codec: {e.message}", hint=e.hint) from None
+            self.lossy = None if choice.codec.lossless else choice.spec
         self.local_cpu_backend = local_cpu_backend
         remote = {name: _setting(config, name) for name in ("remote", "remote_policy")
                   if _setting(config, name) is not None}
@@ -245,7 +248,7 @@ class TierstoreBackend(StoragePluginInterface):
         try:
             by_ns: dict[str, list[tuple[CacheEngineKey, bytes, MemoryObj]]] = {}
             for key, obj in zip(keys, objs):
-                by_ns.setdefault(namespace_of(key), []).append((key, key_of(key), obj))
+                by_ns.setdefault(namespace_of(key, self.lossy), []).append((key, key_of(key), obj))
             for ns, items in by_ns.items():
                 try:
                     self._make_room(ns, sum(self._nbytes(obj) for _, _, obj in items))
@@ -304,7 +307,7 @@ class TierstoreBackend(StoragePluginInterface):
     # -- lookups and gets ---------------------------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        ns, k = namespace_of(key), key_of(key)
+        ns, k = namespace_of(key, self.lossy), key_of(key)
         found = self.store.contains(k, namespace=ns)
         if found and pin:
             self.pin(key)
@@ -315,12 +318,12 @@ class TierstoreBackend(StoragePluginInterface):
         hits = 0
         by_ns: dict[str, list[bytes]] = {}
         for key in keys:
-            by_ns.setdefault(namespace_of(key), []).append(key_of(key))
+            by_ns.setdefault(namespace_of(key, self.lossy), []).append(key_of(key))
         if len(by_ns) == 1:
             ((ns, ks),) = by_ns.items()
             found = self.store.contains_many(ks, namespace=ns)
         else:
-            found = [self.store.contains(key_of(k), namespace=namespace_of(k)) for k in keys]
+            found = [self.store.contains(key_of(k), namespace=namespace_of(k, self.lossy)) for k in keys]
         for key, f in zip(keys, found):
             if not f:
                 break
@@ -335,7 +338,7 @@ class TierstoreBackend(StoragePluginInterface):
     def _allocated(self, key: CacheEngineKey) -> tuple[Any, MemoryObj] | None:
         """The stored chunk's description and a memory object of LMCache's to read it into;
         None for a miss."""
-        ns, k = namespace_of(key), key_of(key)
+        ns, k = namespace_of(key, self.lossy), key_of(key)
         try:
             info = self.store.info(k, namespace=ns)
             m = info.meta
@@ -375,7 +378,7 @@ class TierstoreBackend(StoragePluginInterface):
             by_ns: dict[str, list[int]] = {}
             for n, plan in enumerate(plans):
                 if plan is not None:
-                    by_ns.setdefault(namespace_of(keys[n]), []).append(n)
+                    by_ns.setdefault(namespace_of(keys[n], self.lossy), []).append(n)
             for ns, idx in by_ns.items():
                 while idx:
                     ks = [key_of(keys[n]) for n in idx]
@@ -404,7 +407,7 @@ class TierstoreBackend(StoragePluginInterface):
                     memoryview(mem.byte_array).cast("B")[: len(data)] = data
                 out[n] = mem
                 with self._lock:
-                    nk = (namespace_of(keys[n]), key_of(keys[n]))
+                    nk = (namespace_of(keys[n], self.lossy), key_of(keys[n]))
                     if nk in self._lru:
                         self._lru.move_to_end(nk)
         except BaseException:  # LMCache's memory given back before the error goes on
@@ -420,13 +423,13 @@ class TierstoreBackend(StoragePluginInterface):
     # -- pins, removal, the rest ------------------------------------------------------------------------
 
     def pin(self, key: CacheEngineKey) -> bool:
-        nk = (namespace_of(key), key_of(key))
+        nk = (namespace_of(key, self.lossy), key_of(key))
         with self._lock:
             self._pins[nk] = self._pins.get(nk, 0) + 1
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
-        nk = (namespace_of(key), key_of(key))
+        nk = (namespace_of(key, self.lossy), key_of(key))
         with self._lock:
             n = self._pins.get(nk, 0)
             if n <= 1:
@@ -436,7 +439,7 @@ class TierstoreBackend(StoragePluginInterface):
             return n > 0
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        ns, k = namespace_of(key), key_of(key)
+        ns, k = namespace_of(key, self.lossy), key_of(key)
         with self._lock:  # (deleted under it: a sync in between would count the chunk again)
             if not force and self._pins.get((ns, k)):
                 return False
