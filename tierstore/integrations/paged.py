@@ -163,6 +163,9 @@ def compiled_kernel() -> Any:
         return numba.njit(sig, nogil=True, boundscheck=False)(_copy_blocks)
 
 
+_ARANGE = np.arange(1024, dtype=np.int64)  # a gather's chunk blocks: 0, 1, ... (read-only to the loop)
+
+
 def _host(a: Any, b: Any) -> bool:
     return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
 
@@ -196,7 +199,7 @@ class PagedLayer:
         if tuple(out.shape) != want:
             raise InvalidObject(f"a chunk layer of shape {list(out.shape)} for {len(block_ids)} blocks; "
                                 f"expected {list(want)}")
-        self._copy(out, range(len(ids)), ids, to_chunk=True)
+        self._copy(out, None, ids, to_chunk=True)
         return out
 
     def scatter(self, block_ids: Any, src: Any, *, positions: Any = None) -> None:
@@ -216,12 +219,16 @@ class PagedLayer:
         r = layout.ratio
         self._copy(src, [p * r + i for p in pos for i in range(r)], layout.kernel_blocks(block_ids), to_chunk=False)
 
-    def _copy(self, chunk: Any, js: Any, bs: list[int], *, to_chunk: bool) -> None:
-        """Between the chunk layer ``chunk``'s blocks ``js`` and this layer's kernel blocks ``bs``."""
+    def _copy(self, chunk: Any, js: list[int] | None, bs: list[int], *, to_chunk: bool) -> None:
+        """Between the chunk layer ``chunk``'s blocks ``js`` (None: 0, 1, ... in order) and this
+        layer's kernel blocks ``bs``."""
         n, kv = self.layout.block_tokens, self.layout.kind == "kv"
         host = chunk.device.type == "cpu" and chunk.dtype == self.tensor.dtype
         blocks, room = self.blocks.shape[0], (chunk.shape[2] if kv else chunk.shape[0]) // n
-        if bs and (min(bs) < 0 or max(bs) >= blocks or min(js) < 0 or max(js) >= room):
+        if js is None and len(bs) > room:
+            raise InvalidObject(f"{len(bs)} blocks for a chunk of {room}")
+        if bs and (min(bs) < 0 or max(bs) >= blocks or js is not None and (min(js) < 0 or max(js) >= room)):
+            js = range(len(bs)) if js is None else js
             bad = sorted({(j, b) for j, b in zip(js, bs) if not (0 <= b < blocks and 0 <= j < room)})
             raise InvalidObject(f"block ids outside the pool of {blocks} kernel blocks or a chunk of {room} blocks "
                                 f"(chunk block, pool block): {bad[:8]}")
@@ -232,16 +239,18 @@ class PagedLayer:
             if any(c.shape[d] != self.pool.shape[d + 1] for d in range(4) if d != self.tok):
                 raise InvalidObject(f"a chunk of {list(chunk.shape)} does not fit blocks of "
                                     f"{list(self.blocks.shape[1:])}")
-            self.kernel(self.pool, c, np.array(js, dtype=np.int64), np.array(bs, dtype=np.int64), self.tok,
+            jarr = _ARANGE[:len(bs)] if js is None and len(bs) <= len(_ARANGE) else \
+                np.array(range(len(bs)) if js is None else js, dtype=np.int64)
+            self.kernel(self.pool, c, jarr, np.array(bs, dtype=np.int64), self.tok,
                         to_chunk)  # the loop checks no index: checked above
             return
         if self.rows is not None and host:
             p, c = self.rows, _rows(chunk)  # pool [blocks, 2, heads, n] / [blocks, n]; chunk [2, heads, T] / [T]
-            for j, b in zip(js, bs):
+            for j, b in zip(range(len(bs)) if js is None else js, bs):
                 cv = c[..., j * n:(j + 1) * n] if kv else c[j * n:(j + 1) * n]
                 np.copyto(cv, p[b]) if to_chunk else np.copyto(p[b], cv)
             return
-        self._copy_torch(chunk, list(zip(js, bs)), to_chunk=to_chunk)
+        self._copy_torch(chunk, list(zip(range(len(bs)) if js is None else js, bs)), to_chunk=to_chunk)
 
     def _copy_torch(self, chunk: Any, pairs: list[tuple[int, int]], *, to_chunk: bool) -> None:
         """The same with torch on the layer's device: one gather (index_select) or scatter
