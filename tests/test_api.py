@@ -349,3 +349,14 @@ def test_create_and_readonly_must_be_bools(store_path):
         with pytest.raises(tierstore.InvalidObject, match="must be True or False"):
             tierstore.open(store_path, **bad)
     assert not os.path.exists(store_path)  # nothing was created
+
+
+def test_an_uncreatable_path_says_what_to_check_not_to_recover():
+    with pytest.raises(tierstore.StoreIOError) as e:
+        tierstore.open("/proc/no-such-dir/kv")
+    assert "exists" in (e.value.hint or "") and "recover" not in (e.value.hint or "")
+
+
+def test_a_bad_remote_policy_is_named_before_the_missing_url(tmp_path):
+    with pytest.raises(tierstore.InvalidObject, match="remote_policy must be one of"):
+        tierstore.open(str(tmp_path / "s"), remote_policy="write-around")

@@ -21,6 +21,7 @@ offline tools (repair.py) are its neighbours, given the engine; recovery.py is b
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import heapq
@@ -39,6 +40,7 @@ from ..errors import (
     InvalidObject,
     ReadOnlyError,
     StoreClosed,
+    StoreIOError,
     StoreNotFound,
     TierstoreError,
 )
@@ -262,7 +264,12 @@ class Engine:
             self._teardown()
             if isinstance(e, TierstoreError):
                 raise
-            raise io_error(e, "open store", path=self.path) from None
+            err = io_error(e, "open store", path=self.path)
+            if isinstance(err, StoreIOError):  # nothing was open yet: no recovery to restart
+                err.hint = ("check that the directory (or its parent) exists and this user may create and write "
+                            "files there" if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS)
+                            else "check the path and the file system it is on")
+            raise err from None
         except BaseException:
             self._teardown()
             raise

@@ -378,7 +378,9 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         for seg, (_dead, state) in index.segment_stats().items():
             if state == 1 and seg in fds:
                 report.findings.append(Finding("warning", "segment marked dead by compaction is still on disk "
-                                                          "(the next writable open deletes it)", segment=seg))
+                                                          "(a compaction in progress deletes it when done; one "
+                                                          "interrupted: the next writer that opens alone, or the "
+                                                          "next compaction)", segment=seg))
     finally:
         for fd in fds.values():
             io.close(fd)

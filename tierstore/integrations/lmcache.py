@@ -348,7 +348,7 @@ class TierstoreBackend(StoragePluginInterface):
         except NotFound:
             return None
         except (KeyError, AttributeError) as e:
-            _log.warning("tierstore: %r in namespace %r is not an LMCache chunk (%s): a miss", k, ns, e)
+            _log.warning("tierstore: %s in namespace %r is not an LMCache chunk (%s): a miss", k.hex(), ns, e)
             return None
         obj = self.local_cpu_backend.allocate(shape, dtype, fmt)
         return None if obj is None else (info, obj)
@@ -387,8 +387,8 @@ class TierstoreBackend(StoragePluginInterface):
                                                    out=[self._destination(*plans[n]) for n in idx])  # type: ignore[misc]
                     except TierstoreError as e:  # damaged: never returned; removed so the next put replaces it
                         bad = next((n for n, k in zip(idx, ks) if k == e.key), idx[0])
-                        _log.warning("tierstore: LMCache chunk %r in namespace %r is unreadable (%s): a miss, "
-                                     "removed", e.key, ns, e)
+                        _log.warning("tierstore: LMCache chunk %s in namespace %r is unreadable (%s): a miss, "
+                                     "removed", e.key.hex() if isinstance(e.key, bytes) else e.key, ns, e)
                         if e.key is not None:
                             self.remove(keys[bad])
                         end = min(end, bad)

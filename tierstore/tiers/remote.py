@@ -1037,6 +1037,8 @@ def remote_options(options: dict[str, Any]) -> dict[str, Any] | None:
     """Pop and check the remote tier's options of ``tierstore.open``; None without ``remote=``."""
     url = options.pop("remote", None)
     picked = {name: options.pop(name) for name in REMOTE_OPTIONS[1:] if name in options}
+    if "remote_policy" in picked and picked["remote_policy"] not in POLICIES:  # (the value first: a typo)
+        raise InvalidObject(f"remote_policy must be one of {', '.join(POLICIES)}, got {picked['remote_policy']!r}")
     if url is None:
         if picked:
             raise InvalidObject(f"{', '.join(picked)} given without remote= (the server's URL)")
