@@ -996,6 +996,9 @@ class PushQueue:
                 if self._stopping:
                     raise RemoteDown("closing")
                 if version.stamp > floor and version.origin == self.tier.origin:
+                    with self._cv:  # a put still in flight sends it itself (or queues it)
+                        if version.stamp in self._pending:
+                            continue
                     self._send(ns, k)
                     sent += 1
                     self.tier.count("resent")
