@@ -363,3 +363,19 @@ def test_lossy_chunks_are_never_loaded_by_a_cache_without_the_codec(store_path):
         assert PrefixCache(store, model, chunk_tokens=16).cached_tokens(ids) == 0  # lossless: its own keys
         assert PrefixCache(store, model, chunk_tokens=16, codec="zstd").salt == \
             PrefixCache(store, model, chunk_tokens=16).salt  # a lossless codec shares them
+
+
+def test_chunks_a_lossy_store_default_wrote_are_not_loaded_as_lossless(tmp_path, caplog):
+    model = _model("llama")
+    ids = _ids(40)
+    path = str(tmp_path / "s")
+    with tierstore.open(path, codecs={("kv", "ssd"): "int8"}) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)  # lossless asked for; the store's default is int8
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        assert store.info(pc.hashes(ids[0])[0], namespace="transformers").codec == "int8"
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids)
+        assert n == 0 and any("lossy" in m for m in caplog.messages)
+        lossy = PrefixCache(store, model, chunk_tokens=16, codec="int8")
+        lossy.generate(ids, max_new_tokens=1, do_sample=False)
+        assert lossy.load(ids)[1] == 32  # the twin: asked for int8, it loads int8

@@ -189,3 +189,21 @@ def test_mla_device_path():
     a = torch.zeros_like(t)
     PagedLayer(a, lay)._copy_torch(want, [(1, 9)], to_chunk=False)
     assert torch.equal(a[9, 0], t[2, 0])
+
+
+def test_a_layout_read_from_another_layer_is_refused_before_any_copy():
+    """A PagedLayout of 4-token blocks over a pool of 16-token blocks (or the other way round):
+    the compiled loop, which checks no index, wrote past the chunk with it; both paths refuse it
+    when the layer is made.  Its twin: the layout read from the layer itself."""
+    from tierstore.integrations.paged import PagedLayer
+
+    t16 = make("kv_first", "NHD", 1, torch.float16)
+    small = PagedLayout("kv", "kv_first", 1, 4, H, D)
+    with pytest.raises(InvalidObject, match="not laid out"):
+        PagedLayer(t16, small)
+    t4 = torch.randn(2, NB, 4, H, D).half()
+    with pytest.raises(InvalidObject, match="not laid out"):
+        PagedLayer(t4, PagedLayout.of(t16, num_blocks=NB, block_size=BS))
+    lay = PagedLayout.of(t16, num_blocks=NB, block_size=BS)
+    out = PagedLayer(t16, lay).gather([3], torch.empty(lay.chunk_shape(BS), dtype=t16.dtype))
+    assert same(out, per_block(t16, "kv_first")[3])

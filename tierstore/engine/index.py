@@ -281,26 +281,50 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+class Tables(NamedTuple):
+    """An LMDB environment and its tables: a transaction of ``env`` reads only these handles."""
+
+    env: lmdb.Environment
+    objects: Any
+    meta: Any
+    segments: Any
+    refs: Any  # None: a 1.0 index opened read-only (no session references)
+
+    @classmethod
+    def of(cls, env: lmdb.Environment, writable: bool) -> "Tables":
+        create = {} if writable else {"create": False}
+        try:  # session references (format 1.1); a 1.0 index opened read-only has none
+            refs: Any = env.open_db(b"refs", **create)
+        except lmdb.NotFoundError:
+            refs = None
+        return cls(env, env.open_db(b"objects", **create), env.open_db(b"meta", **create),
+                   env.open_db(b"segments", **create), refs)
+
+
 class Index:
-    """Handle on the shared LMDB environment of one store."""
+    """Handle on the shared LMDB environment of one store.
+
+    ``tables`` is swapped whole (one attribute) when a read-only index follows a rebuilt file:
+    each read takes it once and uses that environment's transaction with that environment's
+    table handles, whatever another thread swaps meanwhile."""
 
     def __init__(self, path: str, env: lmdb.Environment, lock: threading.Lock, writable: bool,
                  file: tuple[int, int] | None = None) -> None:
         self.path = path
-        self.env = env
         self.writable = writable
         self._write_lock = lock
-        self.objects = env.open_db(b"objects", create=False) if not writable else env.open_db(b"objects")
-        self.meta = env.open_db(b"meta") if writable else env.open_db(b"meta", create=False)
-        self.segments = env.open_db(b"segments") if writable else env.open_db(b"segments", create=False)
-        try:  # session references (format 1.1); a 1.0 index opened read-only has none
-            self.refs: Any = env.open_db(b"refs") if writable else env.open_db(b"refs", create=False)
-        except lmdb.NotFoundError:
-            self.refs = None
+        self.tables = Tables.of(env, writable)
         self.closed = False
         self._readers_checked = time.monotonic()  # (open checks them: Index.open)
         self._file = file  # the data file this environment maps (a rebuild replaces it)
         self._file_checked = time.monotonic()
+
+    # the current environment's handles (the write side: a writable index is never swapped)
+    env = property(lambda self: self.tables.env)
+    objects = property(lambda self: self.tables.objects)
+    meta = property(lambda self: self.tables.meta)
+    segments = property(lambda self: self.tables.segments)
+    refs = property(lambda self: self.tables.refs)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -401,46 +425,42 @@ class Index:
                 ent[0], ent[4] = env, current
             env = ent[0]
         try:
-            objects, meta = env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
-            segments = env.open_db(b"segments", create=False)
+            tables = Tables.of(env, False)
         except lmdb.Error:
             return
-        try:
-            refs: Any = env.open_db(b"refs", create=False)
-        except lmdb.NotFoundError:  # (a 1.0 index)
-            refs = None
-        self.env, self.objects, self.meta, self.segments, self.refs = env, objects, meta, segments, refs
-        self._file = current
+        self.tables, self._file = tables, current  # (one assignment: readers take one or the other)
 
-    def _read_txn(self) -> lmdb.Transaction:
+    def _begin(self) -> tuple[lmdb.Transaction, Tables]:
+        """A read transaction and the tables it reads (of one environment)."""
         if not self.writable:
             self._follow_rebuild()
+        t = self.tables
         try:
-            return self.env.begin(buffers=False)
+            return t.env.begin(buffers=False), t
         except lmdb.MapResizedError:
             pass
         except lmdb.Error as e:
             raise _unreadable(self.path, e) from None
         with _reading(self.path):
-            self.env.set_mapsize(0)  # another process grew the map: adopt its size
-            return self.env.begin(buffers=False)
+            t.env.set_mapsize(0)  # another process grew the map: adopt its size
+            return t.env.begin(buffers=False), t
 
     def read(self) -> "ReadView":
-        return ReadView(self, self._read_txn())
+        return ReadView(self, *self._begin())
 
     def lookup(self, namespace: bytes, key: bytes, pending: Op | None = None) -> Location | None:
         """One key's location in a fresh snapshot (the get path: one transaction, one get).
         ``pending``: the key's newest record not yet applied when the caller looked (a
         memtable entry): its location (None for a DELETE) unless this snapshot applied it."""
-        txn = self._read_txn()
+        txn, t = self._begin()
         try:
             if pending is not None:
-                v = txn.get(b"applied", db=self.meta)
+                v = txn.get(b"applied", db=t.meta)
                 if v is None or len(v) != _APPLIED.size:
                     raise damaged("index has no valid applied position", self.path)
                 if pending.lsn > _APPLIED.unpack(v)[2]:
                     return pending.location
-            v = txn.get(index_key(namespace, key), db=self.objects)
+            v = txn.get(index_key(namespace, key), db=t.objects)
         except lmdb.MapResizedError:
             raise
         except lmdb.Error as e:
@@ -450,8 +470,8 @@ class Index:
         return None if v is None else decode_location(v, namespace, key)
 
     def get_meta(self, name: bytes) -> bytes | None:
-        with self._read_txn() as txn, _reading(self.path):
-            return txn.get(name, db=self.meta)
+        with self.read() as view, _reading(self.path):
+            return view.txn.get(name, db=view.t.meta)
 
     def applied(self) -> Applied:
         with self.read() as view:
@@ -466,35 +486,33 @@ class Index:
 
     def segment_stats(self) -> dict[int, tuple[int, int]]:
         """segment id -> (dead bytes, state)."""
-        with self._read_txn() as txn, _reading(self.path):
-            return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in txn.cursor(db=self.segments)}
+        with self.read() as view, _reading(self.path):
+            return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in view.txn.cursor(db=view.t.segments)}
 
     def file_bytes(self) -> tuple[int, int]:
         """(data.mdb's size, the bytes its tables' pages take): LMDB never shrinks its file, and
         pages freed while a reader -- a process killed mid-read holds its slot until a writer
         checks the table -- still needed them are not reused, so the first may be far larger."""
-        main = self.env.stat()  # (the table of table names)
-        pages = 2 + main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]  # + the meta pages
-        with _reading(self.path), self._read_txn() as txn:
-            for db in (self.objects, self.meta, self.segments, self.refs):
+        with _reading(self.path), self.read() as view:
+            t = view.t
+            main = t.env.stat()  # (the table of table names)
+            pages = 2 + main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]  # + the meta pages
+            for db in (t.objects, t.meta, t.segments, t.refs):
                 if db is not None:
-                    st = txn.stat(db)
+                    st = view.txn.stat(db)
                     pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
         psize = main["psize"]
         return os.path.getsize(os.path.join(self.path, "data.mdb")), pages * psize
 
     def count(self) -> int:
         """Objects indexed (session references not counted)."""
-        with self._read_txn() as txn, _reading(self.path):
-            return txn.stat(self.objects)["entries"] - self._ref_count(txn)
+        with self.read() as view, _reading(self.path):
+            return view.txn.stat(view.t.objects)["entries"] - view.ref_count()
 
     def ref_count(self) -> int:
         """Session references indexed."""
-        with self._read_txn() as txn, _reading(self.path):
-            return self._ref_count(txn)
-
-    def _ref_count(self, txn: lmdb.Transaction) -> int:
-        return 0 if self.refs is None else txn.stat(self.refs)["entries"]
+        with self.read() as view, _reading(self.path):
+            return view.ref_count()
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -660,9 +678,14 @@ def _header_len_of(value: bytes) -> int:
 class ReadView:
     """A consistent snapshot of the index (one LMDB read transaction).  Use as a context manager."""
 
-    def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
+    def __init__(self, index: Index, txn: lmdb.Transaction, tables: Tables) -> None:
         self.index = index
         self.txn = txn
+        self.t = tables  # the tables of the transaction's environment
+
+    def ref_count(self) -> int:
+        """Session references in this snapshot."""
+        return 0 if self.t.refs is None else self.txn.stat(self.t.refs)["entries"]
 
     def __enter__(self) -> "ReadView":
         return self
@@ -672,7 +695,7 @@ class ReadView:
 
     def applied(self) -> Applied:
         with _reading(self.index.path):
-            v = self.txn.get(b"applied", db=self.index.meta)
+            v = self.txn.get(b"applied", db=self.t.meta)
         if v is None or len(v) != _APPLIED.size:
             raise damaged("index has no valid applied position", self.index.path)
         return Applied(*_APPLIED.unpack(v))
@@ -682,7 +705,7 @@ class ReadView:
         the snapshot for records not yet applied.  One LMDB cursor seek per key, no decoding."""
         prefix = bytes((len(namespace),)) + namespace
         n = 0
-        with _reading(self.index.path), self.txn.cursor(db=self.index.objects) as cur:
+        with _reading(self.index.path), self.txn.cursor(db=self.t.objects) as cur:
             seek = cur.set_key  # (a cursor's seek copies no value: ~1.7x txn.get for 1,000 keys)
             for k in keys:
                 live = pending.get(k) if pending else None
@@ -695,7 +718,7 @@ class ReadView:
         """The locations of ``keys`` in this snapshot (None: absent); ``pending`` (key ->
         Location or None) overrides it for records not yet applied.  One LMDB get per key."""
         prefix = bytes((len(namespace),)) + namespace
-        get, db = self.txn.get, self.index.objects
+        get, db = self.txn.get, self.t.objects
         out: list[Location | None] = []
         with _reading(self.index.path):
             for k in keys:
@@ -709,7 +732,7 @@ class ReadView:
     def contains_many(self, namespace: bytes, keys: Sequence[bytes], pending: dict[bytes, bool]) -> list[bool]:
         """Whether each of ``keys`` exists (``pending`` as in ``prefix_run``), without decoding."""
         prefix = bytes((len(namespace),)) + namespace
-        with _reading(self.index.path), self.txn.cursor(db=self.index.objects) as cur:
+        with _reading(self.index.path), self.txn.cursor(db=self.t.objects) as cur:
             seek = cur.set_key
             if not pending:
                 return [seek(prefix + k) for k in keys]
@@ -717,11 +740,11 @@ class ReadView:
 
     def contains(self, namespace: bytes, key: bytes) -> bool:
         with _reading(self.index.path):
-            return self.txn.get(index_key(namespace, key), db=self.index.objects) is not None
+            return self.txn.get(index_key(namespace, key), db=self.t.objects) is not None
 
     def get(self, namespace: bytes, key: bytes) -> Location | None:
         with _reading(self.index.path):
-            v = self.txn.get(index_key(namespace, key), db=self.index.objects)
+            v = self.txn.get(index_key(namespace, key), db=self.t.objects)
         return None if v is None else decode_location(v, namespace, key)
 
     def keys(self, namespace: bytes, prefix: bytes = b"") -> list[tuple[bytes, int]]:
@@ -732,7 +755,7 @@ class ReadView:
         prefix = index_key(namespace, prefix)
         out = []
         with _reading(self.index.path):
-            cur = self.txn.cursor(db=self.index.objects)
+            cur = self.txn.cursor(db=self.t.objects)
             if not cur.set_range(prefix):
                 return out
             for k, v in cur:
@@ -745,10 +768,10 @@ class ReadView:
     def _refs_under(self, prefix: bytes) -> list[bytes]:
         """The keys of the derived refs table (``ns_len ns key_hash session``) under ``prefix``."""
         out: list[bytes] = []
-        if self.index.refs is None:
+        if self.t.refs is None:
             return out
         with _reading(self.index.path):
-            cur = self.txn.cursor(db=self.index.refs)
+            cur = self.txn.cursor(db=self.t.refs)
             if cur.set_range(prefix):
                 for k in cur.iternext(keys=True, values=False):
                     if not k.startswith(prefix):
@@ -783,7 +806,7 @@ class ReadView:
     def namespaces(self) -> list[bytes]:
         out = []
         with _reading(self.index.path):
-            cur = self.txn.cursor(db=self.index.objects)
+            cur = self.txn.cursor(db=self.t.objects)
             ok = cur.first()
             while ok:
                 k = cur.key()
@@ -801,7 +824,7 @@ class ReadView:
         out: dict[int, int] = {}
         copy = fmt.HEADER_COPY.size
         with _reading(self.index.path):
-            for v in self.txn.cursor(db=self.index.objects).iternext(keys=False, values=True):
+            for v in self.txn.cursor(db=self.t.objects).iternext(keys=False, values=True):
                 seg = _LOC.unpack_from(v)[0]
                 n = ((_record_len_of(v) + 7) & ~7) + _header_len_of(v) + copy
                 out[seg] = out.get(seg, 0) + n
@@ -810,7 +833,7 @@ class ReadView:
     def items(self) -> list[tuple[bytes, bytes, Location]]:
         out = []
         with _reading(self.index.path):
-            for k, v in self.txn.cursor(db=self.index.objects):
+            for k, v in self.txn.cursor(db=self.t.objects):
                 ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
                 out.append((ns, key, decode_location(v, ns, key)))
         return out

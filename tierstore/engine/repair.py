@@ -105,7 +105,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             shutil.rmtree(leftover)
     finally:
         io.close(lock)
-    stale: list[tuple[bytes, bytes, int, int]] = []
+    stale: list[tuple[bytes, bytes, int]] = []
     if previous is not None and scan.damage:
         known, applied = previous
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
@@ -114,7 +114,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
                 for ns, key, loc in view.items():
                     was = known.get((ns, key))
                     if loc.header.lsn <= applied and (was is None or was > loc.header.lsn):
-                        stale.append((ns, key, loc.segment, loc.offset))
+                        stale.append((ns, key, loc.header.lsn))
         finally:
             idx.close()
     dangling: list[dict[str, str]] = []
@@ -123,11 +123,12 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     engine = open_engine(root, create=False, options=Options(lock_timeout=lock_timeout), io=io)
     try:
         with engine.write_lock:
-            for ns, key, seg, off in stale:
+            for ns, key, lsn in stale:
                 loc = engine.lookup(ns, key)
                 # the object goes with its session references, as a delete does -- unless a writer
-                # that opened between the rebuild and this has put it since (the lock was let go)
-                if loc is not None and (loc.segment, loc.offset) == (seg, off):
+                # that opened between the rebuild and this has put it since (the lock was let go;
+                # a compaction's copy keeps the LSN)
+                if loc is not None and loc.header.lsn == lsn:
                     deleted.append((ns, key))
                     engine.append_group(engine.deletion(ns, key, loc.header.flags))
             orphans = _drop_blobs_without_dictionary(engine)
@@ -358,8 +359,8 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
                 _open_segments(io, seg_dir, fds)
                 applied = view.applied()
                 indexed = _check_index_to_log(io, view, fds, report, progress)
-                if index.refs is not None and view.txn.stat(index.refs)["entries"] != report.references:
-                    report.error(f"the index's refs table holds {view.txn.stat(index.refs)['entries']} entries "
+                if view.t.refs is not None and view.txn.stat(view.t.refs)["entries"] != report.references:
+                    report.error(f"the index's refs table holds {view.txn.stat(view.t.refs)['entries']} entries "
                                  f"for {report.references} references")
         except (CorruptionError, lmdb.Error) as e:
             report.error(f"index unreadable: {getattr(e, 'message', e)}; `tierstore recover PATH` rebuilds it")
@@ -402,7 +403,7 @@ def _open_segments(io: PosixIO, seg_dir: str, fds: dict[int, int]) -> None:
 def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Report,
                         progress: Callable[[int], None] | None) -> dict[tuple[bytes, bytes], Location]:
     indexed: dict[tuple[bytes, bytes], Location] = {}
-    for k, v in view.txn.cursor(db=view.index.objects):
+    for k, v in view.txn.cursor(db=view.t.objects):
         ns, key = k[1 : 1 + k[0]], k[1 + k[0] :]
         try:
             loc = decode_location(v, ns, key)
@@ -446,7 +447,7 @@ def _check_reference(view: Any, key: bytes, loc: Location, report: Report) -> No
     where = {"namespace": _ns(ns), "key": target, "segment": loc.segment, "offset": loc.offset}
     if not view.contains(ns, target):
         report.error(f"session {_ns(session)!r} holds a reference on a missing object", **where)
-    refs = view.index.refs
+    refs = view.t.refs
     if refs is None or view.txn.get(bytes((len(ns),)) + ns + digest + session, db=refs) is None:
         report.error("reference missing from the index's refs table", **where)
 

@@ -523,7 +523,8 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
         lengths.append(n)
         crcs.append(c)
     lengths_t = tuple(lengths)
-    memo = (f.kind, f.codec, meta_bytes, lengths_t) if f.type == fmt.REC_PUT and f.kind != fmt.KIND_REF else None
+    memo = (f.kind, f.codec, meta_bytes, lengths_t) if f.type == fmt.REC_PUT and f.kind != fmt.KIND_REF \
+        and f.meta_len <= _CHECKED_META_ENTRY_MAX else None
     meta = _CHECKED_META.get(memo) if memo is not None else None
     checked = meta is not None
     if meta is None:
@@ -533,9 +534,12 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
                        extent_offsets(f.header_len, f.align_log2, lengths_t))
     _check_layout(hdr, contents_checked=checked, **where)
     if memo is not None and not checked:
-        if len(_CHECKED_META) >= _CHECKED_META_MAX:
+        global _checked_meta_bytes
+        if len(_CHECKED_META) >= _CHECKED_META_MAX or _checked_meta_bytes >= _CHECKED_META_BYTES:
             _CHECKED_META.clear()
+            _checked_meta_bytes = 0
         _CHECKED_META[memo] = meta
+        _checked_meta_bytes += f.meta_len
     return hdr
 
 
@@ -543,9 +547,14 @@ def decode_header(b: Any, fixed: Fixed | None = None, *, verify: bool = True, **
 # _check_put_contents -> their metadata, decoded once: the records of a batch or of one model's
 # chunks share them, and a scan decodes thousands.  Exact (the whole key is what the check
 # reads); the dicts are shared, as headers are (readers never change them: user metadata is
-# copied out).  Bounded: cleared when full.
+# copied out).  Bounded by entries and by metadata bytes (cleared when full); metadata over
+# 4 KiB (large user metadata: a hit saves little) is not remembered.  With a remote tier each
+# put's ``version`` makes its metadata unique: no hits, a small bounded cost.
 _CHECKED_META: dict[tuple[int, int, bytes, tuple[int, ...]], dict[str, Any]] = {}
 _CHECKED_META_MAX = 4096
+_CHECKED_META_BYTES = 1 << 20
+_CHECKED_META_ENTRY_MAX = 4096
+_checked_meta_bytes = 0
 
 
 def _check_layout(h: RecordHeader, *, contents_checked: bool = False, **where: Any) -> None:
@@ -764,17 +773,12 @@ def _checked_product(values: Sequence[int], **where: Any) -> int:
 
 def same_object(a: RecordHeader, b: RecordHeader) -> bool:
     """Same stored bytes: kind, codec, key flags, metadata, extent lengths and checksums
-    (two records of one object, e.g. before and after compaction copied it).  The remote
-    tier's ``version`` (SPEC.md §14.2) says when and where a put was made, not what it holds:
-    two puts of the same bytes are the same object (a second session's put of a stored chunk
-    writes no bytes with a remote tier too)."""
-    return a.lsn == b.lsn or (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags
-                              and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs
-                              and (a.meta == b.meta or _unversioned(a.meta) == _unversioned(b.meta)))
-
-
-def _unversioned(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k != fmt.META_VERSION}
+    (two records of one object, e.g. before and after compaction copied it).  With a remote
+    tier the metadata holds the put's ``version`` (SPEC.md §14.2), so two puts of the same bytes
+    differ: a repeated put is a new version, which must win over what other nodes wrote in
+    between."""
+    return a.lsn == b.lsn or (a.kind == b.kind and a.codec == b.codec and a.flags == b.flags and a.meta == b.meta
+                              and a.extent_lengths == b.extent_lengths and a.extent_crcs == b.extent_crcs)
 
 
 def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> list[int]:

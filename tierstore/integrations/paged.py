@@ -179,6 +179,11 @@ class PagedLayer:
     def __init__(self, layer: Any, layout: PagedLayout, *, compiled: bool | None = None) -> None:
         self.tensor, self.layout = layer, layout
         self.blocks = layout.blocks(layer)
+        want = (2, layout.heads, layout.block_tokens, layout.dim) if layout.kind == "kv" else \
+            (layout.block_tokens, layout.dim)
+        if tuple(self.blocks.shape[1:]) != want:  # (a layout read from another layer: never copied by)
+            raise InvalidObject(f"a paged layer of shape {list(layer.shape)} is not laid out as {layout}",
+                                hint="read each layer's layout from it: PagedLayout.of(layer, ...)")
         host = self.blocks.device.type == "cpu"
         self.kernel = compiled_kernel() if host and compiled is not False else None
         if compiled and self.kernel is None:

@@ -116,8 +116,10 @@ class PrefixCache:
         self.writable = not store.readonly and (not isinstance(store, NamespaceHandle) or store.name == namespace)
         self._warned: set[bytes] = set()  # damaged chunks it cannot delete: warned once each
         self._warned_beams = False
+        self._warned_lossy = False
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
+        self.lossless = choice is None or choice.codec.lossless  # what load accepts
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
         if choice is not None and not choice.codec.lossless:  # lossy chunks under keys of their own (SPEC.md
             spec = choice.spec.encode()  # §13.1): a PrefixCache without the codec never loads them
@@ -175,6 +177,13 @@ class PrefixCache:
             try:
                 if not dest:
                     info = self.store.info(chunks[0], namespace=self.namespace)
+                    if not info.lossless and self.lossless:  # stored lossy under lossless keys: a store
+                        if not self._warned_lossy:  # whose default codec for KV is lossy (open(codecs=))
+                            self._warned_lossy = True
+                            _log.warning("tierstore: stored chunks are %s (lossy) where this PrefixCache "
+                                         "expects lossless KV: not loaded (give PrefixCache codec=%r to "
+                                         "use them)", info.codec, info.codec)
+                        return DynamicCache(config=config), 0
                     heads, _, hd = info.shape[2:]
                     dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
@@ -244,15 +253,17 @@ class PrefixCache:
         # the narrower one is widened, which loses nothing; a load gives both in the wider dtype
         wide = functools.reduce(torch.promote_types, [t.dtype for layer in layers for t in (layer.keys, layer.values)])
         written = 0
+        # with a session, chunks stored but not yet referenced by it are put too: the same bytes
+        # write only its reference (with a remote tier, a new version), so dropping another
+        # conversation that shares them keeps them
+        mine = set(self.store.session_keys(self.session, namespace=self.namespace)) if self.session else set()
         for b in range(ids.shape[0]):
             n = min(held, ids.shape[1]) // self.chunk_tokens * self.chunk_tokens
             hashes = self.hashes(ids[b, :n])
-            # with a session, chunks already stored are put too: the same bytes write only this
-            # session's reference (so dropping another conversation that shares them keeps them)
             have = self.store.contains_many(hashes, namespace=self.namespace) if hashes else []
             items = []
             for i, (h, stored) in enumerate(zip(hashes, have)):
-                if stored and self.session is None:
+                if stored and (self.session is None or h in mine):
                     continue
                 s, e = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
                 pieces = [(layer.keys[b, :, s:e].detach().to(wide), layer.values[b, :, s:e].detach().to(wide))

@@ -68,7 +68,7 @@ end
 return 1
 """
 STAGE_TTL_MS = 60_000  # a staged value a dead client left behind expires
-FUTURE_NS = 86_400 * 10**9  # a stamp further ahead of this node's clock than a day is damage, not skew
+STAMP_CEILING = 1 << 63  # stamps at or past it are damage: no clock gets there, and stamps + 1 fit in u64
 VALUE_MAX_DEFAULT = 512 << 20  # Redis's proto-max-bulk-len by default: the largest value it takes
 
 
@@ -201,8 +201,8 @@ def parse_envelope(b: bytes) -> Remote:
         raise CorruptionError(f"remote value: layout {layout} (this reader knows {fmt.REMOTE_LAYOUT})")
     if flags & ~fmt.REMOTE_FLAGS_KNOWN or reserved or reserved2:
         raise CorruptionError("remote value: unknown flags or non-zero reserved fields")
-    if stamp > time.time_ns() + FUTURE_NS:  # (0: an object put before its store had a remote)
-        raise CorruptionError("remote value: a version stamp more than a day ahead of this node's clock")
+    if stamp >= STAMP_CEILING:  # (0: an object put before its store had a remote)
+        raise CorruptionError("remote value: a version stamp past 2^63 (the year 2262): not a clock's")
     tomb = bool(flags & fmt.REMOTE_FLAG_TOMBSTONE)
     if tomb and record_len:
         raise CorruptionError("remote value: a tombstone with a record length")
@@ -286,10 +286,10 @@ class Clock:
 
     def seen(self, stamp: int) -> None:
         """Another node's version was seen: later stamps of this process exceed it (so an
-        overwrite is newer than what it overwrote, whatever the clocks' skew, up to a day:
-        ``parse_envelope`` refuses stamps further ahead, and this ignores them)."""
+        overwrite is newer than what it overwrote, whatever the clocks' skew; ``parse_envelope``
+        refuses stamps at or past ``STAMP_CEILING``, and this ignores them)."""
         with self._lock:
-            if stamp <= time.time_ns() + FUTURE_NS:
+            if stamp < STAMP_CEILING:
                 self._last = max(self._last, stamp)
 
 
@@ -443,7 +443,9 @@ class RemoteTier:
             if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
                 self._refusals_logged.add(kind)
                 _log.warning("remote %s refused a command: %s", self.url, text)
-            return True
+            # for good only where this key's send can never succeed as it is; others (NOREPLICAS,
+            # MISCONF, BUSY, ...) pass, and the send is tried again
+            return kind == "WRONGTYPE" or "exceeds maximum allowed size" in text
         self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
