@@ -98,7 +98,7 @@ def test_small_stores_hold_no_reserve_by_default(store_path):
 def test_index_enospc_is_store_full():
     import lmdb
 
-    from tierstore.engine.index import Index
+    from tierstore.engine.index import Index, Tables
 
     class Env:
         def begin(self, write=False):  # type: ignore[no-untyped-def]
@@ -108,7 +108,8 @@ def test_index_enospc_is_store_full():
             return 0
 
     idx = Index.__new__(Index)
-    idx.path, idx.env, idx._write_lock = "/x", Env(), __import__("threading").Lock()
+    idx.path, idx._write_lock = "/x", __import__("threading").Lock()
+    idx.tables = Tables(Env(), None, None, None, None)
     idx._readers_checked = 0.0
     with pytest.raises(tierstore.StoreFull):
         idx._write(lambda txn: None)

@@ -379,3 +379,37 @@ def test_chunks_a_lossy_store_default_wrote_are_not_loaded_as_lossless(tmp_path,
         lossy = PrefixCache(store, model, chunk_tokens=16, codec="int8")
         lossy.generate(ids, max_new_tokens=1, do_sample=False)
         assert lossy.load(ids)[1] == 32  # the twin: asked for int8, it loads int8
+
+
+def test_a_prefix_ends_at_its_first_lossy_chunk_when_lossless_kv_is_asked_for(tmp_path):
+    model = _model("llama")
+    ids = _ids(70)
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as store, torch.no_grad():  # lossless: the first two chunks
+        PrefixCache(store, model, chunk_tokens=16).generate(ids[:, :33], max_new_tokens=1, do_sample=False)
+    with tierstore.open(path, codecs={("kv", "ssd"): "int8"}) as store, torch.no_grad():  # int8 from here on
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        assert pc.cached_tokens(ids) == 64
+        cache, n = pc.load(ids)
+        assert n == 32 and cache.get_seq_length() == 32  # the raw chunks only
+
+
+def test_a_batch_whose_rows_share_chunks_references_them_once_per_session(tmp_path):
+    """With a remote tier a put of stored bytes is a new version (written and sent in full): a
+    second row of a batch that shares the first row's chunks must not put them again."""
+    from tierstore.bench.servers import RedisServer
+
+    model = _model("llama")
+    row = _ids(64)
+    server = RedisServer(tmp_path).start()
+    try:
+        with tierstore.open(str(tmp_path / "s"), remote=server.url) as store, torch.no_grad():
+            pc = PrefixCache(store, model, chunk_tokens=16, session="conv")
+            batch = torch.cat([row, row])
+            out = model(batch, use_cache=True)
+            assert pc.save(batch, out.past_key_values) == 4
+            assert store.stats()["tiers"]["remote"]["puts"] == 4  # each chunk once, not once per row
+            assert len(store.session_keys("conv", namespace="transformers")) == 4
+    finally:
+        server.stop()

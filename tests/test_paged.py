@@ -204,6 +204,11 @@ def test_a_layout_read_from_another_layer_is_refused_before_any_copy():
     t4 = torch.randn(2, NB, 4, H, D).half()
     with pytest.raises(InvalidObject, match="not laid out"):
         PagedLayer(t4, PagedLayout.of(t16, num_blocks=NB, block_size=BS))
+    bhnc = make("bhnc", "NHD", 1, torch.float16)
+    with pytest.raises(InvalidObject, match="not laid out"):  # another head_dim: torch cannot even view it
+        PagedLayer(bhnc, PagedLayout("kv", "bhnc", 1, BS, H, 3 * D))
+    with pytest.raises(InvalidObject, match="not laid out"):  # a tensor of another rank
+        PagedLayer(torch.zeros(NB, BS, 64).half(), PagedLayout("kv", "bhnc", 1, BS, H, D))
     lay = PagedLayout.of(t16, num_blocks=NB, block_size=BS)
     out = PagedLayer(t16, lay).gather([3], torch.empty(lay.chunk_shape(BS), dtype=t16.dtype))
     assert same(out, per_block(t16, "kv_first")[3])

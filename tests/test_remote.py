@@ -981,6 +981,28 @@ def test_a_refusal_that_passes_is_retried_not_dropped(tmp_path, server, policy):
     b.close()
 
 
+def test_a_sweep_goes_on_past_an_object_the_server_refuses(tmp_path):
+    """A sweep (here a store's first open with a remote) meets an object larger than the server
+    takes before others: it counts it and sends the rest (it stopped there, and retried the whole
+    sweep every retry_s, for good)."""
+    s = RedisServer(tmp_path, "--proto-max-bulk-len", "1mb").start()
+    try:
+        path = str(tmp_path / "a")
+        crash = ("import os, sys, numpy as np, tierstore\n"
+                 "s = tierstore.open(sys.argv[1], remote='redis://127.0.0.1:1/0', remote_policy='write-back',\n"
+                 "                   remote_connect_timeout=0.2)\n"
+                 "s.put(b'a', tierstore.KVCache(np.zeros((8, 2, 2, 2048, 8), np.float16)), namespace='m')\n"
+                 "s.put(b'b', tierstore.Blob(b'small'), namespace='m')\n"
+                 "os._exit(0)\n")  # nothing sent (no server there), then a crash: REMOTE says dirty
+        subprocess.run([sys.executable, "-c", crash, path], check=True, timeout=120)
+        a = tierstore.open(path, remote=s.url)  # a sweep of what the crash left unsent
+        wait_for(lambda: redis.Redis(port=s.port).exists(remote_key(b"m", b"b")))
+        wait_for(lambda: remote_of(a)["refused"] == 1)
+        a.close()
+    finally:
+        s.stop()
+
+
 def test_a_foreign_key_type_under_a_name_blocks_only_that_key(tmp_path, server):
     r = redis.Redis(port=server.port)
     r.rpush(remote_key(b"m", b"k0"), b"someone else's list")
@@ -1015,6 +1037,15 @@ def test_a_stamp_far_in_the_future_is_a_damaged_value_not_a_clock(tmp_path, serv
     a = node(tmp_path, "a", server.url)
     a.put(b"k3", tierstore.Blob(b"v3"), namespace="m")
     assert remote_of(a)["puts"] == 1
+    a.put(b"evil", tierstore.Blob(b"mine"), namespace="m")  # the damaged value is replaced, whatever it says
+    assert remote_of(a)["put_conflicts"] == 0
+    r.set(remote_key(b"m", b"p"), envelope(Version((1 << 63) - 1, bytes(16)), 0, tombstone=True))
+    assert not a.contains(b"p", namespace="m")  # a sound tombstone stamped 2262: read, not taken into the clock
+    a.put(b"q", tierstore.Blob(b"q"), namespace="m")
+    assert parse_envelope(r.get(remote_key(b"m", b"q"))).version.stamp < time.time_ns() + 60 * 10**9
+    c = node(tmp_path, "c", server.url)
+    assert c.get(b"q", namespace="m").data == b"q" and c.get(b"evil", namespace="m").data == b"mine"
+    c.close()
     CLOCK.seen(time.time_ns() + 3600 * 10**9)  # a node whose clock runs an hour ahead: its values count
     a.put(b"k4", tierstore.Blob(b"v4"), namespace="m")
     a.close()

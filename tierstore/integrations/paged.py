@@ -178,7 +178,11 @@ class PagedLayer:
 
     def __init__(self, layer: Any, layout: PagedLayout, *, compiled: bool | None = None) -> None:
         self.tensor, self.layout = layer, layout
-        self.blocks = layout.blocks(layer)
+        try:
+            self.blocks = layout.blocks(layer)
+        except (RuntimeError, IndexError) as e:  # (torch: a view this layout cannot make of the tensor)
+            raise InvalidObject(f"a paged layer of shape {list(layer.shape)} is not laid out as {layout}: {e}",
+                                hint="read each layer's layout from it: PagedLayout.of(layer, ...)") from None
         want = (2, layout.heads, layout.block_tokens, layout.dim) if layout.kind == "kv" else \
             (layout.block_tokens, layout.dim)
         if tuple(self.blocks.shape[1:]) != want:  # (a layout read from another layer: never copied by)

@@ -177,13 +177,18 @@ class PrefixCache:
             try:
                 if not dest:
                     info = self.store.info(chunks[0], namespace=self.namespace)
-                    if not info.lossless and self.lossless:  # stored lossy under lossless keys: a store
-                        if not self._warned_lossy:  # whose default codec for KV is lossy (open(codecs=))
-                            self._warned_lossy = True
-                            _log.warning("tierstore: stored chunks are %s (lossy) where this PrefixCache "
-                                         "expects lossless KV: not loaded (give PrefixCache codec=%r to "
-                                         "use them)", info.codec, info.codec)
-                        return DynamicCache(config=config), 0
+                    if self.lossless:  # lossy chunks under lossless keys (a store whose default codec
+                        lossy = next((i for i, h in enumerate(chunks)  # for KV is lossy, open(codecs=)):
+                                      if not self.store.info(h, namespace=self.namespace).lossless), None)
+                        if lossy is not None:  # the prefix ends before the first of them
+                            if not self._warned_lossy:
+                                self._warned_lossy = True
+                                _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects "
+                                             "lossless KV: the prefix ends there (the store's default codec for "
+                                             "KV, open(codecs=...), made it lossy)", lossy)
+                            if lossy == 0:
+                                return DynamicCache(config=config), 0
+                            chunks, n, todo = chunks[:lossy], lossy * tc, lossy
                     heads, _, hd = info.shape[2:]
                     dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
@@ -272,6 +277,7 @@ class PrefixCache:
             for j in range(0, len(items), 1024):
                 self.store.put_many(items[j : j + 1024], namespace=self.namespace, session=self.session,
                                     codec=self.codec)
+            mine.update(h for h, _ in items)  # (a later row of the batch that shares them: referenced now)
             written += have.count(False)
         return written
 

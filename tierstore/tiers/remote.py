@@ -47,7 +47,7 @@ UNVERSIONED = (0, bytes(16))  # objects written before the store had a remote
 CAS_SCRIPT = """
 local cur = redis.call('GETRANGE', KEYS[1], 0, 47)
 local new = ARGV[1]
-if #cur == 48 and string.sub(cur, 1, 4) == 'TSRV' then
+if #cur == 48 and string.sub(cur, 1, 4) == 'TSRV' and string.byte(cur, 9) < 128 then
   local newer = false
   for i = 9, 32 do
     local a, b = string.byte(new, i), string.byte(cur, i)
@@ -68,7 +68,13 @@ end
 return 1
 """
 STAGE_TTL_MS = 60_000  # a staged value a dead client left behind expires
-STAMP_CEILING = 1 << 63  # stamps at or past it are damage: no clock gets there, and stamps + 1 fit in u64
+# Stamps at or past STAMP_CEILING (2^63 ns: the year 2262) are damage -- no clock writes one --
+# and the compare-and-set replaces such a value whatever the new stamp.  A clock takes in only
+# stamps at most FUTURE_NS ahead of itself: a crafted stamp cannot move a node's clock (and with
+# it every later put of the node) out of reach; a value stamped further ahead still counts
+# (another node's clock may be that wrong), it is just not outranked until real time passes it.
+STAMP_CEILING = 1 << 63
+FUTURE_NS = 86_400 * 10**9
 VALUE_MAX_DEFAULT = 512 << 20  # Redis's proto-max-bulk-len by default: the largest value it takes
 
 
@@ -287,9 +293,10 @@ class Clock:
     def seen(self, stamp: int) -> None:
         """Another node's version was seen: later stamps of this process exceed it (so an
         overwrite is newer than what it overwrote, whatever the clocks' skew; ``parse_envelope``
-        refuses stamps at or past ``STAMP_CEILING``, and this ignores them)."""
+        ignores stamps more than ``FUTURE_NS`` ahead of this clock: a crafted one would otherwise
+        carry every later stamp of this process along, up to where they overflow)."""
         with self._lock:
-            if stamp < STAMP_CEILING:
+            if stamp <= max(time.time_ns(), self._last) + FUTURE_NS:
                 self._last = max(self._last, stamp)
 
 
@@ -445,7 +452,8 @@ class RemoteTier:
                 _log.warning("remote %s refused a command: %s", self.url, text)
             # for good only where this key's send can never succeed as it is; others (NOREPLICAS,
             # MISCONF, BUSY, ...) pass, and the send is tried again
-            return kind == "WRONGTYPE" or "exceeds maximum allowed size" in text
+            # (pipelines prefix "Command # n ...", Redis 6 scripts "ERR Error running script ...")
+            return "WRONGTYPE" in text or "exceeds maximum allowed size" in text
         self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
@@ -801,6 +809,8 @@ class PushQueue:
             with open(self.state_path, "rb") as f:  # type: ignore[arg-type]
                 state = json.loads(f.read())
             self.pushed_to = int(state.get("pushed_to", 0))
+            if not 0 <= self.pushed_to <= time.time_ns() + FUTURE_NS:  # (a clock takes in no such stamp)
+                raise ValueError(f"pushed_to {self.pushed_to} out of range")
             for ns_hex, key_hex, stamp, origin_hex in state.get("tombstones", []):
                 self._tombs[(bytes.fromhex(ns_hex), bytes.fromhex(key_hex))] = Version(int(stamp),
                                                                                       bytes.fromhex(origin_hex))
@@ -810,7 +820,7 @@ class PushQueue:
             self.sweep_needed = True  # never synced with a remote from this store: sweep once
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             _log.warning("%s unreadable (%s): re-sending every local object the remote lacks", self.state_path, e)
-            self.sweep_needed = True
+            self.pushed_to, self.sweep_needed = 0, True
 
     def start(self) -> None:
         """Begin sending what an earlier run left (once ``load`` and ``sweep_source`` are set).
@@ -1001,7 +1011,11 @@ class PushQueue:
                     with self._cv:  # a put still in flight sends it itself (or queues it)
                         if version.stamp in self._pending:
                             continue
-                    self._send(ns, k)
+                    try:
+                        self._send(ns, k)
+                    except RemoteRefused:  # (too large, a foreign key type): not the others' end
+                        self.tier.count("refused")
+                        continue
                     sent += 1
                     self.tier.count("resent")
         except BaseException:
