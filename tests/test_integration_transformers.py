@@ -413,3 +413,18 @@ def test_a_batch_whose_rows_share_chunks_references_them_once_per_session(tmp_pa
             assert len(store.session_keys("conv", namespace="transformers")) == 4
     finally:
         server.stop()
+
+
+def test_a_chunk_gone_between_the_match_and_the_load_ends_the_prefix_there(store_path, monkeypatch, caplog):
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        assert pc.cached_tokens(ids) == 64
+        monkeypatch.setattr(pc, "cached_tokens", lambda _ids: 64)  # matched before chunk 2 went
+        store.delete(pc.hashes(ids[0])[2], namespace="transformers")
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids)
+        assert n == 32 and cache.get_seq_length() == 32
+        assert any("chunk 2" in m for m in caplog.messages)

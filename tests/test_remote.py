@@ -1127,3 +1127,51 @@ def test_info_of_a_key_deleted_here_waits_for_no_tombstone(tmp_path, server):
     b._remote.queue._stopping = False
     a.close()
     b.close()
+
+
+def test_crafted_stamps_do_not_ratchet_a_clock():
+    """Each crafted stamp a day past the clock's last one was taken in when the bound was
+    measured from the clock itself: 86,000 of them carried it to 2^63.  Measured from the wall
+    clock, the second is ignored.  The store's own stamps (REMOTE) are taken in further."""
+    from tierstore.tiers.remote import FUTURE_NS, Clock
+
+    c = Clock()
+    day = time.time_ns() + FUTURE_NS - 10**9
+    c.seen(day)
+    assert c.last == day
+    c.seen(c.last + FUTURE_NS - 10**9)
+    assert c.last == day
+    c.seen(day + 5 * FUTURE_NS, own=True)  # a clock of this store that once ran five days fast
+    assert c.last == day + 5 * FUTURE_NS
+
+
+def test_a_node_whose_clock_ran_fast_still_wins_over_its_own_versions(tmp_path, server):
+    """A node's clock ran two days fast, then was set right: its next puts must still outrank
+    the versions it wrote before (REMOTE's pushed_to carries them across the reopen), and a
+    delete it saved in REMOTE while the server was away is sent (a REMOTE whose pushed_to is
+    out of range used to lose its tombstones)."""
+    from tierstore.tiers.remote import CLOCK
+
+    CLOCK.seen(time.time_ns() + 2 * 86_400 * 10**9, own=True)  # (the process clock: fast)
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k", tierstore.Blob(b"old"), namespace="m")
+    a.put(b"gone", tierstore.Blob(b"v"), namespace="m")
+    a.close()
+    CLOCK._last = time.time_ns()  # set right (what a new process with a correct clock has)
+    a = node(tmp_path, "a", server.url)
+    a.put(b"k", tierstore.Blob(b"new"), namespace="m")
+    b = node(tmp_path, "b", server.url)
+    assert a.get(b"k", namespace="m").data == b"new" and b.get(b"k", namespace="m").data == b"new"
+    assert remote_of(a)["put_conflicts"] == 0
+    a.close()
+    state_path = tmp_path / "a" / fmt.REMOTE_FILE
+    state = json.loads(state_path.read_text())
+    stamp = time.time_ns() + 3 * 86_400 * 10**9  # above the server's version of "gone"
+    state.update(pushed_to=(1 << 62) + 5, tombstones=[[b"m".hex(), b"gone".hex(), stamp, bytes(16).hex()]])
+    state_path.write_text(json.dumps(state))
+    a = node(tmp_path, "a", server.url)  # pushed_to out of range: set aside; the tombstone is kept
+    wait_for(lambda: remote_of(a)["tombstones_pending"] == 0)
+    with pytest.raises(tierstore.NotFound):
+        b.get(b"gone", namespace="m")
+    a.close()
+    b.close()

@@ -172,23 +172,26 @@ class PrefixCache:
         config = self.model.config
         device = self.model.device
         dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
-        got, todo, tc = 0, len(chunks), self.chunk_tokens
+        tc = self.chunk_tokens
+        if self.lossless:  # lossy chunks under lossless keys (a store whose default codec for KV is
+            for i, h in enumerate(chunks):  # lossy, open(codecs=...)): the prefix ends before the first
+                try:
+                    lossless = self.store.info(h, namespace=self.namespace).lossless
+                except TierstoreError:
+                    break  # (gone or damaged since the match: the reads below find it and say so)
+                if not lossless:
+                    if not self._warned_lossy:
+                        self._warned_lossy = True
+                        _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects lossless "
+                                     "KV: the prefix ends there (the store's default codec for KV, "
+                                     "open(codecs=...), made it lossy)", i)
+                    chunks, n = chunks[:i], i * tc
+                    break
+        got, todo = 0, len(chunks)
         while todo:
             try:
                 if not dest:
                     info = self.store.info(chunks[0], namespace=self.namespace)
-                    if self.lossless:  # lossy chunks under lossless keys (a store whose default codec
-                        lossy = next((i for i, h in enumerate(chunks)  # for KV is lossy, open(codecs=)):
-                                      if not self.store.info(h, namespace=self.namespace).lossless), None)
-                        if lossy is not None:  # the prefix ends before the first of them
-                            if not self._warned_lossy:
-                                self._warned_lossy = True
-                                _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects "
-                                             "lossless KV: the prefix ends there (the store's default codec for "
-                                             "KV, open(codecs=...), made it lossy)", lossy)
-                            if lossy == 0:
-                                return DynamicCache(config=config), 0
-                            chunks, n, todo = chunks[:lossy], lossy * tc, lossy
                     heads, _, hd = info.shape[2:]
                     dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
                     dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),

@@ -75,6 +75,7 @@ STAGE_TTL_MS = 60_000  # a staged value a dead client left behind expires
 # (another node's clock may be that wrong), it is just not outranked until real time passes it.
 STAMP_CEILING = 1 << 63
 FUTURE_NS = 86_400 * 10**9
+OWN_CEILING = 1 << 62  # (the year 2116: a REMOTE file saying more is damaged; 2^62 stamps to go)
 VALUE_MAX_DEFAULT = 512 << 20  # Redis's proto-max-bulk-len by default: the largest value it takes
 
 
@@ -290,13 +291,15 @@ class Clock:
     def last(self) -> int:
         return self._last
 
-    def seen(self, stamp: int) -> None:
-        """Another node's version was seen: later stamps of this process exceed it (so an
-        overwrite is newer than what it overwrote, whatever the clocks' skew; ``parse_envelope``
-        ignores stamps more than ``FUTURE_NS`` ahead of this clock: a crafted one would otherwise
-        carry every later stamp of this process along, up to where they overflow)."""
+    def seen(self, stamp: int, *, own: bool = False) -> None:
+        """A version was seen: later stamps of this process exceed it (so an overwrite is newer
+        than what it overwrote, whatever the clocks' skew).  Another node's stamp is taken in
+        only up to ``FUTURE_NS`` ahead of the wall clock (not of this clock: crafted stamps, each
+        a day past the last, would otherwise carry every later stamp of this process to where
+        they overflow); the store's ``own`` stamps (REMOTE's ``pushed_to``: a clock once fast,
+        since set right) up to ``OWN_CEILING``."""
         with self._lock:
-            if stamp <= max(time.time_ns(), self._last) + FUTURE_NS:
+            if stamp <= (OWN_CEILING if own else time.time_ns() + FUTURE_NS):
                 self._last = max(self._last, stamp)
 
 
@@ -383,7 +386,7 @@ class RemoteTier:
         self.value_max: int | None = None  # the server's proto-max-bulk-len, read by the first put
         self._connect_lock = threading.Lock()
         self.queue = PushQueue(self, queue, state_path)
-        self.clock.seen(self.queue.pushed_to)
+        self.clock.seen(self.queue.pushed_to, own=True)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -446,7 +449,7 @@ class RemoteTier:
             return False
         if type(e) is redis.exceptions.ResponseError:  # one command refused (e.g. a foreign key's type,
             self.count("errors")  # a database out of range): counted and logged once per kind;
-            kind = text.split(" ")[0][:40]  # the server itself answers, so it is not down
+            kind = text.split("error: ")[-1].split(" ")[0][:40]  # (a pipeline's: "Command # n ... error: X")
             if kind not in self._refusals_logged and len(self._refusals_logged) < 100:
                 self._refusals_logged.add(kind)
                 _log.warning("remote %s refused a command: %s", self.url, text)
@@ -600,6 +603,7 @@ class RemoteTier:
         self.count("bytes_in", len(head))
         try:
             env = parse_envelope(head)
+            self.clock.seen(env.version.stamp)
             if env.tombstone:
                 self.count("misses")
                 return env, None
@@ -808,14 +812,14 @@ class PushQueue:
         try:
             with open(self.state_path, "rb") as f:  # type: ignore[arg-type]
                 state = json.loads(f.read())
-            self.pushed_to = int(state.get("pushed_to", 0))
-            if not 0 <= self.pushed_to <= time.time_ns() + FUTURE_NS:  # (a clock takes in no such stamp)
-                raise ValueError(f"pushed_to {self.pushed_to} out of range")
             for ns_hex, key_hex, stamp, origin_hex in state.get("tombstones", []):
                 self._tombs[(bytes.fromhex(ns_hex), bytes.fromhex(key_hex))] = Version(int(stamp),
                                                                                       bytes.fromhex(origin_hex))
             # another server than last time: it may lack everything (remote_sync sends the rest)
             self.sweep_needed = bool(state.get("dirty", True)) or state.get("remote") != self.tier.url
+            self.pushed_to = int(state.get("pushed_to", 0))
+            if not 0 <= self.pushed_to <= OWN_CEILING:  # (no clock writes that: re-send everything)
+                raise ValueError(f"pushed_to {self.pushed_to} out of range")
         except FileNotFoundError:
             self.sweep_needed = True  # never synced with a remote from this store: sweep once
         except (ValueError, TypeError, KeyError, AttributeError) as e:
