@@ -428,3 +428,25 @@ def test_a_chunk_gone_between_the_match_and_the_load_ends_the_prefix_there(store
             cache, n = pc.load(ids)
         assert n == 32 and cache.get_seq_length() == 32
         assert any("chunk 2" in m for m in caplog.messages)
+
+
+def test_the_lossy_scan_ends_the_prefix_where_it_cannot_look(tmp_path, monkeypatch):
+    """A store whose default KV codec is int8 (every chunk lossy) and a lossless PrefixCache: a
+    chunk that cannot be described during the scan (gone and stored again meanwhile) ends the
+    prefix there -- the chunks after it were loaded unchecked, int8 into a lossless cache."""
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(str(tmp_path / "s"), codecs={("kv", "ssd"): "int8"}) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        first = pc.hashes(ids[0])[0]
+        real_info, failed = store.info, []
+
+        def info_once_gone(key, **kw):
+            if key == first and not failed:
+                failed.append(key)
+                raise tierstore.NotFound("gone meanwhile", key=key)
+            return real_info(key, **kw)
+
+        monkeypatch.setattr(store, "info", info_once_gone)
+        assert pc.load(ids)[1] == 0

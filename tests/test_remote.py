@@ -1175,3 +1175,30 @@ def test_a_node_whose_clock_ran_fast_still_wins_over_its_own_versions(tmp_path, 
         b.get(b"gone", namespace="m")
     a.close()
     b.close()
+
+
+def test_a_bad_tombstone_entry_in_remote_is_set_aside_and_the_others_are_sent(tmp_path, server, caplog):
+    """A damaged REMOTE file: a tombstone whose stamp does not fit (the sender thread died on it,
+    for good, and nothing behind it was sent) or a malformed one (the entries after it were
+    dropped): each bad entry is set aside with a warning, the good ones are sent."""
+    a = node(tmp_path, "a", server.url)
+    for k in (b"g1", b"g2"):
+        a.put(k, tierstore.Blob(b"v"), namespace="m")
+    a.close()
+    state_path = tmp_path / "a" / fmt.REMOTE_FILE
+    state = json.loads(state_path.read_text())
+    stamp = time.time_ns() + 10**9
+    state["tombstones"] = [[b"m".hex(), b"x".hex(), -1, bytes(16).hex()], ["zz"],
+                           [b"m".hex(), b"g1".hex(), stamp, bytes(16).hex()],
+                           [b"m".hex(), b"g2".hex(), stamp, bytes(16).hex()]]
+    state_path.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="tierstore.remote"):
+        a = node(tmp_path, "a", server.url)
+        wait_for(lambda: remote_of(a)["tombstones_pending"] == 0)
+    assert sum("set aside" in m for m in caplog.messages) == 2
+    b = node(tmp_path, "b", server.url)
+    for k in (b"g1", b"g2"):
+        with pytest.raises(tierstore.NotFound):
+            b.get(k, namespace="m")
+    a.close()
+    b.close()

@@ -177,8 +177,11 @@ class PrefixCache:
             for i, h in enumerate(chunks):  # lossy, open(codecs=...)): the prefix ends before the first
                 try:
                     lossless = self.store.info(h, namespace=self.namespace).lossless
-                except TierstoreError:
-                    break  # (gone or damaged since the match: the reads below find it and say so)
+                except (TierstoreError, AttributeError, TypeError, ValueError) as e:
+                    _log.warning("tierstore: chunk %d (key %s...) of a stored prefix could not be described (%s); "
+                                 "recomputing from token %d", i, h.hex()[:16], getattr(e, "message", e), i * tc)
+                    chunks, n = chunks[:i], i * tc  # (the prefix ends there: nothing unchecked is loaded)
+                    break
                 if not lossless:
                     if not self._warned_lossy:
                         self._warned_lossy = True

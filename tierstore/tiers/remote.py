@@ -812,9 +812,15 @@ class PushQueue:
         try:
             with open(self.state_path, "rb") as f:  # type: ignore[arg-type]
                 state = json.loads(f.read())
-            for ns_hex, key_hex, stamp, origin_hex in state.get("tombstones", []):
-                self._tombs[(bytes.fromhex(ns_hex), bytes.fromhex(key_hex))] = Version(int(stamp),
-                                                                                      bytes.fromhex(origin_hex))
+            for entry in state.get("tombstones", []):  # each on its own: a bad one loses no other
+                try:
+                    ns_hex, key_hex, stamp, origin_hex = entry
+                    v = Version(int(stamp), bytes.fromhex(origin_hex))
+                    if not 0 < v.stamp < STAMP_CEILING or len(v.origin) != 16:
+                        raise ValueError(f"stamp {v.stamp}")
+                    self._tombs[(bytes.fromhex(ns_hex), bytes.fromhex(key_hex))] = v
+                except (ValueError, TypeError) as e:
+                    _log.warning("%s: a tombstone entry set aside (%s): %r", self.state_path, e, entry)
             # another server than last time: it may lack everything (remote_sync sends the rest)
             self.sweep_needed = bool(state.get("dirty", True)) or state.get("remote") != self.tier.url
             self.pushed_to = int(state.get("pushed_to", 0))
