@@ -1185,9 +1185,11 @@ def test_a_bad_tombstone_entry_in_remote_is_set_aside_and_the_others_are_sent(tm
     for k in (b"g1", b"g2"):
         a.put(k, tierstore.Blob(b"v"), namespace="m")
     a.close()
+    from tierstore.tiers.remote import CLOCK
+
     state_path = tmp_path / "a" / fmt.REMOTE_FILE
     state = json.loads(state_path.read_text())
-    stamp = time.time_ns() + 10**9
+    stamp = max(time.time_ns(), CLOCK.last) + 10**9  # above the puts' (the process clock may run ahead)
     state["tombstones"] = [[b"m".hex(), b"x".hex(), -1, bytes(16).hex()], ["zz"],
                            [b"m".hex(), b"g1".hex(), stamp, bytes(16).hex()],
                            [b"m".hex(), b"g2".hex(), stamp, bytes(16).hex()]]
