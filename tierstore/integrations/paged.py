@@ -166,10 +166,6 @@ def compiled_kernel() -> Any:
 _ARANGE = np.arange(1024, dtype=np.int64)  # a gather's chunk blocks: 0, 1, ... (read-only to the loop)
 
 
-def _host(a: Any, b: Any) -> bool:
-    return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
-
-
 class PagedLayer:
     """One layer's paged tensor with its layout, and (on the host) the views the copies use,
     made once: a connector keeps one per layer (building the views costs more than a block's
