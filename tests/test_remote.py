@@ -1204,3 +1204,93 @@ def test_a_bad_tombstone_entry_in_remote_is_set_aside_and_the_others_are_sent(tm
             b.get(k, namespace="m")
     a.close()
     b.close()
+
+
+_CLOCK_SCRIPT = """
+import os, sys, time, tierstore
+path, url, shift, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+real = time.time_ns
+time.time_ns = lambda: real() + shift  # this machine's clock: fast, or set right
+s = tierstore.open(path, remote=url, remote_timeout=10, remote_connect_timeout=10)
+for op in sys.argv[5:]:
+    verb, _, rest = op.partition(":")
+    key, _, value = rest.partition("=")
+    if verb == "del":
+        s.delete(key.encode(), namespace="m")
+    else:
+        s.put(key.encode(), tierstore.Blob(value.encode()), namespace="m")
+if end == "crash":
+    os._exit(0)  # no close: REMOTE keeps what its last save said
+s.close()
+"""
+
+
+@pytest.mark.parametrize("end", ["crash", "close"])
+def test_a_clock_set_back_while_no_handle_ran_still_stamps_above_the_stores_versions(tmp_path, server, end):
+    """A node's clock ran two hours fast; it wrote (and deleted) keys and stopped -- crashed, or
+    closed -- and its clock was set right before it ran again.  Its next puts must outrank the
+    versions it wrote before: STAMPS holds a reservation above every stamp it issued.  (Before
+    it, after a crash the new puts lost to the node's own older versions and tombstones on the
+    server: the node read back its old value, and a key put again after a delete was missing.)"""
+    def run(shift: int, *ops: str) -> None:
+        out = subprocess.run([sys.executable, "-c", _CLOCK_SCRIPT, str(tmp_path / "a"), server.url, str(shift), end,
+                              *ops], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+
+    run(2 * 3600 * 10**9, "put:k=old", "put:g=old", "del:g")
+    run(0, "put:k=new", "put:g=new")
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    try:
+        assert b.get(b"k", namespace="m").data == b"new"
+        assert b.get(b"g", namespace="m").data == b"new"
+        assert a.get(b"k", namespace="m").data == b"new" and a.get(b"g", namespace="m").data == b"new"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_stamps_keeps_its_reservation_through_a_torn_slot_and_does_not_drift(tmp_path):
+    """STAMPS (SPEC.md §14.6): each reservation goes to the slot not holding the valid one, so a
+    damaged slot leaves the other; a file with no valid slot is a warning, not a failure.  A
+    clock that was never set back is not moved by the reservation (a handle reopened at once
+    does not stamp ahead of the wall clock); one set back below an issued stamp takes it in."""
+    from tierstore.tiers.remote import RESERVE_AHEAD_NS, Clock, Stamps, _best_slot
+
+    path = str(tmp_path / fmt.STAMPS_FILE)
+    clock = Clock()
+    stamps = Stamps(path, clock)
+    first = stamps.next()
+    data = Path(path).read_bytes()
+    assert len(data) == fmt.STAMPS_SLOT.size  # one slot so far
+    assert _best_slot(data)[1:] == (first + RESERVE_AHEAD_NS, first)
+    second = stamps.next()  # within the reservation: no write
+    assert Path(path).read_bytes() == data
+    stamps.reserved = 0  # (as if a second passed) the next stamp reserves again, in slot 1
+    third = stamps.next()
+    data = Path(path).read_bytes()
+    assert len(data) == 2 * fmt.STAMPS_SLOT.size and _best_slot(data)[:2] == (1, third + RESERVE_AHEAD_NS)
+    assert first < second < third
+
+    # reopened at once, with a clock never set back: no stamp ahead of the wall clock
+    again = Clock()
+    Stamps(path, again)
+    assert again.last == 0
+    # a clock set back below the stamps issued: it takes in the reservation
+    torn = bytearray(data)
+    torn[fmt.STAMPS_SLOT.size + 3] ^= 0xFF  # slot 1 (the newest) damaged: slot 0 still counts
+    Path(path).write_bytes(bytes(torn))
+    future = time.time_ns() + 3600 * 10**9
+    with open(path, "r+b") as f:  # slot 0 says stamps up to an hour ahead were issued
+        body = fmt.STAMPS_SLOT.pack(future + RESERVE_AHEAD_NS, future, 0, 0)[:16]
+        f.write(body + tierstore.format.record.crc32c(body).to_bytes(4, "little") + bytes(4))
+    set_back = Clock()
+    s2 = Stamps(path, set_back)
+    assert set_back.last == future + RESERVE_AHEAD_NS and s2.next() > future + RESERVE_AHEAD_NS
+    assert _best_slot(Path(path).read_bytes())[0] == 1  # the new reservation replaced the damaged slot
+
+    Path(path).write_bytes(b"\xff" * 48)  # no valid slot: stamps go on (a warning), and reserve afresh
+    fresh = Clock()
+    s3 = Stamps(path, fresh)
+    assert fresh.last == 0
+    stamp = s3.next()
+    assert _best_slot(Path(path).read_bytes())[1:] == (stamp + RESERVE_AHEAD_NS, stamp)

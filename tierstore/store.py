@@ -52,12 +52,12 @@ from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
 from .tiers.remote import (
-    CLOCK,
     REMOTE_OPTIONS,
     Remote,
     RemoteDown,
     RemoteRefused,
     RemoteTier,
+    Stamps,
     Version,
     remote_options,
     version_of,
@@ -280,6 +280,7 @@ class Store:
         self._remote: RemoteTier | None = None
         self._remote_beside = False  # a REMOTE file: another handle sends this store to a remote
         self._remote_checked = 0.0  # (looked for again at most once a second until found)
+        self._stamps: Stamps | None = None  # the stamps of puts beside a remote (SPEC.md §14.6)
         self._capacity: Capacity | None = None
         self._trace: TraceWriter | None = None
         # told of puts, reads, misses, deletes and sessions: the SSD budget's policy, a trace
@@ -340,7 +341,8 @@ class Store:
                     raise
         try:
             tier = RemoteTier(opts.pop("url"), origin=engine.store_uuid, **opts,
-                              state_path=os.path.join(self.path, fmt.REMOTE_FILE) if writes else None)
+                              state_path=os.path.join(self.path, fmt.REMOTE_FILE) if writes else None,
+                              stamps_path=os.path.join(self.path, fmt.STAMPS_FILE) if writes else None)
         except BaseException:
             with _REMOTE_LOCK:
                 fd = _REMOTE_ENGINES.pop(id(engine), -1)
@@ -526,7 +528,7 @@ class Store:
         if remote is None or not remote.writes:
             return
         for k in ks:
-            v = Version(remote.clock.next(), remote.origin)
+            v = Version(remote.next_stamp(), remote.origin)
             if remote.policy == "write-back":
                 remote.queue.add_tombstone(ns, k, v)
                 continue
@@ -557,7 +559,9 @@ class Store:
             # another handle sends this store to a remote: a version, so that its reads keep this put
             # (newer than the server's) instead of the server's older value; it reaches the server by
             # that handle's next sweep or remote_sync (this handle sends nothing)
-            meta = {**block.meta, fmt.META_VERSION: [CLOCK.next(), self._engine.store_uuid]}
+            if self._stamps is None:  # (once: it reads STAMPS, and may take a reservation into the clock)
+                self._stamps = Stamps(os.path.join(self.path, fmt.STAMPS_FILE))
+            meta = {**block.meta, fmt.META_VERSION: [self._stamps.next(), self._engine.store_uuid]}
             return rec.encode_put(ns, k, kflags, block.kind, meta, block.extents, block.align_log2, block.codec)
         stamp = remote.queue.issue()  # the version other nodes compare (SPEC.md §14.2)
         try:

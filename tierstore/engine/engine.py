@@ -72,7 +72,7 @@ _NOWHERE: dict[str, Any] = {}  # an error's where, filled in by whoever catches 
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
                            fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
                            fmt.REMOTE_FILE + ".tmp", fmt.APPEND_FILE, fmt.COMPACT_FILE, fmt.REMOTE_LOCK_FILE,
-                           fmt.INFLIGHT_FILE})
+                           fmt.INFLIGHT_FILE, fmt.STAMPS_FILE})
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
 # a retired segment shrunk away gradually (retire_segments(gradual=True)) loses this many bytes

@@ -180,6 +180,13 @@ INFLIGHT_SLOTS = 64
 RESERVE_FILE = "RESERVE"  # §1 (informative): space a writer gives up when the disk is full
 REMOTE_FILE = "REMOTE"  # §1, §14.5 (informative): what the remote tier has not been sent yet
 REMOTE_LOCK_FILE = "REMOTE.lock"  # §1, §14.5 (informative): flock of the one process whose remote tier writes
+# §1, §14.6 (informative): the highest version stamp the store's handles may have issued, so that
+# a clock set back while no handle ran still stamps above them.  STAMPS_SLOTS slots of (reserved,
+# stamp, crc32c of the slot's first 16 bytes, zero), little-endian; the valid slot with the larger
+# ``reserved`` counts; changed under the file's flock, one slot at a time, each change synced
+STAMPS_FILE = "STAMPS"
+STAMPS_SLOT = struct.Struct("<QQII")
+STAMPS_SLOTS = 2
 
 # --- SPEC.md §14 The remote tier (informative: a layout on Redis / Valkey, not a file) ------
 REMOTE_PREFIX = b"ts1:"  # §14.1: ts1:<namespace hex>:{<key hex>}; the braces are Redis Cluster's hash tag

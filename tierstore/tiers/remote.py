@@ -16,6 +16,7 @@ or repeated send never replaces a newer value and never resurrects a deleted one
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import CorruptionError, InvalidObject, TierstoreError
+from ..errors import CorruptionError, InvalidObject, StoreIOError, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 
@@ -306,6 +307,103 @@ class Clock:
 CLOCK = Clock()  # one per process: the stamps of its handles (with remote= or beside one) never tie
 
 
+RESERVE_AHEAD_NS = 10**9  # a reservation covers the stamps of the next second (one synced write a second)
+
+
+class Stamps:
+    """The stamps one store's handles issue (SPEC.md §14.6): the process clock, and a
+    reservation in the store's STAMPS file that is always above every stamp handed out.
+
+    A handle that stamps (one with a writable remote tier, or beside one) opens with it: if the
+    wall clock is now below a stamp the store issued before -- the clock ran fast, or was set
+    back while no handle ran -- the process clock takes in the reservation, so the next stamps
+    still outrank every version the store wrote.  Before a stamp past the reservation is
+    handed out, the reservation moves a second ahead of it (the file's flock, a synced write):
+    a crash can leave it above what was issued, never below."""
+
+    def __init__(self, path: str, clock: Clock = CLOCK) -> None:
+        self.path, self.clock = path, clock
+        self._lock = threading.Lock()
+        reserved, stamp = self._read()
+        self.reserved = 0  # what this handle reserved: its stamps up to it need no write
+        if time.time_ns() < stamp:  # the wall clock is below a stamp the store issued: set back
+            clock.seen(reserved, own=True)
+
+    def _read(self) -> tuple[int, int]:
+        """(reserved, stamp) of the valid slot with the larger reservation; (0, 0) without one."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(fmt.STAMPS_SLOT.size * fmt.STAMPS_SLOTS)
+        except FileNotFoundError:
+            return 0, 0
+        except OSError as e:
+            raise StoreIOError(f"read {fmt.STAMPS_FILE}: {e.strerror or e}", errno=e.errno, poisoned=False,
+                               path=self.path) from None
+        best = _best_slot(data)
+        if best is None:
+            if data:
+                _log.warning("%s: no valid slot: stamps issued before are not known (a clock set back may "
+                             "stamp below them)", self.path)
+            return 0, 0
+        return best[1], best[2]
+
+    def next(self) -> int:
+        """The next stamp, reserved durably before it is returned (StoreIOError if it cannot be)."""
+        stamp = self.clock.next()
+        if stamp > self.reserved:
+            with self._lock:
+                if stamp > self.reserved:
+                    self._reserve(stamp)
+        return stamp
+
+    def _reserve(self, stamp: int) -> None:
+        slot = fmt.STAMPS_SLOT
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StoreIOError(f"open {fmt.STAMPS_FILE}: {e.strerror or e}", errno=e.errno, poisoned=False,
+                               path=self.path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (released by the close: other handles read, then write, too)
+            data = os.pread(fd, slot.size * fmt.STAMPS_SLOTS, 0)
+            best = _best_slot(data)
+            have, seen = (best[1], best[2]) if best is not None else (0, 0)
+            reserved = max(have, stamp + RESERVE_AHEAD_NS)
+            # the slot not holding the valid reservation: a torn write leaves that one
+            index = 0 if best is None else 1 - best[0]
+            body = slot.pack(reserved, max(seen, stamp), 0, 0)[:16]
+            os.pwrite(fd, body + rec.crc32c(body).to_bytes(4, "little") + bytes(4), index * slot.size)
+            os.fdatasync(fd)
+            if len(data) < slot.size * fmt.STAMPS_SLOTS:  # a new file: its name too must survive a crash
+                dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as e:
+            raise StoreIOError(f"reserve version stamps in {fmt.STAMPS_FILE}: {e.strerror or e}", errno=e.errno,
+                               poisoned=False, path=self.path) from None
+        finally:
+            os.close(fd)
+        self.reserved = stamp + RESERVE_AHEAD_NS  # (its own: another handle's reservation is theirs)
+
+
+def _best_slot(data: bytes) -> tuple[int, int, int] | None:
+    """(index, reserved, stamp) of the valid STAMPS slot with the larger reservation."""
+    slot = fmt.STAMPS_SLOT
+    best = None
+    for i in range(fmt.STAMPS_SLOTS):
+        raw = data[i * slot.size:(i + 1) * slot.size]
+        if len(raw) < slot.size:
+            break
+        reserved, stamp, crc, zero = slot.unpack(raw)
+        if crc != rec.crc32c(raw[:16]) or zero or stamp > reserved or reserved > OWN_CEILING:
+            continue
+        if best is None or reserved > best[1]:
+            best = (i, reserved, stamp)
+    return best
+
+
 # -- the client ------------------------------------------------------------------------------
 
 def connect(target: Target, timeout: float, connect_timeout: float) -> Any:
@@ -354,7 +452,7 @@ class RemoteTier:
 
     def __init__(self, url: str, *, origin: bytes, policy: str = "write-through", timeout: float = 2.0,
                  connect_timeout: float = 1.0, retry_s: float = 1.0, queue: int = QUEUE_DEFAULT,
-                 state_path: str | None = None) -> None:
+                 state_path: str | None = None, stamps_path: str | None = None) -> None:
         if policy not in POLICIES:
             raise InvalidObject(f"remote_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         for name, value in (("remote_timeout", timeout), ("remote_connect_timeout", connect_timeout),
@@ -387,6 +485,11 @@ class RemoteTier:
         self._connect_lock = threading.Lock()
         self.queue = PushQueue(self, queue, state_path)
         self.clock.seen(self.queue.pushed_to, own=True)
+        self.stamps = Stamps(stamps_path, self.clock) if stamps_path is not None else None
+
+    def next_stamp(self) -> int:
+        """A stamp for a version this store writes (reserved in STAMPS when the tier writes)."""
+        return self.stamps.next() if self.stamps is not None else self.clock.next()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -871,7 +974,7 @@ class PushQueue:
     def issue(self) -> int:
         """A stamp for a put about to be written; ``pushed_to`` stays below it until ``sent``."""
         with self._cv:
-            stamp = self.tier.clock.next()
+            stamp = self.tier.next_stamp()
             self._pending[stamp] += 1
             return stamp
 
