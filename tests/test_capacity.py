@@ -25,10 +25,9 @@ def files_bytes(path: str) -> int:
     """What the store occupies, counted here from the directory (not by the engine)."""
     total = 0
     for root, _, names in os.walk(path):
-        if os.path.basename(root) == "quarantine":
-            continue
+        quarantined = os.sep + "quarantine" in root[len(path):]
         for n in names:
-            if n.endswith(".tseg") or root.endswith("index") or n == "RESERVE":
+            if n.endswith(".tseg") or root.endswith("index") or n == "RESERVE" or quarantined:
                 try:
                     total += os.path.getsize(os.path.join(root, n))
                 except FileNotFoundError:
@@ -115,6 +114,40 @@ def test_everything_retained_raises_store_full_with_a_true_hint_and_nothing_writ
         s.delete("doc0", namespace="rag")
         s.compact()
         s.put("again", Blob(payload(0, 300_000)), namespace="rag")
+
+
+def test_what_recoveries_keep_in_quarantine_counts_in_the_budget(tmp_path):
+    """quarantine/ (bytes recoveries cut out of the log, an old index) is part of what the store
+    occupies: puts evict to make room for it, and when it is what holds the room StoreFull names
+    `tierstore quarantine --clear`.  (Until 2026-12-03 it was not counted: a store whose
+    recoveries kept MBs passed its budget by as much.)"""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes=MiB) as s:
+        for i in range(12):
+            s.put(f"k{i}", Blob(payload(i, 400_000)))
+    qdir = os.path.join(path, "quarantine")
+    os.makedirs(os.path.join(qdir, "20261203T000000.000000000-index-1"))
+    with open(os.path.join(qdir, "20261203T000000.000000000-0000000000000001.tseg-0-300000.bin"), "wb") as f:
+        f.write(b"\x01" * 3 * MiB)  # as recovery keeps a cut tail (and an old index, below)
+    with open(os.path.join(qdir, "20261203T000000.000000000-index-1", "data.mdb"), "wb") as f:
+        f.write(b"\x02" * MiB)
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes=MiB) as s:
+        assert s.stats()["tiers"]["ssd"]["bytes_used"] == files_bytes(path)
+        for i in range(12, 20):
+            s.put(f"k{i}", Blob(payload(i, 400_000)))
+            assert files_bytes(path) <= 8 * MiB
+        assert len(s.keys()) < 12  # fewer objects fit beside what quarantine/ holds
+    with open(os.path.join(qdir, "more.bin"), "wb") as f:
+        f.write(b"\x03" * 4 * MiB)
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes=MiB, retain={"default": "always"}) as s:
+        with pytest.raises(tierstore.StoreFull) as err:
+            s.put("big", Blob(payload(0, 1_500_000)))
+        assert "quarantine/: 8388608 bytes" in err.value.message, err.value.message
+        assert f"tierstore quarantine {path}" in err.value.hint and "--clear" in err.value.hint
+    repair.quarantine_clear(path, lock_timeout=0)  # the room it held is back
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes=MiB, retain={"default": "always"}) as s:
+        s.put("big", Blob(payload(0, 1_500_000)))
+        assert files_bytes(path) <= 8 * MiB
 
 
 def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):

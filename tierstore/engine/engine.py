@@ -240,6 +240,7 @@ class Engine:
         self._refs_seen = False  # the store holds (or held) session references
         self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
         self._shrinking = 0  # disk_bytes: what is left of retired segments being shrunk away
+        self._quarantined: tuple[int, int] | None = None  # disk_bytes: (quarantine/'s mtime, its bytes)
         self._shrink_lock = threading.Lock()
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
@@ -1448,14 +1449,14 @@ class Engine:
         return self.log.grown if self.log is not None else 0
 
     def disk_bytes(self) -> int:
-        """Bytes the store occupies on disk: its segment files, the index's files and the
-        reserve (what ``ssd_bytes`` bounds)."""
+        """Bytes the store occupies on disk: its segment files, the index's files, the reserve
+        and what recoveries kept in quarantine/ (what ``ssd_bytes`` bounds)."""
         return sum(self.disk_usage())
 
     def disk_usage(self) -> tuple[int, int]:
-        """(bytes of segment files, bytes of the index's files and the reserve).  Sealed
-        segments never grow, so their sizes are remembered; the active one, the index and the
-        reserve are asked each time."""
+        """(bytes of segment files, bytes of the index's files, the reserve and quarantine/).
+        Sealed segments never grow, so their sizes are remembered; the active one, the index
+        and the reserve are asked each time, quarantine/ when it changed."""
         segs = self.segments()
         known = self._sealed_sizes
         for gone in set(known) - set(segs):
@@ -1485,13 +1486,40 @@ class Engine:
             other += [os.path.join(index_dir, name) for name in os.listdir(index_dir)]
         except FileNotFoundError:
             pass
-        rest = 0
+        rest = self.quarantine_bytes()
         for path in other:
             try:
                 rest += os.path.getsize(path)
             except FileNotFoundError:
                 pass
         return total, rest
+
+    def quarantine_bytes(self) -> int:
+        """Bytes of the files in quarantine/ (an old index's too), counted again whenever the
+        directory changed (its mtime; a change in the last second is not trusted to show)."""
+        qdir = os.path.join(self.path, fmt.QUARANTINE_DIR)
+        try:
+            mtime = os.stat(qdir).st_mtime_ns
+        except FileNotFoundError:
+            return 0
+        known = self._quarantined
+        if known is not None and known[0] == mtime:
+            return known[1]
+        total = 0
+        try:
+            with os.scandir(qdir) as entries:
+                for entry in entries:
+                    if not entry.is_dir(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                        continue
+                    with os.scandir(entry.path) as inside:  # an index replaced by a rebuild
+                        total += sum(f.stat(follow_symlinks=False).st_size for f in inside
+                                     if not f.is_dir(follow_symlinks=False))
+        except FileNotFoundError:  # (cleared meanwhile: counted again next time)
+            return total
+        if mtime < time.time_ns() - 10**9:
+            self._quarantined = (mtime, total)
+        return total
 
     # -- figures ------------------------------------------------------------------------------
 

@@ -466,14 +466,16 @@ class Capacity:
         t0 = time.perf_counter()
         if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
             self._adopt()
-        floor = engine.disk_usage()[1]  # the index and the reserve: not evictable
+        floor = engine.disk_usage()[1]  # the index, the reserve and quarantine/: not evictable
         if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > stop:
-            bloat, fix = self._index_bloat(nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE - stop)
+            need = nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE - stop
+            bloat, fix = self._index_bloat(need)
+            held, clear = self._quarantined(need)
             raise StoreFull(f"a put taking {nbytes} bytes on disk cannot fit in ssd_bytes={budget}: puts stop "
                             f"{budget - stop} bytes below the budget (a segment, or 1/{SLACK_SHARE} of the budget if "
-                            f"more: room for padding and compaction's copies) and the index and reserve take "
-                            f"{floor}{bloat}",
-                            hint=f"raise ssd_bytes={fix}, or store the object in smaller pieces")
+                            f"more: room for padding and compaction's copies) and the index and reserve"
+                            f"{' and quarantine/' if held else ''} take {floor}{bloat}{held}",
+                            hint=f"raise ssd_bytes={fix}{clear}, or store the object in smaller pieces")
         self.counters["eviction_runs" if strict else "background_runs"] += 1
         # first without evicting: segments mostly dead already (deletes, overwrites) and small ones
         # (what evictions leave: their DELETE, HEADERS and SYNC records) free room no object pays for
@@ -568,8 +570,20 @@ class Capacity:
                 if nbytes >= need or kind == largest:
                     fixes.append(fix)
         bloat, fix = self._index_bloat(need)
-        parts.append(f"{floor} bytes of index and reserve{bloat}")
-        return "; ".join(parts), ", ".join(fixes) + fix
+        held, clear = self._quarantined(need)
+        parts.append(f"{floor} bytes of index and reserve{' and quarantine/' if held else ''}{bloat}{held}")
+        return "; ".join(parts), ", ".join(fixes) + fix + clear
+
+    def _quarantined(self, need: int) -> tuple[str, str]:
+        """(what quarantine/ holds, the fix) for StoreFull, when it holds anything: its bytes
+        count in the budget, and they are the user's to inspect and delete (the fix is named
+        when they are at least ``need``, what a put lacks)."""
+        held = self.engine.quarantine_bytes()
+        if not held:
+            return "", ""
+        fix = (f", or delete what recoveries kept (`tierstore quarantine {self.engine.path}` lists it, "
+               f"`--clear` deletes it while no process has the store open)") if held >= need else ""
+        return f" (quarantine/: {held} bytes cut out of the log by recoveries)", fix
 
     def _index_bloat(self, need: int) -> tuple[str, str]:
         """(what the index file holds beyond its tables' pages, the fix) for StoreFull, when that
