@@ -150,6 +150,30 @@ def test_what_recoveries_keep_in_quarantine_counts_in_the_budget(tmp_path):
         assert files_bytes(path) <= 8 * MiB
 
 
+def test_a_second_handle_in_the_process_must_keep_the_first_ones_budget_settings(tmp_path):
+    """Handles of one store in one process share its engine, and each evicts by its own
+    settings: a second handle without the first's ``retain`` evicted the namespace the first
+    keeps (a cold review, 2026-12-03: 0 of 10 retained documents left).  A second open with
+    other budget settings is refused, naming them; the same settings share the engine."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes="8MiB", retain={"rag": "always"}) as a:
+        for i in range(10):
+            a.put(f"doc{i}", Blob(payload(i, 100_000)), namespace="rag")
+        for other, named in [({"ssd_bytes": "8MiB"}, "retain=['rag']"),
+                             ({"ssd_bytes": "8MiB", "retain": {"rag": "always"}, "ssd_policy": "cost"},
+                              "ssd_policy='lru'"),
+                             ({"ssd_bytes": "4MiB", "retain": {"rag": "always"}}, "(ssd_bytes=8388608, segment"),
+                             ({}, "ssd_bytes=8388608")]:
+            with pytest.raises(tierstore.InvalidObject) as err:
+                tierstore.open(path, **other)
+            assert named in err.value.message, err.value.message
+        with tierstore.open(path, ssd_bytes="8MiB", retain={"rag": "always"}) as b:
+            for i in range(200):
+                b.put(f"k{i}", Blob(payload(i, 100_000)))
+            b.flush()
+            assert all(a.contains(f"doc{i}", namespace="rag") for i in range(10))
+
+
 def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):
     with tierstore.open(str(tmp_path / "s"), ssd_bytes=4 * MiB, retain={"rag": "always"}, dram_bytes="4MiB") as s:
         s.put("big", Blob(payload(0, 1_500_000)))

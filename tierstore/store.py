@@ -48,7 +48,7 @@ from .format import record as rec
 from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session, key_bytes
 from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
-from .tiers.capacity import CAPACITY_OPTIONS, Capacity, capacity_options, tokens_of
+from .tiers.capacity import CAPACITY_OPTIONS, Capacity, budget_settings, capacity_options, tokens_of
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
 from .tiers.remote import (
@@ -286,7 +286,8 @@ class Store:
         # told of puts, reads, misses, deletes and sessions: the SSD budget's policy, a trace
         self._watchers: tuple[Capacity | TraceWriter, ...] = ()
         self._engine = open_engine(self.path, create=create, readonly=readonly, durability=durability,
-                                   options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None)
+                                   options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None,
+                                   agree=budget_settings(capacity))
         try:
             self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
             if capacity is not None and not readonly:  # a read-only handle evicts nothing

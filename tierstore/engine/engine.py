@@ -241,6 +241,7 @@ class Engine:
         self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
         self._shrinking = 0  # disk_bytes: what is left of retired segments being shrunk away
         self._quarantined: tuple[int, int] | None = None  # disk_bytes: (quarantine/'s mtime, its bytes)
+        self.agreed: dict[str, Any] = {}  # open_engine: what the handles sharing this engine must agree on
         self._shrink_lock = threading.Lock()
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
@@ -1559,14 +1560,15 @@ class Engine:
 
 def open_engine(path: str | os.PathLike[str], *, create: bool = True, readonly: bool = False,
                 durability: str = "sync", options: Options | None = None, io: PosixIO | None = None,
-                dram_tier: bool = False) -> Engine:
+                dram_tier: bool = False, agree: dict[str, Any] | None = None) -> Engine:
     """An Engine for ``path``: a new one, or -- for a writable open of a store this process
     already has open for writing -- the same engine, shared (its ``close`` then counts the
     handles, and the last one closes it).  The writer lock is per process, so a second
     writable handle in the same process would otherwise wait for itself.  Sharing needs the
-    same durability, engine options and I/O layer (InvalidObject names the difference
-    otherwise); a handle sharing the engine also shares its cold-read path (the O_DIRECT
-    threshold the first handle's DRAM tier chose), its recovery report and its counters."""
+    same durability, engine options and I/O layer, and the same ``agree`` (settings of the
+    handles above the engine that must match: InvalidObject names the difference otherwise); a
+    handle sharing the engine also shares its cold-read path (the O_DIRECT threshold the first
+    handle's DRAM tier chose), its recovery report and its counters."""
     options = options or Options()
     if readonly:
         return Engine(path, create=create, readonly=True, durability=durability, options=options, io=io,
@@ -1578,10 +1580,11 @@ def open_engine(path: str | os.PathLike[str], *, create: bool = True, readonly: 
         with _WRITERS_LOCK:
             engine = _WRITERS.get(real)
             if engine is not None and not engine.closed:
-                mine = {"durability": engine.durability, **engine.options.engine_settings(),
+                mine = {**engine.agreed, "durability": engine.durability, **engine.options.engine_settings(),
                         "io": engine.io}
-                asked = {"durability": durability, **options.engine_settings(), "io": io or DEFAULT_IO}
-                diff = sorted(k for k in mine if mine[k] != asked[k])
+                asked = {**(agree or {}), "durability": durability, **options.engine_settings(),
+                         "io": io or DEFAULT_IO}
+                diff = [k for k in mine if mine[k] != asked.get(k)]
                 if diff:
                     raise InvalidObject(
                         f"this process already has {engine.path} open for writing with other settings "
@@ -1592,6 +1595,7 @@ def open_engine(path: str | os.PathLike[str], *, create: bool = True, readonly: 
                 return engine
         engine = Engine(path, create=create, readonly=False, durability=durability, options=options, io=io,
                         dram_tier=dram_tier)
+        engine.agreed = dict(agree or {})
         with _WRITERS_LOCK:
             _WRITERS[real] = engine
         return engine

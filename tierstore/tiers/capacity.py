@@ -117,6 +117,19 @@ def downtier_options(spec: Any) -> dict[bytes, dict[int, cdc.Choice]]:
     return out
 
 
+def budget_settings(capacity: dict[str, Any] | None) -> dict[str, Any]:
+    """What writable handles of one store in one process must agree on (they share its engine,
+    and each evicts by its own settings: a handle without another's ``retain`` would evict the
+    namespaces that one keeps), in a form that compares and reads well in an error."""
+    if capacity is None:  # (as a budget's defaults: a difference of budget alone names ssd_bytes alone)
+        return {"ssd_bytes": None, "retain": [], "ssd_policy": "lru", "downtier": {}}
+    return {"ssd_bytes": capacity["budget"],
+            "retain": sorted(ns.decode("utf-8") for ns in capacity["retain"]),
+            "ssd_policy": capacity["policy"].name,
+            "downtier": {ns.decode("utf-8"): sorted({c.spec for c in by_kind.values()})
+                         for ns, by_kind in sorted(capacity["downtier"].items())}}
+
+
 def capacity_options(options: dict[str, Any]) -> dict[str, Any] | None:
     """Pop and check ``ssd_bytes``, ``retain``, ``ssd_policy`` and ``downtier`` from ``options``;
     None when the store has no budget.  Without ``segment_bytes``, segments of 1/16 of the budget
