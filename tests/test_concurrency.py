@@ -176,3 +176,43 @@ def test_the_committer_wakes_at_the_oldest_records_deadline(store_path):
         s.put("a", Blob(b"1"))
         time.sleep(0.3)
         assert 0.6 < engine._next_due() <= 0.71  # the deadline of "a", not a fresh period
+
+
+def test_zstd_codecs_from_many_threads_give_the_right_bytes(tmp_path):
+    """python-zstandard's contexts must not be shared between threads: one module-wide
+    decompressor gave wrong bytes (no error), false CorruptionErrors and segfaults when
+    get_many's reader threads, or a caller's threads, decoded at once (a cold review,
+    2026-12-03; 23-30 of 50 get_many calls failed).  Run in a child, which such a crash kills."""
+    code = """
+import os, sys, threading, numpy as np, tierstore
+s = tierstore.open(sys.argv[1], dram_bytes=0)
+vals, bad = {}, []
+def put(t):
+    for i in range(12):
+        k = f"t{t}-{i}"
+        vals[k] = v = (b"tierstore %d " % i) * 20000 + os.urandom(20000)
+        s.put(k, tierstore.Blob(v), codec="zstd")
+threads = [threading.Thread(target=put, args=(t,)) for t in range(3)]
+[t.start() for t in threads]; [t.join() for t in threads]
+kv = np.random.default_rng(0).standard_normal((4, 2, 2, 256, 64)).astype(np.float16)
+s.put_many([(f"kv{i}", tierstore.KVCache(kv + i)) for i in range(8)], codec="shuffle+zstd")
+keys = sorted(vals)
+def get(t):
+    for _ in range(15):
+        try:
+            for k, o in zip(keys, s.get_many(keys)):
+                bad.append(k) if bytes(o.data) != vals[k] else None
+            for i, o in enumerate(s.get_many([f"kv{i}" for i in range(8)])):
+                bad.append(i) if not np.array_equal(o.data, kv + i) else None
+            for k in keys[t::4]:
+                bad.append(k) if bytes(s.get(k).data) != vals[k] else None
+        except tierstore.CorruptionError as e:
+            bad.append(str(e))
+threads = [threading.Thread(target=get, args=(t,)) for t in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(len(bad), bad[:3])
+s.close()
+"""
+    out = run_py(code, str(tmp_path / "s"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "0", out.stdout

@@ -5,6 +5,7 @@ decompressed, and nothing is allocated for a size the record does not state.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -13,18 +14,34 @@ import zstandard
 from ..errors import CorruptionError, InvalidObject
 from ..format import constants as fmt
 
-_ZC: dict[int, zstandard.ZstdCompressor] = {}
-_ZD = zstandard.ZstdDecompressor()
+# python-zstandard's compressors and decompressors must not be used by two threads at once (a
+# shared one gave wrong bytes, false CorruptionErrors and crashes under get_many's reader
+# threads): each thread has its own, made on first use and reused
+_contexts = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    mine = getattr(_contexts, "compressors", None)
+    if mine is None:
+        mine = _contexts.compressors = {}
+    c = mine.get(level)
+    if c is None:
+        c = mine[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_contexts, "decompressor", None)
+    if d is None:
+        d = _contexts.decompressor = zstandard.ZstdDecompressor()
+    return d
 
 
 def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> bytes:
     if dictionary is not None:
         zd = zstandard.ZstdCompressionDict(dictionary)
         return zstandard.ZstdCompressor(level=level, write_content_size=True, dict_data=zd).compress(data)
-    c = _ZC.get(level)
-    if c is None:
-        c = _ZC[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return c.compress(data)
+    return _compressor(level).compress(data)
 
 
 def dictionary_id(dictionary: bytes) -> int:
@@ -92,7 +109,7 @@ def zstd_decompress(data: Any, expected: int, dictionary: bytes | None = None) -
     if frame_dict != want_dict:
         raise CorruptionError(f"zstd frame names dictionary {frame_dict}, the record {want_dict}")
     try:
-        d = _ZD if dictionary is None else zstandard.ZstdDecompressor(
+        d = _decompressor() if dictionary is None else zstandard.ZstdDecompressor(
             dict_data=zstandard.ZstdCompressionDict(dictionary))
         out = d.decompress(data, max_output_size=expected)
     except zstandard.ZstdError as e:
