@@ -360,3 +360,17 @@ def test_an_uncreatable_path_says_what_to_check_not_to_recover():
 def test_a_bad_remote_policy_is_named_before_the_missing_url(tmp_path):
     with pytest.raises(tierstore.InvalidObject, match="remote_policy must be one of"):
         tierstore.open(str(tmp_path / "s"), remote_policy="write-around")
+
+
+@needs_torch
+def test_vector_ids_past_int64_are_refused_not_wrapped():
+    """ids are stored as int64: a torch uint64 id of 2^63 or more was converted unchecked and came
+    back negative (a cold review, 2026-12-03); a Python int that large made numpy pick float64, and
+    the error said "got float64".  Each is refused as not fitting; ids that fit are kept."""
+    import torch
+
+    for ids in (torch.tensor([2**63, 5], dtype=torch.uint64), [2**63, 1], np.array([2**63, 5], np.uint64)):
+        with pytest.raises(tierstore.InvalidObject, match="do not fit in int64"):
+            Vectors(np.ones((2, 4), np.float32), ids=ids)
+    top = 2**63 - 1
+    assert Vectors(torch.ones(2, 4), ids=torch.tensor([7, top], dtype=torch.uint64)).ids.tolist() == [7, top]

@@ -897,3 +897,16 @@ def test_batch_refusals_name_the_key_and_give_a_true_limit(store_path):
         with pytest.raises(InvalidObject, match="do not apply to a Blob") as e:
             s.get_many(["kv", "a"], layers=range(1, 2))
         assert e.value.key == "a"
+
+
+def test_a_refused_put_many_item_is_named_by_its_index_and_key(tmp_path):
+    """A batch of 1,000 items with one the codec refuses: nothing is written, and the error says
+    which item (before, it named neither the key nor the position)."""
+    with tierstore.open(str(tmp_path / "s")) as s:
+        ok = np.random.default_rng(0).standard_normal((1, 2, 1, 4, 8)).astype(np.float16)
+        items = [(f"k{i}", tierstore.KVCache(ok)) for i in range(1000)]
+        items[537] = ("k537", tierstore.KVCache(np.full((1, 2, 1, 4, 8), np.inf, np.float16)))
+        with pytest.raises(tierstore.InvalidObject) as err:
+            s.put_many(items, codec="int8")
+        assert err.value.key == "k537" and err.value.message.startswith("put_many item 537: ")
+        assert s.keys() == []

@@ -245,7 +245,12 @@ def _as_ids(ids: Any, n: int) -> Any:
             raise InvalidObject(f"ids must be integers, got {ids.dtype}")
         if tuple(ids.shape) != (n,):
             raise InvalidObject(f"ids must be shaped [{n}], got {list(ids.shape)}")
-        return ids.to(torch.int64)
+        out = ids.to(torch.int64)
+        if ids.dtype == getattr(torch, "uint64", None) and n and bool((out < 0).any()):  # (it wraps)
+            raise InvalidObject("ids do not fit in int64")
+        return out
+    if isinstance(ids, (list, tuple)) and any(type(i) is int and not -(1 << 63) <= i < (1 << 63) for i in ids):
+        raise InvalidObject("ids do not fit in int64")  # (numpy would make them float64 or uint64)
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu":
         raise InvalidObject(f"ids must be integers, got {arr.dtype}")

@@ -702,7 +702,12 @@ class Store:
                     raise InvalidObject(f"put_many: key {key!r} appears twice in the batch", key=key,
                                         namespace=namespace, hint="a batch is one atomic group: give each key once")
                 seen.add(k)
-                puts.append((k, kflags, self._encode_put(ns, k, kflags, obj, meta, namespace, codec)))
+                try:
+                    puts.append((k, kflags, self._encode_put(ns, k, kflags, obj, meta, namespace, codec)))
+                except TierstoreError as e:  # which of a batch's items was refused
+                    e.key = key if e.key is None else e.key
+                    e.message = f"put_many item {n}: {e.message}"
+                    raise
         except BaseException:  # nothing is written: the stamps of the items encoded so far go
             self._remote_unsent([r for _, _, r in puts])
             raise
