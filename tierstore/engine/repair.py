@@ -29,9 +29,9 @@ from .options import Options
 from .recovery import quarantine_bytes, rebuild_index, shown_key
 
 
-def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | None:
-    """The old index's view -- {(namespace, key): LSN} and its applied LSN -- when the index is
-    there and passes LMDB's offline verifier; None otherwise."""
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, bytes | None] | None:
+    """The old index's view -- {(namespace, key): LSN}, its applied LSN and its store uuid --
+    when the index is there and passes LMDB's offline verifier; None otherwise."""
     path = os.path.join(root, fmt.INDEX_DIR)
     if not Index.exists(path) or verify_lmdb(path):
         return None
@@ -42,7 +42,7 @@ def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int] | N
     try:
         with idx.read() as view:
             applied = view.applied().lsn
-            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied
+            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied, idx.store_uuid()
     except TierstoreError:
         return None
     finally:
@@ -106,8 +106,11 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     finally:
         io.close(lock)
     stale: list[tuple[bytes, bytes, int]] = []
-    if previous is not None and scan.damage:
-        known, applied = previous
+    # consulted whether or not the scan found damage: a sealed segment cut at a record boundary, or
+    # gone, reads as a clean end and an LSN gap, and the versions it held the newer records of
+    # would come back (a cold review, 2026-12-03) -- but only an index of this store
+    if previous is not None and previous[2] == scan.store_uuid:
+        known, applied, _ = previous
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
         try:
             with idx.read() as view:
