@@ -273,6 +273,11 @@ def test_options_are_checked(tmp_path):
         tierstore.open(path, ssd_bytes=1000)
     with pytest.raises(tierstore.InvalidObject, match="policy"):
         tierstore.open(path, ssd_bytes="1GiB", ssd_policy="fifo-ish")
+    # a reserve counts in the budget: one past 1/8 of it (it left every put StoreFull) is refused
+    with pytest.raises(tierstore.InvalidObject, match="reserve_bytes=8388608 is too large"):
+        tierstore.open(path, ssd_bytes="4MiB", reserve_bytes="8MiB")
+    with tierstore.open(path, ssd_bytes="4MiB", reserve_bytes="512KiB") as s:
+        s.put("fits", Blob(b"x" * 1000))
     with tierstore.open(path, ssd_bytes="1GiB", ssd_policy="session") as s:
         assert s.stats()["tiers"]["ssd"]["policy"] == "session"
         assert s.options.segment_bytes == 64 * MiB  # a sixteenth of the budget

@@ -267,6 +267,12 @@ class Store:
         trace = trace_options(options)
         self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, *CAPACITY_OPTIONS,
                                                           *TRACE_OPTIONS, "codecs"))
+        reserve = self.options.reserve_bytes
+        if capacity is not None and reserve is not None and reserve > capacity["budget"] // 8:
+            # (the reserve counts in the budget: one this large left every put StoreFull)
+            raise InvalidObject(f"reserve_bytes={reserve} is too large for ssd_bytes={capacity['budget']}: the "
+                                f"reserve counts in the budget", hint=f"give reserve_bytes at most "
+                                f"{capacity['budget'] // 8} (1/8 of the budget), or 0, or leave it out")
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidObject(f"path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -1658,26 +1664,37 @@ class Store:
         assert self._tiers is not None
         return self._tiers.submit(self._prefetch_now, tier, namespace, ns, todo, layers)
 
-    def _prefetch_now(self, tier: str, namespace: str, ns: bytes, todo: list[tuple[Any, bytes]], layers: Any) -> int:
+    def _prefetch_now(self, tier: str, namespace: str, ns: bytes, todo: list[tuple[Any, bytes]], layers: Any,
+                      gone_ok: bool = False) -> int:
+        """Promote ``todo``; with ``gone_ok`` (a session's objects, listed by the store, not by
+        the caller) an object deleted or evicted since it was listed is skipped."""
         total = 0
         for key, k in todo:
             loc = self._engine.lookup(ns, k)
-            if loc is None:
-                raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace)
-            total += self._promote(tier, key, namespace, ns, k, loc, layers)
+            try:
+                if loc is None:
+                    raise NotFound(f"no object {key!r} in namespace {namespace!r}", key=key, namespace=namespace)
+                total += self._promote(tier, key, namespace, ns, k, loc, layers)
+            except NotFound:
+                if not gone_ok:
+                    raise
         return total
 
     def prefetch_session(self, session: str, *, namespace: str = "default", tier: str = "dram") -> Future:
         """A new turn of ``session`` arrived: tell the tier's policy the session is active and
         promote every object it references (AttentionStore's session prefetch).  Returns the
-        Future of ``prefetch``."""
+        Future of ``prefetch``; an object deleted or evicted before its turn is skipped (the
+        store listed it, not the caller)."""
         t = self._cache_tier(tier)
         sess = encode_session(session)
         with t.lock:
             t.policy.session_active(sess)
         for w in self._watchers:
             w.session_active(encode_namespace(namespace), sess)
-        return self.prefetch(self.session_keys(session, namespace=namespace), namespace=namespace, tier=tier)
+        ns = encode_namespace(namespace)
+        todo = [(key, encode_key(key)[0]) for key in self.session_keys(session, namespace=namespace)]
+        assert self._tiers is not None  # (an object deleted or evicted before its turn is skipped)
+        return self._tiers.submit(self._prefetch_now, tier, namespace, ns, todo, None, True)
 
     def stream_layers(self, key: str | bytes, *, namespace: str = "default", device: str | None = None,
                       layers: Any = None) -> Iterator[tuple[int, Any]]:
