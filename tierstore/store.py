@@ -1704,7 +1704,9 @@ class Store:
 
         Layer i+1 is being read (from the nearest tier, promoting by policy) while the
         caller uses layer i.  Every layer comes from the one version of the object found
-        when the call was made.  Bad arguments raise here, before anything is read.
+        when the call was made; if compaction or eviction removes that version meanwhile, the
+        layers not yet read raise NotFound instead (never a mix of versions).  Bad arguments
+        raise here, before anything is read.
         """
         if device is not None:
             arrays.validate_device(device)
