@@ -611,3 +611,42 @@ def test_recover_does_not_take_another_stores_index_as_its_witness(tmp_path):
     repair.recover(a, lock_timeout=0)
     with tierstore.open(a, create=False) as s:
         assert sorted(s.keys()) == sorted(f"k{i}" for i in range(10))
+
+
+@pytest.mark.parametrize("field", ["minor", "ro_compat"])
+def test_a_writer_refuses_a_store_with_a_sealed_segment_of_a_newer_format(tmp_path, field):
+    """SPEC.md §3.1: a writer MUST refuse a store holding a segment of a newer minor version, or
+    with read-only-compatible bits it does not know.  Only the segments replayed at open were
+    checked, so a sealed one was let through and written beside (a cold review, 2026-12-03).
+    Readers still read it; recover exits 3 (cannot open), not 2 (usage)."""
+    import struct
+    import subprocess
+    import sys
+
+    from tierstore.format import constants as fmt
+    from tierstore.format import record as rec
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path, segment_bytes=16384) as s:
+        for i in range(4):
+            s.put(f"k{i}", Blob(bytes([65 + i]) * 9000))
+    segs = segment_files(path)
+    assert len(segs) > 2
+    with open(segs[1], "r+b") as f:  # a sealed segment
+        if field == "minor":
+            f.seek(10)
+            f.write(struct.pack("<H", fmt.FORMAT_MINOR + 1))
+        else:
+            f.seek(24)
+            f.write(struct.pack("<Q", 1 << 40))
+        f.seek(0)
+        head = f.read(fmt.SEGMENT_HEADER_CRC_OFFSET)
+        f.seek(fmt.SEGMENT_HEADER_CRC_OFFSET)
+        f.write(struct.pack("<I", rec.crc32c(head)))
+    with pytest.raises(tierstore.ReadOnlyError) as err:
+        tierstore.open(path, create=False)
+    assert ("format 1." if field == "minor" else "feature bits 0x10000000000") in err.value.message
+    with tierstore.open(path, create=False, readonly=True) as r:
+        assert bytes(r.get("k0").data) == b"A" * 9000
+    out = subprocess.run([sys.executable, "-m", "tierstore", "recover", path], capture_output=True, text=True)
+    assert out.returncode == 3, out.stderr

@@ -29,7 +29,15 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..errors import CorruptionError, FormatVersionError, NotFound, StoreLocked, StoreNotFound, TierstoreError
+from ..errors import (
+    CorruptionError,
+    FormatVersionError,
+    NotFound,
+    ReadOnlyError,
+    StoreLocked,
+    StoreNotFound,
+    TierstoreError,
+)
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5
 EXIT_REPAIRED = 6  # fsck --fix found damage and repaired it (the store is ok now)
@@ -647,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "tierstore.open(path) from Python, or try `tierstore demo --path DIR`)")
     except NotFound as e:
         return _fail(args, EXIT_NOT_FOUND, str(e))
-    except (CorruptionError, FormatVersionError) as e:
+    except (CorruptionError, FormatVersionError, ReadOnlyError) as e:  # (ReadOnlyError: a newer format's segment)
         return _fail(args, EXIT_CANNOT_OPEN, str(e))
     except TierstoreError as e:
         return _fail(args, EXIT_USAGE, str(e))

@@ -367,6 +367,7 @@ class Engine:
             for op in scan.ops:
                 self._mem[(op.namespace, op.key)] = op
             return
+        self._refuse_newer_segments()
         if scan.ops:
             self.index.apply(scan.ops, scan.last, durable=True)
         self._refs_seen = self.index.ref_count() > 0
@@ -382,6 +383,27 @@ class Engine:
         if self._append is not None:  # other writers' records are read past this one's
             self.log.mine = {}
         self.ensure_reserve()
+
+    def _refuse_newer_segments(self) -> None:
+        """A writer MUST NOT write to a store holding a segment of a newer minor version or with
+        read-only-compatible feature bits it does not know (SPEC.md §3.1, §11): every segment's
+        header is read, not only those of the log it replays (a sealed one was let through).  A
+        header that cannot be read is recovery's business, not this check's."""
+        for seg in seglib.list_segments(self.io, self.seg_dir):
+            path = self.files.path(seg)
+            try:
+                fd = self.io.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # (removed by a compaction meanwhile)
+            try:
+                header = seglib.read_segment_header(self.io, fd, path=path, seg_id=seg)
+            except TierstoreError:
+                continue
+            finally:
+                self.io.close(fd)
+            if not header.writable:
+                raise ReadOnlyError(header.newer(), path=path, segment=seg,
+                                    hint="open it with readonly=True, or upgrade tierstore to write to it")
 
     def _not_found_hint(self, create: bool) -> str:
         if self.readonly:

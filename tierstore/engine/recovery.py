@@ -270,8 +270,7 @@ class _LogScanner:
                 raise CorruptionError("segment belongs to another store (store uuid differs)", path=path, segment=seg)
             self.store_uuid = header.store_uuid
             if self.writable and not header.writable:
-                raise ReadOnlyError(f"segment written by format {header.major}.{header.minor}; this tierstore "
-                                    f"writes {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}", path=path, segment=seg,
+                raise ReadOnlyError(header.newer(), path=path, segment=seg,
                                     hint="open it with readonly=True, or upgrade tierstore to write to it")
             if offset is None:
                 offset = fmt.SEGMENT_HEADER_SIZE

@@ -116,6 +116,13 @@ class SegmentHeader:
         """Whether a v1 writer may append to this segment (SPEC.md §3.2)."""
         return self.minor <= fmt.FORMAT_MINOR and not (self.ro_compat & ~fmt.RO_COMPAT_KNOWN)
 
+    def newer(self) -> str:
+        """What makes a segment not ``writable``, in words (for ReadOnlyError)."""
+        unknown = self.ro_compat & ~fmt.RO_COMPAT_KNOWN
+        what = (f"format {self.major}.{self.minor}" if self.minor > fmt.FORMAT_MINOR else
+                f"read-only-compatible feature bits {unknown:#x} this tierstore does not know")
+        return f"segment written with {what}; this tierstore writes {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}"
+
 
 def new_segment_header(store_uuid: bytes, seg_id: int, base_lsn: int) -> SegmentHeader:
     return SegmentHeader(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, 0, 0, 0, store_uuid, seg_id, base_lsn, time.time_ns())
