@@ -472,8 +472,10 @@ def _check_reference(view: Any, key: bytes, loc: Location, report: Report) -> No
 
 def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[int, int], applied: Applied,
                         indexed: dict[tuple[bytes, bytes], Location], report: Report, deep: bool) -> None:
-    newest: dict[tuple[bytes, bytes], tuple[int, int, int]] = {}  # key -> (lsn, segment, offset); -1: deleted
+    # key -> (lsn, segment, offset, flags); segment -1: deleted
+    newest: dict[tuple[bytes, bytes], tuple[int, int, int, int]] = {}
     tail = 0  # records past the index's applied position (a writer's last ones, not applied yet)
+    cut = False  # a scan stopped at damage before its segment's end: records after it were not read
     for seg in segs:
         path = os.path.join(seg_dir, seglib.segment_name(seg))
         try:
@@ -492,21 +494,27 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
                     _check_tail_record(io, fds[seg], seg, off, hdr, seg_dir, report)
                 continue
             if hdr.type == fmt.REC_PUT:
-                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, seg, off)
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, seg, off, hdr.flags)
             elif hdr.type == fmt.REC_DELETE:
-                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, -1, -1)
+                newest[(hdr.namespace, hdr.key)] = (hdr.lsn, -1, -1, hdr.flags)
         stop = scanner.stop
         if stop is not None and stop.reason != "end":
             severity = "error" if stop.valid_after or seg != segs[-1] else "warning"
+            cut = cut or severity == "error"
             report.findings.append(Finding(severity, f"log damaged ({stop.reason}: {stop.detail})", segment=seg,
                                            offset=stop.offset))
     if tail:
         report.findings.append(Finding("warning", f"{tail} record(s) past the index's applied position: a "
                                                   "writer's last records, checked here, applied by the next "
                                                   "writer that opens the store"))
-    for (ns, key), (lsn, seg, off) in newest.items():
+    if cut:  # a newer record of any key may be in what was not read: "not indexed" would be a guess
+        report.findings.append(Finding("warning", "the log was not compared with the index: a scan stopped at "
+                                                  "damage, and a key's newer record may lie past it (recover "
+                                                  "repairs both)"))
+        return
+    for (ns, key), (lsn, seg, off, flags) in newest.items():
         loc = indexed.get((ns, key))
-        where = {"namespace": _ns(ns), "key": key}
+        where = {"namespace": _ns(ns), "key": key.decode("utf-8", "replace") if flags & fmt.FLAG_KEY_STR else key}
         if seg == -1:
             if loc is not None and loc.header.lsn < lsn:
                 report.error("deleted object is still indexed", **where)
