@@ -991,3 +991,29 @@ def test_writers_that_sync_with_nothing_new_do_not_grow_the_log(tmp_path):
     assert out.stdout.count(" sync ") <= 6, out.stdout[-3000:]
     with tierstore.open(path) as s:
         assert sorted(s.keys()) == ["w0", "w1"]
+
+
+@pytest.mark.parametrize("damage", ["lsn", "tail"])
+def test_a_damaged_append_state_under_a_live_writer_loses_no_acknowledged_put(tmp_path, damage):
+    """APPEND (coordination, no checksum) said "clean" with a next LSN the log did not continue
+    (or a tail past its segment's end): the writer took it as it was, gave its next puts LSNs
+    from there, acknowledged them -- then close raised CorruptionError and recover dropped one
+    (a cold review, 2026-12-03).  Such a state is now checked against the log, as after a writer
+    that died: every acknowledged put stays, and the store reopens as it was."""
+    import tierstore
+    from tierstore.format import constants as fmt
+
+    path = str(tmp_path / "s")
+    s = tierstore.open(path)
+    s.put("a", tierstore.Blob(b"A" * 100))
+    state_path = os.path.join(path, fmt.APPEND_FILE)
+    with open(state_path, "rb") as f:
+        magic, flags, seg, tail, nxt = fmt.APPEND_STATE.unpack(f.read())
+    bad = (seg, tail, 500) if damage == "lsn" else (seg, tail + (1 << 30), nxt)
+    with open(state_path, "r+b") as f:
+        f.write(fmt.APPEND_STATE.pack(magic, flags & ~fmt.APPEND_WRITING, *bad))
+    s.put("b", tierstore.Blob(b"B" * 100))
+    s.put("c", tierstore.Blob(b"C" * 100))
+    s.close()
+    with tierstore.open(path, create=False) as s:
+        assert [bytes(s.get(k).data)[:1] for k in "abc"] == [b"A", b"B", b"C"]

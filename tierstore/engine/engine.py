@@ -741,6 +741,12 @@ class Engine:
         if state is None or state[0] != fmt.APPEND_MAGIC:
             state = (fmt.APPEND_MAGIC, fmt.APPEND_WRITING, *here)  # unknown: check from here
         flags, published = state[1], state[2:]
+        if (published[2] != here[2] if published[:2] == here[:2]
+                else published[1] > self._segment_size(published[0])):
+            # damaged: the log ends where this handle left it but at another LSN, or past its file's
+            # end (a clean state taken as it was gave puts LSNs the log did not continue: they were
+            # acknowledged, then lost) -- check the log from here, as after a writer died
+            flags, published = flags | fmt.APPEND_WRITING, here
         if flags & fmt.APPEND_REFS:
             self._refs_seen = True
         if published == here and not flags & fmt.APPEND_WRITING:
@@ -761,6 +767,13 @@ class Engine:
         log.adopt(scan.active, scan.tail, scan.next_lsn)
         self._entered_at = None  # say where the log ends now, at release
         self._hold_start = log.position()
+
+    def _segment_size(self, seg: int) -> int:
+        """The size of segment ``seg``'s file, or -1 when there is none (never smaller than a tail)."""
+        try:
+            return os.path.getsize(self.files.path(seg))
+        except OSError:
+            return -1
 
     def see_all(self) -> None:
         """Read the records other processes appended that this one has not seen and the index
