@@ -455,6 +455,8 @@ def scan(store: str) -> tuple[dict[tuple[bytes, bytes], Record], dict[str, bytes
                 p = align_up(p, PAGE)
                 continue
             if data[p : p + 4] == b"\0\0\0\0":
+                if not last and any(data[p:]):  # §12: a sealed segment ends in zeros only
+                    raise FormatError(f"{name}@{p}: zeros, then data, in a sealed segment")
                 break
             try:
                 r = parse_record(data, p, name)

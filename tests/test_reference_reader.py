@@ -181,3 +181,23 @@ def test_reader_decodes_every_codec_like_the_engine(store_path, real_kv, real_em
         s.put("blob-dict", Blob(samples[5]), codec=f"zstd:dict={did}")
     assert reader_view(store_path) == engine_view(store_path)
     assert len(names) >= 20
+
+
+def test_reader_refuses_zeros_then_data_in_a_sealed_segment(store_path):
+    """A page of zeros in the middle of a sealed segment ended that segment's log as if it were
+    its end, and the reader listed the older version of a key overwritten past the zeros (a cold
+    review, 2026-12-03; SPEC.md §12 now says a sealed segment ends in zeros only).  The engine
+    refuses too ("torn: zeros then data").  Twin: the intact store reads."""
+    with tierstore.open(store_path, segment_bytes=65536) as s:
+        s.put("x", Blob(b"OLD" * 10))
+        s.put("fill", Blob(b"f" * 60000))  # rolls over
+        s.put("victim", Blob(b"v" * 10))
+        victim = s.info("victim")
+        s.put("x", Blob(b"NEW" * 10))
+        s.put("fill2", Blob(b"g" * 60000))  # rolls over: the segment of victim and the new x is sealed
+    assert {i["key"]: i["lsn"] for i in reader.describe(store_path)}["x"] > 1
+    with open(os.path.join(store_path, "segments", f"{victim.segment:016x}.tseg"), "r+b") as f:
+        f.seek(victim.offset)
+        f.write(bytes(4096))
+    with pytest.raises(reader.FormatError, match="zeros, then data"):
+        reader.describe(store_path)
