@@ -263,6 +263,21 @@ def test_a_budget_on_an_existing_larger_store_shrinks_it_at_the_next_put(tmp_pat
         assert "new" in s.keys() and "a59" in s.keys() and "a0" not in s.keys()
 
 
+
+def test_a_store_reopened_with_a_smaller_budget_shrinks_without_waiting_for_a_put(tmp_path):
+    """Reopened with a smaller ssd_bytes, a store stayed over it -- reads, idle time and flush()
+    -- until its first put (a cold review, 2026-12-03).  The eviction thread starts at open."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        for i in range(60):
+            s.put(f"a{i}", Blob(payload(i, 200_000)))
+    assert files_bytes(path) > 8 * MiB
+    with tierstore.open(path, ssd_bytes=8 * MiB, segment_bytes="512KiB") as s:
+        s.flush()  # (waits for the eviction under way)
+        assert files_bytes(path) <= 8 * MiB
+        assert "a59" in s.keys() and "a0" not in s.keys()
+
+
 def test_options_are_checked(tmp_path):
     path = str(tmp_path / "s")
     with pytest.raises(tierstore.InvalidObject, match="ssd_bytes"):
@@ -323,7 +338,9 @@ def test_sigkill_during_eviction_loses_nothing_it_kept_and_keeps_the_budget(tmp_
                 kills += 1
                 break
         p.wait()
-        with tierstore.open(path, ssd_bytes=6 << 20, segment_bytes="512KiB") as s:
+        tierstore.open(path).close()  # a writer without a budget: recovery, and nothing evicted
+        # checked read-only: a writable handle with a budget starts evicting at open
+        with tierstore.open(path, readonly=True) as s:
             held = set(s.keys())
             for k in held:
                 i = int(k[1:])
@@ -332,8 +349,9 @@ def test_sigkill_during_eviction_loses_nothing_it_kept_and_keeps_the_budget(tmp_
                 assert acked.get(i, True), f"{k} was deleted and came back"
             newest = max(i for i, kept in acked.items() if kept)
             assert f"k{newest}" in held, "the last acknowledged put was evicted or lost"
-            # a kill during a compaction may leave its copies beside the victims: the next put
-            # brings the store under the budget again
+        with tierstore.open(path, ssd_bytes=6 << 20, segment_bytes="512KiB") as s:
+            # a kill during a compaction may leave its copies beside the victims: the store is
+            # brought under the budget again (from its open on)
             s.put("probe", Blob(b"p"))
             s.flush()
             assert files_bytes(path) <= 6 << 20

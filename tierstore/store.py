@@ -327,6 +327,8 @@ class Store:
             atexit.register(_exiting)
             _EXIT_HOOKED = True
         self._closed = False
+        if self._capacity is not None:  # a store past its budget (reopened with a smaller one) shrinks now
+            self._capacity.opened()
 
     def _open_remote(self, opts: dict[str, Any]) -> RemoteTier:
         engine = self._engine

@@ -632,6 +632,13 @@ class Capacity:
 
     # -- the eviction thread ---------------------------------------------------------------------
 
+    def opened(self) -> None:
+        """The handle is open: a store already past where the eviction thread starts (reopened
+        with a smaller ``ssd_bytes``) is brought under it in the background now -- it stayed over
+        until its first put (a cold review, 2026-12-03)."""
+        if self.engine.disk_bytes() > self.budget - 2 * self.slack:
+            self._wake()
+
     def _wake(self) -> None:
         with self._cond:
             if self._stopped:
