@@ -910,3 +910,15 @@ def test_a_refused_put_many_item_is_named_by_its_index_and_key(tmp_path):
             s.put_many(items, codec="int8")
         assert err.value.key == "k537" and err.value.message.startswith("put_many item 537: ")
         assert s.keys() == []
+
+
+@pytest.mark.parametrize("bad", [None, 5])
+def test_batch_calls_refuse_what_is_not_a_sequence_as_invalid_object(store_path, bad):
+    """put_many(None), get_many(None), contains_many(None), delete_many(None) raised a bare
+    TypeError (a cold review, 2026-12-03); bad arguments are InvalidObject, naming the type."""
+    with tierstore.open(store_path) as s:
+        for call in (s.put_many, s.get_many, s.contains_many, s.delete_many):
+            with pytest.raises(InvalidObject, match=type(bad).__name__):
+                call(bad)
+        s.put_many(iter([("a", Blob(b"x"))]))  # any iterable is a sequence here
+        assert s.contains_many(iter(["a", "b"])) == [True, False]

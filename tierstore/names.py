@@ -109,3 +109,14 @@ def encode_session(session: Any) -> bytes:
         raise InvalidObject(f"session id {session!r} must be 1 to {fmt.SESSION_MAX_BYTES} bytes of UTF-8 without "
                             "control characters or path separators, and not . / ..")
     return b
+
+
+def key_list(keys: Any, call: str, one: str) -> list[Any]:
+    """The keys of a batch call (``call``) as a list: InvalidObject for one key given alone
+    (``one``: the hint, the single-key call) or for something that is not a sequence (None)."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidObject(f"{call} takes a sequence of keys, got one key", hint=one)
+    try:
+        return list(keys)
+    except TypeError:
+        raise InvalidObject(f"{call} takes a sequence of keys, got {type(keys).__name__}") from None

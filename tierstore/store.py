@@ -45,7 +45,15 @@ from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, Store
 from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
-from .names import check_namespace, decode_key, encode_key, encode_namespace, encode_session, key_bytes
+from .names import (
+    check_namespace,
+    decode_key,
+    encode_key,
+    encode_namespace,
+    encode_session,
+    key_bytes,
+    key_list,
+)
 from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
 from .tiers.capacity import CAPACITY_OPTIONS, Capacity, budget_settings, capacity_options, tokens_of
@@ -700,6 +708,11 @@ class Store:
         puts: list[tuple[bytes, int, rec.EncodedRecord]] = []
         seen: set[bytes] = set()
         try:
+            try:
+                items = iter(items)
+            except TypeError:
+                raise InvalidObject(f"put_many takes an iterable of (key, obj) items, got {type(items).__name__}") \
+                    from None
             for n, item in enumerate(items):
                 if not isinstance(item, tuple) or len(item) not in (2, 3):
                     raise InvalidObject(f"put_many item {n}: expected (key, obj) or (key, obj, meta), "
@@ -759,9 +772,7 @@ class Store:
         self._check_writable()
         engine = self._engine
         ns = encode_namespace(namespace)
-        if isinstance(keys, (str, bytes, bytearray, memoryview)):
-            raise InvalidObject("delete_many takes a sequence of keys, got one key", hint="delete(key) deletes one")
-        keys = list(keys)
+        keys = key_list(keys, "delete_many", "delete(key) deletes one")
         encoded = [encode_key(key) for key in keys]
         seen: set[bytes] = set()
         for key, (k, _) in zip(keys, encoded):
@@ -1302,9 +1313,7 @@ class Store:
             if out is not None:
                 raise InvalidObject("get_many(device=..., out=...): out= already says where the data goes")
             arrays.validate_device(device)
-        if isinstance(keys, (str, bytes, bytearray, memoryview)):
-            raise InvalidObject("get_many takes a sequence of keys, got one key", hint="get(key) reads one")
-        keys = list(keys)
+        keys = key_list(keys, "get_many", "get(key) reads one")
         if out is not None and (not isinstance(out, (list, tuple)) or len(out) != len(keys)):
             raise InvalidObject(f"get_many: out= must be a list with one destination (or None) per key: "
                                 f"{len(keys)} key{'s' * (len(keys) != 1)}, got {type(out).__name__}"
@@ -1490,10 +1499,7 @@ class Store:
     def contains_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
         """``contains`` of many keys of ``namespace`` in one index snapshot: a list of bools."""
         self._check_open()
-        if isinstance(keys, (str, bytes, bytearray, memoryview)):
-            raise InvalidObject("contains_many takes a sequence of keys, got one key",
-                                hint="contains(key) asks about one")
-        ks = key_bytes(list(keys))
+        ks = key_bytes(key_list(keys, "contains_many", "contains(key) asks about one"))
         ns = encode_namespace(namespace)
         found = self._engine.contains_many(ns, ks)
         if self._remote is not None and not all(found):
