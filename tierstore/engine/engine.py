@@ -472,6 +472,12 @@ class Engine:
                                            "to rebuild the index") from None
             self.index.close()
             self.index = None
+            # said aloud, not only in ``recovery``: records the index had applied are not in the log
+            # any more -- lost by a power cut with durability="none" (nothing promised them), or by
+            # damage to the log (then the keys they replaced read their older versions; `tierstore
+            # recover`, run instead, deletes those keys, with the index as its witness)
+            _log.warning("tierstore: %s: the index is ahead of the log (%s): records it had applied are gone "
+                         "from the log; the index is rebuilt from the log", self.path, e.message)
             self._rebuild(e.message)
             self.index = Index.open(os.path.join(self.path, fmt.INDEX_DIR), writable=True,
                                     map_size=self.options.index_map_size)
