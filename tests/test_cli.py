@@ -447,3 +447,20 @@ def test_fsck_past_damage_in_a_sealed_segment_reports_no_false_unindexed_records
     assert rc == 1 and "log damaged" in text, text
     assert "not indexed" not in text and "key=0x79" not in text, text
     assert "not compared with the index" in text
+
+
+def test_dump_exits_1_for_a_sealed_segment_cut_mid_record(tmp_path):
+    """A torn end is a crash's cut of the log's last segment; in a sealed segment it is damage,
+    and `dump STORE` said it (end: torn) but exited 0 (a cold review, 2026-12-03).  Twin: the
+    intact store exits 0."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, segment_bytes=16384) as s:
+        for i in range(6):
+            s.put(f"k{i}", Blob(bytes([65 + i]) * 9000))
+    assert run("dump", path)[0] == 0
+    segs = segment_files(path)
+    assert len(segs) > 2
+    with open(segs[1], "r+b") as f:
+        f.truncate(os.path.getsize(segs[1]) - 3000)
+    rc, text = run("dump", path)
+    assert rc == 1 and "torn" in text, text

@@ -326,8 +326,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
     _emit(args, result, text)
     if args.key is not None and not os.path.isfile(args.path):
         return EXIT_FINDINGS if result["damaged"] is not None else EXIT_OK
-    damaged = [sg for sg in segments if "error" in sg["header"] or sg.get("damaged")
-               or sg.get("end", {}).get("reason") not in (None, "end", "torn")]
+    # a torn end is where a crash cut the log -- in its last segment; in a sealed one it is damage
+    damaged = [sg for i, sg in enumerate(segments) if "error" in sg["header"] or sg.get("damaged")
+               or sg.get("end", {}).get("reason") not in (None, "end", "torn")
+               or sg.get("end", {}).get("reason") == "torn" and i != len(segments) - 1]
     return EXIT_FINDINGS if damaged else EXIT_OK
 
 
