@@ -5,7 +5,10 @@ generated shapes, and the live store and the simulator making the same eviction 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,7 +54,7 @@ def test_trace_to_records_what_the_store_was_asked(tmp_path):
     assert len(list(tr.read_trace(log))) == len(ops)
 
 
-def test_a_trace_stops_at_its_bound_with_a_truncated_line(tmp_path):
+def test_a_trace_stops_at_its_bound_with_a_truncated_line(tmp_path, caplog):
     path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
     with tierstore.open(path, trace_to=log, trace_bytes=2000) as s:
         for i in range(100):
@@ -59,8 +62,22 @@ def test_a_trace_stops_at_its_bound_with_a_truncated_line(tmp_path):
     ops = lines(log)
     assert ops[-1]["op"] == "truncated" and os.path.getsize(log) <= 2000 + 100
     assert 5 < len(ops) < 100
+    with open(log) as f:  # every line as the docs say, without spaces (the truncated one had them)
+        assert all(" " not in line for line in f)
     with pytest.raises(tierstore.InvalidObject, match="trace_to"):
         tierstore.open(path, trace_bytes=100)
+    # a reopen with the file at its bound traces nothing more, and says so (it was silent)
+    with caplog.at_level(logging.WARNING, logger="tierstore.trace"):
+        tierstore.open(path, trace_to=log, trace_bytes=1000).close()
+    assert any("nothing more is traced" in m for m in caplog.messages)
+    # replaying a cut trace says so; --seed with a recorded trace and an empty --ssd are refused
+    out = subprocess.run([sys.executable, "-m", "tierstore", "simulate", "--trace", log, "--dram", "0",
+                          "--ssd", "50%", "--policy", "lru"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "cut at its size bound" in out.stderr, out.stderr
+    for bad, said in ((["--ssd", "50%", "--seed", "3"], "--seed"), (["--ssd", "0"], "--ssd must hold")):
+        out = subprocess.run([sys.executable, "-m", "tierstore", "simulate", "--trace", log, "--dram", "0",
+                              "--policy", "lru", *bad], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and said in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def test_read_trace_names_the_bad_line_and_reads_a_good_file(tmp_path):

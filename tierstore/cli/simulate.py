@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from ..engine.options import parse_size
@@ -38,7 +39,13 @@ def load_ops(args: Any) -> tuple[list[dict[str, Any]], str]:
     if len(given) != 1:
         raise InvalidObject("give one of --trace FILE, --generate SHAPE, --sharegpt FILE")
     if args.trace:
-        return list(tr.read_trace(args.trace)), args.trace
+        if args.seed:
+            raise InvalidObject("--seed applies to --generate and --sharegpt, not to a recorded --trace")
+        ops = list(tr.read_trace(args.trace))
+        if any(op.get("op") == "truncated" for op in ops):
+            print(f"tierstore simulate: {args.trace} was cut at its size bound (trace_bytes): the replay ends "
+                  "where the recording stopped", file=sys.stderr)
+        return ops, args.trace
     if args.sharegpt:
         return workloads.sharegpt(args.sharegpt, seed=args.seed), f"sharegpt:{args.sharegpt}"
     return workloads.generate(args.generate, seed=args.seed), f"generated:{args.generate}"
@@ -54,6 +61,9 @@ def run(args: Any) -> dict[str, Any]:
         raise InvalidObject(f"{source}: the trace holds no operation")
     data = sim.data_bytes(ops)
     dram, ssd = tier_size(args.dram, data, "dram"), tier_size(args.ssd, data, "ssd")
+    if ssd <= 0:
+        raise InvalidObject(f"--ssd must hold something: got {args.ssd!r} ({ssd} bytes)",
+                            hint="a size like 100GiB or a share of the trace's data like 50%")
     if dram > ssd:
         raise InvalidObject(f"--dram ({dram:,} bytes) is larger than --ssd ({ssd:,}): the DRAM tier holds copies "
                             "of what the SSD holds")

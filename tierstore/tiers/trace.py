@@ -24,6 +24,7 @@ nothing the store does.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from ..errors import InvalidObject
 
 OPS = ("put", "get", "delete", "session", "drop", "evict", "downtier", "truncated")
 TRACE_OPTIONS = ("trace_to", "trace_bytes")
+_log = logging.getLogger("tierstore.trace")
 DEFAULT_TRACE_BYTES = 1 << 30  # a trace stops (with a "truncated" line) past this many bytes
 
 
@@ -73,6 +75,9 @@ class TraceWriter:
             raise InvalidObject(f"trace_to={path!r}: {e.strerror}", path=path) from None
         self._written = self._file.tell()
         self.truncated = self._written >= max_bytes
+        if self.truncated:  # (the bound counts what the file holds: a reopen adds nothing)
+            _log.warning("trace_to=%s already holds %d bytes, trace_bytes=%d: nothing more is traced (move the "
+                         "file away, or raise trace_bytes)", path, self._written, max_bytes)
 
     def _write(self, fields: dict[str, Any]) -> None:
         line = json.dumps({"t": round(time.time(), 6), **fields}, separators=(",", ":")) + "\n"
@@ -81,7 +86,7 @@ class TraceWriter:
                 return
             if self._written + len(line) > self.max_bytes:
                 self.truncated = True
-                line = json.dumps({"t": round(time.time(), 6), "op": "truncated"}) + "\n"
+                line = json.dumps({"t": round(time.time(), 6), "op": "truncated"}, separators=(",", ":")) + "\n"
             self._file.write(line)
             self._written += len(line)
 
