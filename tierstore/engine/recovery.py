@@ -267,7 +267,11 @@ class _LogScanner:
                         raise
                     header = implied
             if self.store_uuid is not None and header.store_uuid != self.store_uuid:
-                raise CorruptionError("segment belongs to another store (store uuid differs)", path=path, segment=seg)
+                raise CorruptionError("segment belongs to another store (store uuid differs)", path=path, segment=seg,
+                                      hint="a segment file of another store (or one whose header names another "
+                                           "store) is in segments/: recover cannot repair that; move the file out "
+                                           "of segments/ (`tierstore dump FILE` shows what it holds), then run "
+                                           "`tierstore recover PATH`")
             self.store_uuid = header.store_uuid
             if self.writable and not header.writable:
                 raise ReadOnlyError(header.newer(), path=path, segment=seg,

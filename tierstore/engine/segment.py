@@ -147,7 +147,10 @@ def decode_segment_header(b: bytes, *, path: str | None = None, seg_id: int | No
     if hsize != fmt.SEGMENT_HEADER_SIZE:
         raise CorruptionError(f"segment header_size {hsize} is not {fmt.SEGMENT_HEADER_SIZE}", **where)
     if seg_id is not None and sid != seg_id:
-        raise CorruptionError(f"segment header names id {sid}, file name says {seg_id}", **where)
+        raise CorruptionError(f"segment header names id {sid}, file name says {seg_id}", **where,
+                              hint=f"a segment file renamed (or copied in under another name): give it back its "
+                                   f"name ({sid:016x}.tseg) if that is free, or move it out of segments/; recover "
+                                   f"does not rename segments")
     if base_lsn == 0:
         raise CorruptionError("segment base_lsn is zero", **where)
     return SegmentHeader(major, minor, incompat, ro_compat, compat, store_uuid, sid, base_lsn, created)
