@@ -166,3 +166,19 @@ def test_an_index_without_its_store_identity_is_rebuilt(tmp_path, objects):
         assert [s.get(f"k{i}").data for i in range(objects)] == [bytes([i]) * 50 for i in range(objects)]
         s.put("after", Blob(b"x"))
     assert repair.fsck(path, deep=True).ok
+
+
+def test_recover_when_index_is_a_file_not_a_directory(tmp_path):
+    """An `index` that is a plain file: recover quarantined it as a directory and stopped with a
+    raw "[Errno 20] Not a directory" (a cold review, 2026-12-03); now it is kept in quarantine/
+    with its reason beside it, and the index rebuilt."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        s.put("a", tierstore.Blob(b"x"))
+    shutil.rmtree(os.path.join(path, "index"))
+    with open(os.path.join(path, "index"), "w") as f:
+        f.write("junk")
+    repair.recover(path, lock_timeout=0)
+    with tierstore.open(path, create=False) as s:
+        assert bytes(s.get("a").data) == b"x"
+    assert any(n.endswith(".txt") for n in os.listdir(os.path.join(path, "quarantine")))

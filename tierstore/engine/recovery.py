@@ -842,8 +842,10 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
             os.makedirs(qdir, exist_ok=True)
             dest = os.path.join(qdir, f"{_stamp()}-{fmt.INDEX_DIR}-{os.getpid()}")
             io.rename(final, dest)
-            with open(os.path.join(dest, "REASON.txt"), "w") as f:
-                f.write(f"index replaced by one rebuilt from the segments; it failed LMDB's verifier: {problems[0]}\n")
+            why = f"index replaced by one rebuilt from the segments; it failed LMDB's verifier: {problems[0]}\n"
+            # (an `index` that is a file, not a directory, gets its reason beside it)
+            with open(os.path.join(dest, "REASON.txt") if os.path.isdir(dest) else dest + ".txt", "w") as f:
+                f.write(why)
             scan.old_index = f"quarantined to {dest} ({problems[0]})"
         else:
             shutil.rmtree(final)
