@@ -1033,16 +1033,23 @@ class Engine:
         if not batch:
             return
         last = batch[-1]
-        # a transaction of at most ``index_txn_records``: LMDB writes a page it changes to a new
-        # page and reuses the old one only two transactions later, so a transaction that touches
-        # most of the tree (random keys, a committer that fell behind) grows the file for good by
-        # as much (80,000 puts of random keys: a 50 MB file for a 24 MB tree; 31 MB at 1024)
-        step = self.index_txn_records
-        for i in range(0, len(batch), step):
-            part = batch[i:i + step]
+        # transactions of about ``index_txn_records``: LMDB writes a page it changes to a new page
+        # and reuses the old one only two transactions later, so a transaction that touches most
+        # of the tree (random keys, a committer that fell behind) grows the file for good by as
+        # much (80,000 puts of random keys: a 50 MB file for a 24 MB tree; 31 MB at 1024).  A
+        # transaction ends only where the LSNs jump -- a GROUP, SYNC or HEADERS record between
+        # two records -- never inside an atomic group (SPEC.md §7.7): readers and a crash see a
+        # put_many whole or not at all (a record that follows another with no gap may be its
+        # group's)
+        step, start = self.index_txn_records, 0
+        for i in range(len(batch)):
+            final = i + 1 == len(batch)
+            if not final and (i + 1 - start < step or batch[i + 1].lsn == batch[i].lsn + 1):
+                continue
+            part, start = batch[start:i + 1], i + 1
             end = part[-1]
             self.index.apply(part, Applied(end.segment, end.offset, end.lsn, end.offset + end.record_len),
-                             durable=sync and i + step >= len(batch))
+                             durable=sync and final)
             self.counters["index_commits"] += 1
         if self.log is not None:
             self.log.forget_mine(last.lsn)

@@ -26,12 +26,13 @@ from .fileio import PosixIO
 from .index import Applied, Index, Location, decode_location, verify_lmdb
 from .lock import acquire_writer_lock, writer_active
 from .options import Options
-from .recovery import quarantine_bytes, rebuild_index, shown_key
+from .recovery import check_applied, quarantine_bytes, rebuild_index, shown_key
 
 
-def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, bytes | None] | None:
-    """The old index's view -- {(namespace, key): LSN}, its applied LSN and its store uuid --
-    when the index is there and passes LMDB's offline verifier; None otherwise."""
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, bytes | None, Applied] | None:
+    """The old index's view -- {(namespace, key): LSN}, its applied LSN, its store uuid and its
+    applied position -- when the index is there and passes LMDB's offline verifier; None
+    otherwise."""
     path = os.path.join(root, fmt.INDEX_DIR)
     if not Index.exists(path) or verify_lmdb(path):
         return None
@@ -41,8 +42,9 @@ def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, byt
         return None
     try:
         with idx.read() as view:
-            applied = view.applied().lsn
-            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied, idx.store_uuid()
+            applied = view.applied()
+            return ({(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied.lsn, idx.store_uuid(),
+                    applied)
     except TierstoreError:
         return None
     finally:
@@ -97,6 +99,12 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     t0 = time.perf_counter()
     try:
         previous = _previous_index(root)
+        # the record the old index applied last is still in the log: what the index held was in the
+        # log, and a key it holds newer than the rebuild lost a record to damage.  Not in the log:
+        # the log ends before it -- after a power cut with durability="none" (the index applied
+        # records that were only handed to the OS), or damage at its end: the older versions then
+        # stand, as a writable open gives them
+        in_log = previous is not None and check_applied(io, root, previous[3])
         scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress,
                              proven_lsn=previous[1] if previous is not None else 0,
                              witness=_HeaderWitness(root) if previous is not None else None)
@@ -109,8 +117,8 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     # consulted whether or not the scan found damage: a sealed segment cut at a record boundary, or
     # gone, reads as a clean end and an LSN gap, and the versions it held the newer records of
     # would come back (a cold review, 2026-12-03) -- but only an index of this store
-    if previous is not None and previous[2] == scan.store_uuid:
-        known, applied, _ = previous
+    if previous is not None and previous[2] == scan.store_uuid and (scan.damage or in_log):
+        known, applied, _, _ = previous
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
         try:
             with idx.read() as view:
