@@ -872,3 +872,22 @@ def test_index_transactions_never_end_inside_an_atomic_group(tmp_path, monkeypat
             inside = [x for x in lsns if group[0] <= x <= group[-1]]
             assert inside in ([], group), (len(inside), len(group))
     assert len(sizes) >= 3  # (and the cap still splits between groups)
+
+
+def test_what_cannot_be_evicted_past_the_target_makes_the_thread_evict_nothing(tmp_path):
+    """quarantine/ (or index and reserve) alone past where the eviction thread aims: evicting
+    every object would not reach it, and the thread emptied the store for nothing, at open (a
+    review, 2026-12-03).  Now it evicts nothing; a put says StoreFull, naming quarantine/."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        for i in range(40):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+    os.makedirs(os.path.join(path, "quarantine"), exist_ok=True)
+    with open(os.path.join(path, "quarantine", "cut.bin"), "wb") as f:
+        f.write(b"\x01" * 17 * MiB)
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        s.flush()
+        assert len(s.keys()) == 40
+        with pytest.raises(tierstore.StoreFull) as err:
+            s.put("more", Blob(payload(0, 5000)))
+        assert "quarantine/" in err.value.message and "--clear" in err.value.hint

@@ -488,6 +488,12 @@ class Capacity:
         if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
             self._adopt()
         floor = engine.disk_usage()[1]  # the index, the reserve and quarantine/: not evictable
+        if not strict and floor + inflight + nbytes + 2 * fmt.SEGMENT_HEADER_SIZE >= target:
+            # evicting every object would not bring the files under the target: the thread evicts
+            # nothing (it emptied the store for nothing when quarantine/ alone held more); a put
+            # raises StoreFull naming what holds the room
+            self._futile_at = used
+            return
         if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > stop:
             need = nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE - stop
             bloat, fix = self._index_bloat(need)
