@@ -1294,3 +1294,36 @@ def test_stamps_keeps_its_reservation_through_a_torn_slot_and_does_not_drift(tmp
     assert fresh.last == 0
     stamp = s3.next()
     assert _best_slot(Path(path).read_bytes())[1:] == (stamp + RESERVE_AHEAD_NS, stamp)
+
+
+def test_a_delete_whose_stamp_cannot_be_reserved_still_reaches_the_server(tmp_path, server, monkeypatch):
+    """The delete is durable locally before its tombstone is stamped: when STAMPS cannot be
+    synced then (a disk error), the delete raised StoreIOError, no tombstone was sent, and the
+    value came back from the server on the next read (a review, 2026-12-03).  Now the tombstone
+    goes with a stamp not reserved (a warning), and the delete holds everywhere."""
+    import errno
+
+    import tierstore.tiers.remote as remote_mod
+
+    a, b = node(tmp_path, "a", server.url), node(tmp_path, "b", server.url)
+    try:
+        a.put(b"k", tierstore.Blob(b"v1"), namespace="m")
+        assert b.get(b"k", namespace="m").data == b"v1"
+
+        def failing(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        import types
+
+        fake_os = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
+        fake_os.fdatasync = failing  # (the remote module's os alone: the log syncs as before)
+        monkeypatch.setattr(remote_mod, "os", fake_os)
+        a._remote.stamps.reserved = 0  # (as a second later: the next stamp reserves)
+        assert a.delete(b"k", namespace="m")
+        monkeypatch.undo()
+        for n in (a, b):
+            with pytest.raises(tierstore.NotFound):
+                n.get(b"k", namespace="m")
+    finally:
+        a.close()
+        b.close()

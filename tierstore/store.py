@@ -25,6 +25,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import logging
 import os
 import threading
 import time
@@ -41,7 +42,16 @@ from .engine.engine import Engine, open_engine
 from .engine.fileio import PosixIO, io_error
 from .engine.index import Location
 from .engine.options import Options
-from .errors import CorruptionError, InvalidObject, NotFound, StoreClosed, StoreFull, StoreLocked, TierstoreError
+from .errors import (
+    CorruptionError,
+    InvalidObject,
+    NotFound,
+    StoreClosed,
+    StoreFull,
+    StoreIOError,
+    StoreLocked,
+    TierstoreError,
+)
 from .format import block as blk
 from .format import constants as fmt
 from .format import record as rec
@@ -72,6 +82,7 @@ from .tiers.remote import (
 )
 from .tiers.trace import TRACE_OPTIONS, TraceWriter, trace_options
 
+_log = logging.getLogger("tierstore")
 TIERS = ("ssd", "dram", "gpu")
 SMALL_READ = 64 << 10  # get_many reads raw blobs of records up to this size together (one pread per run)
 PREFIX_BATCH = 1024  # match_prefix checks and looks up hashes this many at a time (one index snapshot each)
@@ -545,7 +556,15 @@ class Store:
         if remote is None or not remote.writes:
             return
         for k in ks:
-            v = Version(remote.next_stamp(), remote.origin)
+            try:
+                stamp = remote.next_stamp()
+            except StoreIOError as e:  # the delete is done here: it must reach the server, or the
+                # value comes back from there -- with a stamp not reserved in STAMPS (only a clock
+                # set back before the next open could then order it below this store's older ones)
+                _log.warning("tierstore: %s: reserving a version stamp failed (%s); a delete is sent with "
+                             "one not reserved", self.path, e.message)
+                stamp = remote.clock.next()
+            v = Version(stamp, remote.origin)
             if remote.policy == "write-back":
                 remote.queue.add_tombstone(ns, k, v)
                 continue
