@@ -1327,3 +1327,24 @@ def test_a_delete_whose_stamp_cannot_be_reserved_still_reaches_the_server(tmp_pa
     finally:
         a.close()
         b.close()
+
+
+def test_stamps_ahead_of_the_wall_clock_do_not_drift_further_at_each_reopen(tmp_path, server):
+    """A store whose stamps ran a minute ahead (a fast clock, or another node's stamp taken in):
+    every reopen took in the reservation, a second above them, and its first put reserved a
+    second above that -- 20 reopens moved the stamps 20 s further ahead while the wall clock moved
+    14 s (a review, 2026-12-03).  A clean close records the last stamp issued; a reopen after one
+    takes that in, not the reservation."""
+    from tierstore.tiers.remote import _best_slot
+
+    def run(shift: int) -> tuple[int, int, int]:
+        out = subprocess.run([sys.executable, "-c", _CLOCK_SCRIPT, str(tmp_path / "a"), server.url, str(shift),
+                              "close", "put:k=v"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return _best_slot((tmp_path / "a" / fmt.STAMPS_FILE).read_bytes())
+
+    run(60 * 10**9)
+    first = run(0)
+    for _ in range(4):
+        last = run(0)
+    assert last[2] - first[2] < 10**9 // 10, (last, first)  # (each reopen: a nanosecond, not a second)
