@@ -891,3 +891,21 @@ def test_what_cannot_be_evicted_past_the_target_makes_the_thread_evict_nothing(t
         with pytest.raises(tierstore.StoreFull) as err:
             s.put("more", Blob(payload(0, 5000)))
         assert "quarantine/" in err.value.message and "--clear" in err.value.hint
+
+
+def test_a_reserve_larger_than_a_budget_allows_is_cut_down_at_open(tmp_path):
+    """The automatic reserve (8 MiB once the segments hold 256 MiB) was not bounded by a budget:
+    a large store reopened with ssd_bytes=8MiB kept an 8 MiB RESERVE, evicted everything and
+    then refused every put (a review, 2026-12-03).  Under a budget the reserve is at most 1/8 of
+    it, and a larger RESERVE file is cut down at open."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        s.put("a", Blob(b"x" * 1000))
+    with open(os.path.join(path, "RESERVE"), "wb") as f:  # as an unbudgeted large store left it
+        f.write(bytes(8 * MiB))
+    with tierstore.open(path, ssd_bytes=8 * MiB) as s:
+        assert os.path.getsize(os.path.join(path, "RESERVE")) <= MiB
+        for i in range(20):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+        s.flush()
+        assert files_bytes(path) <= 8 * MiB and len(s.keys()) > 10

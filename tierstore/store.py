@@ -66,7 +66,14 @@ from .names import (
 )
 from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
 from .scoped import NamespaceHandle
-from .tiers.capacity import CAPACITY_OPTIONS, Capacity, budget_settings, capacity_options, tokens_of
+from .tiers.capacity import (
+    CAPACITY_OPTIONS,
+    RESERVE_SHARE,
+    Capacity,
+    budget_settings,
+    capacity_options,
+    tokens_of,
+)
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
 from .tiers.remote import (
@@ -287,11 +294,12 @@ class Store:
         self.options = Options.from_kwargs(options, also=(*TIER_OPTIONS, *REMOTE_OPTIONS, *CAPACITY_OPTIONS,
                                                           *TRACE_OPTIONS, "codecs"))
         reserve = self.options.reserve_bytes
-        if capacity is not None and reserve is not None and reserve > capacity["budget"] // 8:
+        if capacity is not None and reserve is not None and reserve > capacity["budget"] // RESERVE_SHARE:
             # (the reserve counts in the budget: one this large left every put StoreFull)
+            most = capacity["budget"] // RESERVE_SHARE
             raise InvalidObject(f"reserve_bytes={reserve} is too large for ssd_bytes={capacity['budget']}: the "
-                                f"reserve counts in the budget", hint=f"give reserve_bytes at most "
-                                f"{capacity['budget'] // 8} (1/8 of the budget), or 0, or leave it out")
+                                f"reserve counts in the budget", hint=f"give reserve_bytes at most {most} "
+                                f"(1/{RESERVE_SHARE} of the budget), or 0, or leave it out")
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidObject(f"path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))

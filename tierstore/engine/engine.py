@@ -243,6 +243,7 @@ class Engine:
         self._quarantined: tuple[int, int] | None = None  # disk_bytes: (quarantine/'s mtime, its bytes)
         self.agreed: dict[str, Any] = {}  # open_engine: what the handles sharing this engine must agree on
         self.index_txn_records = self.options.index_batch  # the most records one index transaction applies
+        self.reserve_cap: int | None = None  # limit_reserve: a budget's bound on the automatic reserve
         self._shrink_lock = threading.Lock()
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
@@ -1366,9 +1367,29 @@ class Engine:
 
     # -- the reserve: a full disk can still delete and compact ---------------------------------
 
+    def limit_reserve(self, cap: int) -> None:
+        """A budget's bound on the reserve, which counts in it (``ssd_bytes``): the automatic
+        reserve is at most ``cap``, and a RESERVE file larger than the reserve now wanted is cut
+        down (a store of 264 MiB reopened with an 8 MiB budget kept an 8 MiB reserve: every put
+        was StoreFull)."""
+        self.reserve_cap = cap
+        path = os.path.join(self.path, fmt.RESERVE_FILE)
+        if self.readonly or not os.path.exists(path):
+            return
+        want = self._reserve_size()
+        try:
+            if os.path.getsize(path) > want:
+                os.truncate(path, want)
+        except OSError:
+            pass  # (another handle's doing, or gone: the reserve is best effort)
+
     def _reserve_size(self) -> int:
         if self.options.reserve_bytes is not None:
             return self.options.reserve_bytes
+        auto = self._auto_reserve()
+        return auto if self.reserve_cap is None else min(auto, max(0, self.reserve_cap))
+
+    def _auto_reserve(self) -> int:
         total = 0
         for s in self.segments():
             try:

@@ -62,6 +62,7 @@ INDEX_BLOAT_HINT = 1 << 20
 # whole tree: the first delete transactions rewrite most of it).  The cost: ~6 us more of the
 # committer's time a record than 1,024 (16 vs 10 us), ~22 at 32
 BUDGET_INDEX_TXN = 64
+RESERVE_SHARE = 8  # the reserve is at most 1/8 of a budget (an explicit larger reserve_bytes is refused)
 # a put's eviction rounds in a row that evict nothing and compact without freeing before StoreFull
 FUTILE_ROUNDS = 2
 FREED_MIN = fmt.SEGMENT_HEADER_SIZE + 2 * fmt.PAGE  # a round that frees less is futile (_evict_until)
@@ -208,6 +209,7 @@ class Capacity:
                  transcode: Callable[..., rec.EncodedRecord] | None = None) -> None:
         self.engine, self.budget, self.retain, self.policy, self.pinned = engine, budget, retain, policy, pinned
         engine.index_txn_records = min(engine.index_txn_records, BUDGET_INDEX_TXN)
+        engine.limit_reserve(budget // RESERVE_SHARE)  # the reserve counts in the budget
         # down-tiering: namespace -> {kind: lossy codec}, and the handle's re-encoder
         # transcode(ns, key, location, choice, between) -> the PUT record of the object in that
         # codec, calling between() before each extent it encodes; nothing is written
