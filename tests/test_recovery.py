@@ -613,7 +613,7 @@ def test_recover_does_not_take_another_stores_index_as_its_witness(tmp_path):
         assert sorted(s.keys()) == sorted(f"k{i}" for i in range(10))
 
 
-@pytest.mark.parametrize("field", ["minor", "ro_compat"])
+@pytest.mark.parametrize("field", ["minor", "ro_compat", "incompat", "major", "major-flipped"])
 def test_a_writer_refuses_a_store_with_a_sealed_segment_of_a_newer_format(tmp_path, field):
     """SPEC.md §3.1: a writer MUST refuse a store holding a segment of a newer minor version, or
     with read-only-compatible bits it does not know.  Only the segments replayed at open were
@@ -633,20 +633,30 @@ def test_a_writer_refuses_a_store_with_a_sealed_segment_of_a_newer_format(tmp_pa
     segs = segment_files(path)
     assert len(segs) > 2
     with open(segs[1], "r+b") as f:  # a sealed segment
-        if field == "minor":
-            f.seek(10)
-            f.write(struct.pack("<H", fmt.FORMAT_MINOR + 1))
-        else:
-            f.seek(24)
-            f.write(struct.pack("<Q", 1 << 40))
-        f.seek(0)
-        head = f.read(fmt.SEGMENT_HEADER_CRC_OFFSET)
-        f.seek(fmt.SEGMENT_HEADER_CRC_OFFSET)
-        f.write(struct.pack("<I", rec.crc32c(head)))
-    with pytest.raises(tierstore.ReadOnlyError) as err:
+        at, value = {"minor": (10, struct.pack("<H", fmt.FORMAT_MINOR + 1)),
+                     "ro_compat": (24, struct.pack("<Q", 1 << 40)),
+                     "incompat": (16, struct.pack("<Q", 1 << 40))}.get(field, (8, struct.pack("<H", 2)))
+        f.seek(at)
+        f.write(value)
+        if field != "major-flipped":  # (a written header: its checksum holds; a flipped byte: it fails)
+            f.seek(0)
+            head = f.read(fmt.SEGMENT_HEADER_CRC_OFFSET)
+            f.seek(fmt.SEGMENT_HEADER_CRC_OFFSET)
+            f.write(struct.pack("<I", rec.crc32c(head)))
+    if field == "major-flipped":  # damage, not a newer format: the store opens, and reads
+        with tierstore.open(path, create=False) as s:
+            assert bytes(s.get("k3").data) == b"D" * 9000
+        return
+    newer = tierstore.ReadOnlyError if field in ("minor", "ro_compat") else tierstore.FormatVersionError
+    with pytest.raises(newer) as err:
         tierstore.open(path, create=False)
-    assert ("format 1." if field == "minor" else "feature bits 0x10000000000") in err.value.message
-    with tierstore.open(path, create=False, readonly=True) as r:
-        assert bytes(r.get("k0").data) == b"A" * 9000
+    assert {"minor": "format 1.", "ro_compat": "feature bits 0x10000000000", "incompat": "incompatible features",
+            "major": "format 2."}[field] in err.value.message
+    if newer is tierstore.ReadOnlyError:  # readers still read it
+        with tierstore.open(path, create=False, readonly=True) as r:
+            assert bytes(r.get("k0").data) == b"A" * 9000
+    else:  # no reader may
+        with pytest.raises(tierstore.FormatVersionError):
+            tierstore.open(path, create=False, readonly=True)
     out = subprocess.run([sys.executable, "-m", "tierstore", "recover", path], capture_output=True, text=True)
     assert out.returncode == 3, out.stderr

@@ -364,11 +364,11 @@ class Engine:
             self._rebuild(f"index unreadable ({e.message})")  # derived data: rebuild it from the log
             self.index = Index.open(index_dir, writable=True, map_size=self.options.index_map_size)
             scan = self._replay()
+        self._refuse_newer_segments()
         if self.readonly:
             for op in scan.ops:
                 self._mem[(op.namespace, op.key)] = op
             return
-        self._refuse_newer_segments()
         if scan.ops:
             self.index.apply(scan.ops, scan.last, durable=True)
         self._refs_seen = self.index.ref_count() > 0
@@ -386,10 +386,12 @@ class Engine:
         self.ensure_reserve()
 
     def _refuse_newer_segments(self) -> None:
-        """A writer MUST NOT write to a store holding a segment of a newer minor version or with
-        read-only-compatible feature bits it does not know (SPEC.md §3.1, §11): every segment's
-        header is read, not only those of the log it replays (a sealed one was let through).  A
-        header that cannot be read is recovery's business, not this check's."""
+        """No reader may read a store holding a segment of a newer major version or with
+        incompatible feature bits it does not know (FormatVersionError), and no writer may write
+        to one with a segment of a newer minor version or unknown read-only-compatible bits
+        (ReadOnlyError; SPEC.md §3.1, §11): every segment's header is read, not only those of the
+        log replayed at open (a sealed one was let through).  A header that cannot be read is
+        recovery's business, not this check's."""
         for seg in seglib.list_segments(self.io, self.seg_dir):
             path = self.files.path(seg)
             try:
@@ -398,11 +400,17 @@ class Engine:
                 continue  # (removed by a compaction meanwhile)
             try:
                 header = seglib.read_segment_header(self.io, fd, path=path, seg_id=seg)
+            except FormatVersionError:
+                # a newer major version or unknown incompat bits: no writer, no reader -- unless the
+                # header fails its checksum read as format 1 (a damaged byte: recovery's business)
+                if recovery.damaged_v1_header(self.io, fd):
+                    continue
+                raise
             except TierstoreError:
                 continue
             finally:
                 self.io.close(fd)
-            if not header.writable:
+            if not header.writable and not self.readonly:
                 raise ReadOnlyError(header.newer(), path=path, segment=seg,
                                     hint="open it with readonly=True, or upgrade tierstore to write to it")
 

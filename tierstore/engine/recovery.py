@@ -141,7 +141,7 @@ def quarantine_file(io: PosixIO, root: str, path: str) -> str:
     return dest
 
 
-def _damaged_v1_header(io: PosixIO, fd: int) -> bool:
+def damaged_v1_header(io: PosixIO, fd: int) -> bool:
     """Is this a format-1 segment header that fails its checksum (so a "newer version" in it is
     a damaged byte, not a newer format)?"""
     b = io.pread(fd, fmt.SEGMENT_HEADER.size, 0)
@@ -252,7 +252,7 @@ class _LogScanner:
                         quarantine_file(io, self.root, path)
                         r.removed_segments.append(seg)
                     return None
-                if not _damaged_v1_header(io, fd):
+                if not damaged_v1_header(io, fd):
                     raise
                 if self.repair and self.writable:
                     header = self._salvage_header(fd, seg, path, e, expect)
