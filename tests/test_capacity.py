@@ -909,3 +909,21 @@ def test_a_reserve_larger_than_a_budget_allows_is_cut_down_at_open(tmp_path):
             s.put(f"k{i}", Blob(payload(i, 200_000)))
         s.flush()
         assert files_bytes(path) <= 8 * MiB and len(s.keys()) > 10
+
+
+def test_quarantine_bytes_follow_a_change_inside_an_old_index(tmp_path, monkeypatch):
+    """Deleting a file inside an old index's directory in quarantine/ leaves quarantine/'s mtime
+    as it was: the count, cached by that mtime, stayed stale for the life of the process (a
+    review, 2026-12-03).  It is counted again at least every QUARANTINE_RECOUNT_S."""
+    from tierstore.engine import engine as eng
+
+    monkeypatch.setattr(eng, "QUARANTINE_RECOUNT_S", 0.0)
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        old = os.path.join(path, "quarantine", "20261203T000000.000000000-index-1")
+        os.makedirs(old)
+        with open(os.path.join(old, "data.mdb"), "wb") as f:
+            f.write(bytes(MiB))
+        assert s._engine.quarantine_bytes() == MiB
+        os.remove(os.path.join(old, "data.mdb"))
+        assert s._engine.quarantine_bytes() == 0

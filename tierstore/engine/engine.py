@@ -73,6 +73,7 @@ STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.Q
                            fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
                            fmt.REMOTE_FILE + ".tmp", fmt.APPEND_FILE, fmt.COMPACT_FILE, fmt.REMOTE_LOCK_FILE,
                            fmt.INFLIGHT_FILE, fmt.STAMPS_FILE})
+QUARANTINE_RECOUNT_S = 2.0  # quarantine/'s bytes are counted again at least this often (disk_bytes)
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
 # a retired segment shrunk away gradually (retire_segments(gradual=True)) loses this many bytes
@@ -240,7 +241,7 @@ class Engine:
         self._refs_seen = False  # the store holds (or held) session references
         self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
         self._shrinking = 0  # disk_bytes: what is left of retired segments being shrunk away
-        self._quarantined: tuple[int, int] | None = None  # disk_bytes: (quarantine/'s mtime, its bytes)
+        self._quarantined: tuple[int, int, float] | None = None  # disk_bytes: (its mtime, bytes, counted at)
         self.agreed: dict[str, Any] = {}  # open_engine: what the handles sharing this engine must agree on
         self.index_txn_records = self.options.index_batch  # the most records one index transaction applies
         self.reserve_cap: int | None = None  # limit_reserve: a budget's bound on the automatic reserve
@@ -1583,14 +1584,16 @@ class Engine:
 
     def quarantine_bytes(self) -> int:
         """Bytes of the files in quarantine/ (an old index's too), counted again whenever the
-        directory changed (its mtime; a change in the last second is not trusted to show)."""
+        directory changed (its mtime) and at least every QUARANTINE_RECOUNT_S (a change inside
+        an old index's directory, or two in one tick of the clock, leaves the mtime as it was)."""
         qdir = os.path.join(self.path, fmt.QUARANTINE_DIR)
         try:
             mtime = os.stat(qdir).st_mtime_ns
         except FileNotFoundError:
             return 0
         known = self._quarantined
-        if known is not None and known[0] == mtime:
+        now = time.monotonic()
+        if known is not None and known[0] == mtime and now - known[2] < QUARANTINE_RECOUNT_S:
             return known[1]
         total = 0
         try:
@@ -1604,8 +1607,7 @@ class Engine:
                                      if not f.is_dir(follow_symlinks=False))
         except FileNotFoundError:  # (cleared meanwhile: counted again next time)
             return total
-        if mtime < time.time_ns() - 10**9:
-            self._quarantined = (mtime, total)
+        self._quarantined = (mtime, total, now)
         return total
 
     # -- figures ------------------------------------------------------------------------------
