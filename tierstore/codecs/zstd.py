@@ -16,32 +16,41 @@ from ..format import constants as fmt
 
 # python-zstandard's compressors and decompressors must not be used by two threads at once (a
 # shared one gave wrong bytes, false CorruptionErrors and crashes under get_many's reader
-# threads): each thread has its own, made on first use and reused
-_contexts = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    mine = getattr(_contexts, "compressors", None)
-    if mine is None:
-        mine = _contexts.compressors = {}
-    c = mine.get(level)
-    if c is None:
-        c = mine[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_contexts, "decompressor", None)
-    if d is None:
-        d = _contexts.decompressor = zstandard.ZstdDecompressor()
-    return d
+# threads): each call takes one from a small pool and gives it back -- not one per thread, which
+# kept ~80 MiB per thread and level at level 19 for the thread's life
+_pool_lock = threading.Lock()
+_compressors: dict[int, list[zstandard.ZstdCompressor]] = {}
+_decompressors: list[zstandard.ZstdDecompressor] = []
+POOL_MAX = 4  # idle contexts kept per level (and decompressors): the rest are freed
 
 
 def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> bytes:
     if dictionary is not None:
         zd = zstandard.ZstdCompressionDict(dictionary)
         return zstandard.ZstdCompressor(level=level, write_content_size=True, dict_data=zd).compress(data)
-    return _compressor(level).compress(data)
+    with _pool_lock:
+        idle = _compressors.get(level)
+        c = idle.pop() if idle else None
+    if c is None:
+        c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    out = c.compress(data)
+    with _pool_lock:
+        idle = _compressors.setdefault(level, [])
+        if len(idle) < POOL_MAX:
+            idle.append(c)
+    return out
+
+
+def _decompress(data: Any, expected: int) -> bytes:
+    with _pool_lock:
+        d = _decompressors.pop() if _decompressors else None
+    if d is None:
+        d = zstandard.ZstdDecompressor()
+    out = d.decompress(data, max_output_size=expected)
+    with _pool_lock:
+        if len(_decompressors) < POOL_MAX:
+            _decompressors.append(d)
+    return out
 
 
 def dictionary_id(dictionary: bytes) -> int:
@@ -109,9 +118,11 @@ def zstd_decompress(data: Any, expected: int, dictionary: bytes | None = None) -
     if frame_dict != want_dict:
         raise CorruptionError(f"zstd frame names dictionary {frame_dict}, the record {want_dict}")
     try:
-        d = _decompressor() if dictionary is None else zstandard.ZstdDecompressor(
-            dict_data=zstandard.ZstdCompressionDict(dictionary))
-        out = d.decompress(data, max_output_size=expected)
+        if dictionary is None:
+            out = _decompress(data, expected)
+        else:
+            out = zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(dictionary)).decompress(
+                data, max_output_size=expected)
     except zstandard.ZstdError as e:
         raise CorruptionError(f"bad zstd frame: {e}") from None
     if len(out) != expected:
