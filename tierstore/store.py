@@ -747,7 +747,11 @@ class Store:
                     raise InvalidObject(f"put_many item {n}: expected (key, obj) or (key, obj, meta), "
                                         f"got {type(item).__name__}")
                 key, obj, meta = item if len(item) == 3 else (*item, None)
-                k, kflags = encode_key(key)
+                try:
+                    k, kflags = encode_key(key)
+                except InvalidObject as e:
+                    e.message = f"put_many item {n}: {e.message}"
+                    raise
                 if k in seen:
                     raise InvalidObject(f"put_many: key {key!r} appears twice in the batch", key=key,
                                         namespace=namespace, hint="a batch is one atomic group: give each key once")

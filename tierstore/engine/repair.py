@@ -527,10 +527,9 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
                                                   "writer's last records, checked here, applied by the next "
                                                   "writer that opens the store"))
     if cut:  # a newer record of any key may be in what was not read: "not indexed" would be a guess
-        report.findings.append(Finding("warning", "the log was not compared with the index: a scan stopped at "
-                                                  "damage, and a key's newer record may lie past it (recover "
-                                                  "repairs both)"))
-        return
+        report.findings.append(Finding("warning", "live records were not looked for in the index: a scan "
+                                                  "stopped at damage, and a key's newer record may lie past it "
+                                                  "(recover repairs both)"))
     for (ns, key), (lsn, seg, off, flags) in newest.items():
         loc = indexed.get((ns, key))
         where = {"namespace": _ns(ns), "key": key.decode("utf-8", "replace") if flags & fmt.FLAG_KEY_STR else key}
@@ -538,6 +537,7 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
             if loc is not None and loc.header.lsn < lsn:
                 report.error("deleted object is still indexed", **where)
         elif loc is None:
-            report.error("live record is not indexed", segment=seg, offset=off, **where)
+            if not cut:
+                report.error("live record is not indexed", segment=seg, offset=off, **where)
         elif (loc.segment, loc.offset) != (seg, off) and loc.header.lsn < lsn:
             report.error("index points at an older version", segment=seg, offset=off, **where)
