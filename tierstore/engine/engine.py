@@ -1051,15 +1051,21 @@ class Engine:
         # two records -- never inside an atomic group (SPEC.md §7.7): readers and a crash see a
         # put_many whole or not at all (a record that follows another with no gap may be its
         # group's)
-        step, start = self.index_txn_records, 0
+        step, start, last_gap, cuts = self.index_txn_records, 0, -1, []
         for i in range(len(batch)):
-            final = i + 1 == len(batch)
-            if not final and (i + 1 - start < step or batch[i + 1].lsn == batch[i].lsn + 1):
-                continue
-            part, start = batch[start:i + 1], i + 1
-            end = part[-1]
-            self.index.apply(part, Applied(end.segment, end.offset, end.lsn, end.offset + end.record_len),
-                             durable=sync and final)
+            if i + 1 < len(batch) and batch[i + 1].lsn == batch[i].lsn + 1:
+                continue  # (no jump: possibly inside a group)
+            if i + 1 - start > step and last_gap >= start:  # this unit would overflow: end before it
+                cuts.append((start, last_gap + 1))
+                start = last_gap + 1
+            last_gap = i
+            if i + 1 - start >= step or i + 1 == len(batch):
+                cuts.append((start, i + 1))
+                start = i + 1
+        for a, b in cuts:
+            end = batch[b - 1]
+            self.index.apply(batch[a:b], Applied(end.segment, end.offset, end.lsn, end.offset + end.record_len),
+                             durable=sync and b == len(batch))
             self.counters["index_commits"] += 1
         if self.log is not None:
             self.log.forget_mine(last.lsn)
