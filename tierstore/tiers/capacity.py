@@ -55,12 +55,11 @@ LATER = object()  # _candidates: a session references the object (it goes after 
 EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
 # StoreFull names the index's unused pages (and the rebuild that drops them) from this many
 INDEX_BLOAT_HINT = 1 << 20
-# under a budget, an index transaction applies at most this many records: the index file counts
-# in the budget, and LMDB grows it for good by the pages two transactions in a row rewrite
-# (Engine.index_txn_records).  20,000 2 KB blobs on 16 MiB: the file 3.2 -> 2.2 MB, 4,000-4,400 ->
-# 4,800 objects kept; 1 MiB of 200-byte blobs: 0-9 -> ~200 kept (its evictions scatter over the
-# whole tree: the first delete transactions rewrite most of it).  The cost: ~6 us more of the
-# committer's time a record than 1,024 (16 vs 10 us), ~22 at 32
+# under a budget, an index transaction applies about this many records (never part of an atomic
+# group): the index file counts in the budget, and LMDB grows it for good by the pages two
+# transactions in a row rewrite (Engine.index_txn_records; docs/placement.md has the figures:
+# 20,000 2 KB puts on 16 MiB, the index 3.2 -> 2.2 MB).  The cost: the committer spends ~16 us a
+# record in 64-record transactions, against 7-9 in 1,000-record ones
 BUDGET_INDEX_TXN = 64
 RESERVE_SHARE = 8  # the reserve is at most 1/8 of a budget (an explicit larger reserve_bytes is refused)
 # a put's eviction rounds in a row that evict nothing and compact without freeing before StoreFull
