@@ -403,8 +403,6 @@ class Store:
             return
         self._closed = True
         if self._finalizer.detach() is not None:  # None: the collector got there first
-            if self._stamps is not None:  # (beside a remote: the last stamp this handle issued)
-                self._stamps.close()
             release(self._engine, self._tiers, self._remote, self._capacity, self._trace)
 
     def __enter__(self) -> "Store":

@@ -308,32 +308,28 @@ CLOCK = Clock()  # one per process: the stamps of its handles (with remote= or b
 
 
 RESERVE_AHEAD_NS = 10**9  # a reservation covers the stamps of the next second (one synced write a second)
+RESERVE_BEYOND_NS = 10**6  # ... or a millisecond past stamps that run further ahead of the wall clock
 
 
 class Stamps:
     """The stamps one store's handles issue (SPEC.md §14.6): the process clock, and a
     reservation in the store's STAMPS file that is always above every stamp handed out.
 
-    A handle that stamps (one with a writable remote tier, or beside one) opens with it: if the
-    wall clock is now below the largest stamp the file names -- the clock ran fast, or was set
-    back while no handle ran -- the process clock takes that stamp in, so the next stamps
-    outrank the versions the store wrote.  Before a stamp past the reservation is handed out,
-    the reservation moves a second ahead of it (the file's flock, a synced write): a crash can
-    leave it above what was issued, never below.  A clean close records the highest stamp the
-    handle issued."""
+    Before a stamp past its reservation is handed out, a handle raises the file's reservation to
+    a second past the wall clock, or just past the stamp when stamps run further ahead than that
+    (the file's flock, a synced write): a crash can leave it above what was issued, never below.
+    A handle that opens (or first stamps) with its wall clock below the reservation -- the
+    clock was set back, or the store stamped ahead of it -- takes the reservation into its
+    clock, so its stamps outrank every version the store wrote: at most a second ahead of the
+    wall clock after a quick reopen, and stamps already ahead move only a millisecond further."""
 
-    def __init__(self, path: str, clock: Clock = CLOCK, *, clean: bool = False) -> None:
+    def __init__(self, path: str, clock: Clock = CLOCK) -> None:
         self.path, self.clock = path, clock
         self._lock = threading.Lock()
-        reserved, stamp = self._read()
+        reserved, _stamp = self._read()
         self.reserved = 0  # what this handle reserved: its stamps up to it need no write
-        self.issued = 0  # the highest stamp this handle handed out
-        if time.time_ns() < stamp:  # the wall clock is below a stamp the store issued: set back
-            # after a crash, the reservation (stamps up to it may have been issued); after a clean
-            # close (``clean``), the stamp, which that close made the highest issued -- taking in
-            # the reservation at every reopen while stamps ran ahead of the wall clock moved them
-            # a second further each time
-            clock.seen(stamp if clean else reserved, own=True)
+        if time.time_ns() < reserved:  # stamps up to it may have been issued (a crash leaves no more)
+            clock.seen(reserved, own=True)
 
     def _read(self) -> tuple[int, int]:
         """(reserved, stamp) of the valid slot with the larger reservation; (0, 0) without one."""
@@ -359,24 +355,11 @@ class Stamps:
         if stamp > self.reserved:
             with self._lock:
                 if stamp > self.reserved:
-                    self._write(stamp, reserve=True)
-                    self.reserved = stamp + RESERVE_AHEAD_NS  # (its own: another handle's is theirs)
-        if stamp > self.issued:
-            self.issued = stamp
+                    self.reserved = self._reserve(stamp)  # (its own: another handle's is theirs)
         return stamp
 
-    def close(self) -> None:
-        """A clean close: the file's ``stamp`` is raised to the highest stamp this handle issued
-        (the reservation stays), so that a handle opened with its wall clock behind starts just
-        above it.  Best effort: a failure loses nothing (the reservation is still above)."""
-        if self.issued:
-            with self._lock:
-                try:
-                    self._write(self.issued, reserve=False)
-                except StoreIOError as e:
-                    _log.warning("%s: the last stamp was not recorded: %s", self.path, e.message)
-
-    def _write(self, stamp: int, *, reserve: bool) -> None:
+    def _reserve(self, stamp: int) -> int:
+        """Raise the file's reservation above ``stamp``; returns the reservation written."""
         slot = fmt.STAMPS_SLOT
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -388,11 +371,13 @@ class Stamps:
             data = os.pread(fd, slot.size * fmt.STAMPS_SLOTS, 0)
             best = _best_slot(data)
             have, seen = (best[1], best[2]) if best is not None else (0, 0)
-            stamp = max(seen, stamp)
-            reserved = max(have, stamp + RESERVE_AHEAD_NS if reserve else stamp)
+            # a second past the wall clock (one write a second), or just past stamps that run
+            # further ahead -- a second past *them* moved stamps a second further at every reopen
+            mine = max(stamp + RESERVE_BEYOND_NS, time.time_ns() + RESERVE_AHEAD_NS)
+            reserved = max(have, mine)
             # the slot not holding the valid reservation: a torn write leaves that one
             index = 0 if best is None else 1 - best[0]
-            body = slot.pack(reserved, stamp, 0, 0)[:16]
+            body = slot.pack(reserved, max(seen, stamp), 0, 0)[:16]
             os.pwrite(fd, body + rec.crc32c(body).to_bytes(4, "little") + bytes(4), index * slot.size)
             os.fdatasync(fd)
             if len(data) < slot.size:  # a new file: its name too must survive a crash
@@ -406,6 +391,7 @@ class Stamps:
                                poisoned=False, path=self.path) from None
         finally:
             os.close(fd)
+        return mine
 
 
 def _best_slot(data: bytes) -> tuple[int, int, int] | None:
@@ -505,9 +491,7 @@ class RemoteTier:
         self._connect_lock = threading.Lock()
         self.queue = PushQueue(self, queue, state_path)
         self.clock.seen(self.queue.pushed_to, own=True)
-        # (REMOTE says whether the last run closed cleanly: then STAMPS' stamp is the last issued)
-        self.stamps = Stamps(stamps_path, self.clock, clean=not self.queue.sweep_needed) \
-            if stamps_path is not None else None
+        self.stamps = Stamps(stamps_path, self.clock) if stamps_path is not None else None
 
     def next_stamp(self) -> int:
         """A stamp for a version this store writes (reserved in STAMPS when the tier writes)."""
@@ -621,8 +605,6 @@ class RemoteTier:
         try:
             self.queue.close(drain_s)
         finally:
-            if self.stamps is not None:
-                self.stamps.close()
             if self._client is not None:
                 self._client.close()
 
