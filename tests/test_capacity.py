@@ -927,3 +927,25 @@ def test_quarantine_bytes_follow_a_change_inside_an_old_index(tmp_path, monkeypa
         assert s._engine.quarantine_bytes() == MiB
         os.remove(os.path.join(old, "data.mdb"))
         assert s._engine.quarantine_bytes() == 0
+
+
+def test_a_put_whose_usual_target_is_out_of_reach_evicts_for_itself_only(tmp_path):
+    """What cannot be evicted (here quarantine/) lies between a put's eviction target (the
+    budget less two slacks) and where puts stop (less one): the put aimed at the target it could
+    not reach and evicted nearly every object, at each put (a review, 2026-12-03: 302 keys down
+    to 1, and again every few dozen puts).  It now makes room for itself only (a segment at a
+    time: with 1.7 MiB left beside the floor, a 1 MiB segment is most of the store)."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        s.put("x", Blob(b"a"))
+    os.makedirs(os.path.join(path, "quarantine"), exist_ok=True)
+    with open(os.path.join(path, "quarantine", "junk.bin"), "wb") as f:
+        f.write(b"\x01" * int(13.5 * MiB))
+    counts = []
+    with tierstore.open(path, ssd_bytes=16 * MiB) as s:
+        for i in range(400):
+            s.put(f"k{i}", Blob(payload(i, 3000)))
+            counts.append(len(s.keys()))
+        assert files_bytes(path) <= 16 * MiB
+    # a sawtooth of a segment at a time (~330 objects of 3 KB a 1 MiB segment), not to ~0 at each put
+    assert sum(counts[100:]) / len(counts[100:]) >= 80, counts[::25]

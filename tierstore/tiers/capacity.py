@@ -495,6 +495,10 @@ class Capacity:
             # raises StoreFull naming what holds the room
             self._futile_at = used
             return
+        if strict and floor + inflight + nbytes + 2 * fmt.SEGMENT_HEADER_SIZE > target:
+            # the put's usual target is out of reach with what cannot be evicted: room for this put
+            # only (aiming at the target evicted nearly every object at each put, for nothing)
+            target = stop
         if strict and nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE > stop:
             need = nbytes + floor + 2 * fmt.SEGMENT_HEADER_SIZE - stop
             bloat, fix = self._index_bloat(need)
