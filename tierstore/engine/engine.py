@@ -642,7 +642,7 @@ class Engine:
         log = self.log
         if log is None:
             raise ReadOnlyError("the store was opened read-only", path=self.path)
-        return log.append(record, self._on_written)
+        return log.append(record, self._on_written_single)
 
     def append_group(self, records: Sequence[rec.EncodedRecord]) -> Appended:
         """Append records as one atomic group (SPEC.md §7.7): after a crash all of them are in
@@ -650,7 +650,7 @@ class Engine:
         log = self.log
         if log is None:
             raise ReadOnlyError("the store was opened read-only", path=self.path)
-        return log.append_group(records, self._on_written)[-1]
+        return log.append_group(records, self._on_written if len(records) > 1 else self._on_written_single)[-1]
 
     def settle(self, where: Appended) -> None:
         """After an append: make it as durable as the store's mode promises ("sync": synced
@@ -716,10 +716,13 @@ class Engine:
                  *(rec.encode_delete(fmt.REF_NAMESPACE, rec.ref_key(ns, s, k), 0) for s in refs.get(k, ()))]
                 for k, flags in items]
 
-    def _on_written(self, where: Appended, hdr: rec.RecordHeader) -> None:
+    def _on_written(self, where: Appended, hdr: rec.RecordHeader, single: bool = False) -> None:
         """Runs under the log's append lock, in LSN order."""
         loc = Location(where.segment, where.offset, hdr) if hdr.type == fmt.REC_PUT else None
-        self._took(Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc))
+        self._took(Op(hdr.namespace, hdr.key, where.lsn, where.segment, where.offset, hdr.record_len, loc, single))
+
+    def _on_written_single(self, where: Appended, hdr: rec.RecordHeader) -> None:
+        self._on_written(where, hdr, True)
 
     def _took(self, op: Op) -> None:
         """A record joined the log (this process's or another's, under the append lock, in LSN
@@ -1047,14 +1050,15 @@ class Engine:
         # and reuses the old one only two transactions later, so a transaction that touches most
         # of the tree (random keys, a committer that fell behind) grows the file for good by as
         # much (80,000 puts of random keys: a 50 MB file for a 24 MB tree; 31 MB at 1024).  A
-        # transaction ends only where the LSNs jump -- a GROUP, SYNC or HEADERS record between
-        # two records -- never inside an atomic group (SPEC.md §7.7): readers and a crash see a
-        # put_many whole or not at all (a record that follows another with no gap may be its
-        # group's)
+        # transaction ends only where no atomic group is open (SPEC.md §7.7) -- readers and a
+        # crash see a put_many whole or not at all: where the LSNs jump (a GROUP, SYNC or HEADERS
+        # record lies between two records), or next to a record this process appended alone
+        # (another process's records are known to be alone only by such a jump)
         step, start, last_gap, cuts = self.index_txn_records, 0, -1, []
         for i in range(len(batch)):
-            if i + 1 < len(batch) and batch[i + 1].lsn == batch[i].lsn + 1:
-                continue  # (no jump: possibly inside a group)
+            if i + 1 < len(batch) and batch[i + 1].lsn == batch[i].lsn + 1 and not (
+                    batch[i].single or batch[i + 1].single):
+                continue  # (no jump, neither record alone: possibly inside a group)
             if i + 1 - start > step and last_gap >= start:  # this unit would overflow: end before it
                 cuts.append((start, last_gap + 1))
                 start = last_gap + 1

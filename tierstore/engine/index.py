@@ -76,6 +76,7 @@ class Op(NamedTuple):
     offset: int
     record_len: int
     location: Location | None
+    single: bool = False  # appended alone, not in an atomic group (a transaction may end next to it)
 
 
 def index_key(namespace: bytes, key: bytes) -> bytes:
