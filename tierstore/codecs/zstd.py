@@ -5,6 +5,7 @@ decompressed, and nothing is allocated for a size the record does not state.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -22,6 +23,18 @@ _pool_lock = threading.Lock()
 _compressors: dict[int, list[zstandard.ZstdCompressor]] = {}
 _decompressors: list[zstandard.ZstdDecompressor] = []
 POOL_MAX = 4  # idle contexts kept per level (and decompressors): the rest are freed
+
+
+def _forked() -> None:
+    """A fork()ed child starts with an unheld lock and no contexts (a thread of the parent may
+    have held the lock at the fork: the child would wait for it for ever)."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    _compressors.clear()
+    _decompressors.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def zstd_compress(data: Any, level: int, dictionary: bytes | None = None) -> bytes:

@@ -1386,21 +1386,26 @@ class Engine:
 
     # -- the reserve: a full disk can still delete and compact ---------------------------------
 
-    def limit_reserve(self, cap: int) -> None:
+    def limit_reserve(self, cap: int) -> bool:
         """A budget's bound on the reserve, which counts in it (``ssd_bytes``): the automatic
         reserve is at most ``cap``, and a RESERVE file larger than the reserve now wanted is cut
         down (a store of 264 MiB reopened with an 8 MiB budget kept an 8 MiB reserve: every put
-        was StoreFull)."""
+        was StoreFull; a writer process without a budget may grow it back).  True if it was cut."""
         self.reserve_cap = cap
+        if self.readonly:
+            return False
         path = os.path.join(self.path, fmt.RESERVE_FILE)
-        if self.readonly or not os.path.exists(path):
-            return
-        want = self._reserve_size()
         try:
-            if os.path.getsize(path) > want:
+            size = os.path.getsize(path)
+            if size <= cap:  # (the usual case: one stat)
+                return False
+            want = self._reserve_size()
+            if size > want:
                 os.truncate(path, want)
+                return True
         except OSError:
             pass  # (another handle's doing, or gone: the reserve is best effort)
+        return False
 
     def _reserve_size(self) -> int:
         if self.options.reserve_bytes is not None:

@@ -485,6 +485,10 @@ class Capacity:
         used = engine.disk_bytes()
         if used + inflight + nbytes <= (stop if strict else target) or not strict and used == self._futile_at:
             return  # (the thread's last run freed nothing, and nothing changed since: it would not now)
+        if engine.limit_reserve(budget // RESERVE_SHARE):  # (a writer process without a budget grew it)
+            used = engine.disk_bytes()
+            if used + inflight + nbytes <= (stop if strict else target):
+                return
         t0 = time.perf_counter()
         if engine.index is not None and engine.index.count() - engine.index.ref_count() > len(self._known):
             self._adopt()
