@@ -450,6 +450,18 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
     return indexed
 
 
+def _unvouched(io: PosixIO, fd: int, seg: int, path: str, offset: int) -> bool:
+    """Whether the record at ``offset`` of the last segment lies past every LSN its SYNC records
+    vouch for (SPEC.md §7.3): read again without checking payloads."""
+    lsn, vouched = None, 0
+    for off, hdr in seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False).records():
+        if off == offset:
+            lsn = hdr.lsn
+        if hdr.type == fmt.REC_SYNC:
+            vouched = max(vouched, hdr.meta.get("durable", 0))
+    return lsn is not None and lsn > vouched
+
+
 def _check_tail_record(io: PosixIO, fd: int, off: int, hdr: Any, seg_dir: str) -> int | None:
     """The first extent of a PUT record no index commit has applied yet that fails its checksum
     (None: all match) -- looked at again a moment later when a writer of this store is active
@@ -519,13 +531,20 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
         stop = scanner.stop
         if stop is not None and stop.reason != "end":
             severity = "error" if stop.valid_after or seg != segs[-1] else "warning"
+            if severity == "error" and seg == segs[-1] and deep and "checksum mismatch" in stop.detail:
+                # (--deep verified the payload the plain check leaves to _check_tail_record: the same
+                # rule -- in the last segment, a record no SYNC record vouches for is a torn write)
+                torn = _unvouched(io, fds[seg], seg, path, stop.offset)
+                if torn:
+                    severity = "warning"
+                    stop.detail += "; no SYNC record vouches for it: a torn write, which the next writer cuts"
             cut = cut or severity == "error"
             report.findings.append(Finding(severity, f"log damaged ({stop.reason}: {stop.detail})", segment=seg,
                                            offset=stop.offset))
     if tail:
         report.findings.append(Finding("warning", f"{tail} record(s) past the index's applied position: a "
-                                                  "writer's last records, checked here, applied by the next "
-                                                  "writer that opens the store"))
+                                                  "writer's last records, checked here; the next writer that "
+                                                  "opens the store applies them (and cuts a torn write)"))
     if cut:  # a newer record of any key may be in what was not read: "not indexed" would be a guess
         report.findings.append(Finding("warning", "live records were not looked for in the index: a scan "
                                                   "stopped at damage, and a key's newer record may lie past it "
