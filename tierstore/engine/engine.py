@@ -1023,7 +1023,9 @@ class Engine:
                 log.sync()
             elif self.durability == "none":
                 log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
-            limit = log.written_lsn if self.durability == "none" else log.durable_lsn
+            with log.append_lock:  # (an append_group advances the log before it hands its records to the
+                # memtable: read under the lock, the limit never names part of a group not yet pending)
+                limit = log.written_lsn if self.durability == "none" else log.durable_lsn
             if self._append is not None:  # other processes' records below the limit: read them first
                 self._see_for_commit(limit)
             with self._merge_lock:  # no other process's records merge in below the batch meanwhile

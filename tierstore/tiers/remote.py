@@ -318,17 +318,20 @@ class Stamps:
     Before a stamp past its reservation is handed out, a handle raises the file's reservation to
     a second past the wall clock, or just past the stamp when stamps run further ahead than that
     (the file's flock, a synced write): a crash can leave it above what was issued, never below.
-    A handle that opens (or first stamps) with its wall clock below the reservation -- the
-    clock was set back, or the store stamped ahead of it -- takes the reservation into its
-    clock, so its stamps outrank every version the store wrote: at most a second ahead of the
-    wall clock after a quick reopen, and stamps already ahead move only a millisecond further."""
+    A handle that opens (or first stamps) with its wall clock below the largest stamp that made
+    a handle reserve -- the clock was set back, or the store stamped ahead of it -- takes the
+    reservation into its clock, so its stamps outrank every version the store wrote; stamps
+    already ahead move only a millisecond further at such a reopen."""
 
     def __init__(self, path: str, clock: Clock = CLOCK) -> None:
         self.path, self.clock = path, clock
         self._lock = threading.Lock()
-        reserved, _stamp = self._read()
+        reserved, stamp = self._read()
         self.reserved = 0  # what this handle reserved: its stamps up to it need no write
-        if time.time_ns() < reserved:  # stamps up to it may have been issued (a crash leaves no more)
+        if time.time_ns() < stamp:  # the clock is below a stamp the store issued: set back (or the
+            # stamps ran ahead of it): stamps up to the reservation may have been issued.  (Not
+            # merely below the reservation: another live handle's always is, a second ahead, and
+            # taking it in made a process beside it stamp ahead of that handle's later puts)
             clock.seen(reserved, own=True)
 
     def _read(self) -> tuple[int, int]:
