@@ -29,10 +29,9 @@ from .options import Options
 from .recovery import check_applied, quarantine_bytes, rebuild_index, shown_key
 
 
-def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, bytes | None, Applied] | None:
-    """The old index's view -- {(namespace, key): LSN}, its applied LSN, its store uuid and its
-    applied position -- when the index is there and passes LMDB's offline verifier; None
-    otherwise."""
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None] | None:
+    """The old index's view -- {(namespace, key): LSN}, its applied position and its store
+    uuid -- when the index is there and passes LMDB's offline verifier; None otherwise."""
     path = os.path.join(root, fmt.INDEX_DIR)
     if not Index.exists(path) or verify_lmdb(path):
         return None
@@ -42,9 +41,7 @@ def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], int, byt
         return None
     try:
         with idx.read() as view:
-            applied = view.applied()
-            return ({(ns, key): loc.header.lsn for ns, key, loc in view.items()}, applied.lsn, idx.store_uuid(),
-                    applied)
+            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, view.applied(), idx.store_uuid()
     except TierstoreError:
         return None
     finally:
@@ -104,9 +101,9 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
         # the log ends before it -- after a power cut with durability="none" (the index applied
         # records that were only handed to the OS), or damage at its end: the older versions then
         # stand, as a writable open gives them
-        in_log = previous is not None and check_applied(io, root, previous[3])
+        in_log = previous is not None and check_applied(io, root, previous[1])
         scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress,
-                             proven_lsn=previous[1] if previous is not None else 0,
+                             proven_lsn=previous[1].lsn if previous is not None else 0,
                              witness=_HeaderWitness(root) if previous is not None else None)
         leftover = os.path.join(root, fmt.INDEX_DIR + ".rebuild")
         if os.path.exists(leftover):
@@ -118,7 +115,7 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     # gone, reads as a clean end and an LSN gap, and the versions it held the newer records of
     # would come back (a cold review, 2026-12-03) -- but only an index of this store
     if previous is not None and previous[2] == scan.store_uuid and (scan.damage or in_log):
-        known, applied, _, _ = previous
+        known, applied = previous[0], previous[1].lsn
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
         try:
             with idx.read() as view:

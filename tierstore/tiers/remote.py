@@ -380,21 +380,22 @@ class Stamps:
             reserved = max(have, mine)
             # the slot not holding the valid reservation: a torn write leaves that one
             index = 0 if best is None else 1 - best[0]
-            body = slot.pack(reserved, max(seen, stamp), 0, 0)[:16]
-            os.pwrite(fd, body + rec.crc32c(body).to_bytes(4, "little") + bytes(4), index * slot.size)
+            os.pwrite(fd, _pack_slot(reserved, max(seen, stamp)), index * slot.size)
             os.fdatasync(fd)
             if len(data) < slot.size:  # a new file: its name too must survive a crash
-                dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                _fsync_dir(self.path)
         except OSError as e:
             raise StoreIOError(f"reserve version stamps in {fmt.STAMPS_FILE}: {e.strerror or e}", errno=e.errno,
                                poisoned=False, path=self.path) from None
         finally:
             os.close(fd)
         return mine
+
+
+def _pack_slot(reserved: int, stamp: int) -> bytes:
+    """A STAMPS slot, its CRC-32C over its first 16 bytes."""
+    head = fmt.STAMPS_SLOT.pack(reserved, stamp, 0, 0)[:16]
+    return fmt.STAMPS_SLOT.pack(reserved, stamp, rec.crc32c(head), 0)
 
 
 def _best_slot(data: bytes) -> tuple[int, int, int] | None:
@@ -875,6 +876,11 @@ def write_state(path: str, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: str) -> None:
+    """Sync the directory holding ``path`` (a file created or renamed there survives a crash)."""
     dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(dfd)
