@@ -435,6 +435,50 @@ os.kill(os.getpid(), signal.SIGKILL)
         assert rc == 0 and "ok" in text and "mismatch" not in text, text
 
 
+@pytest.mark.parametrize("what", ["the closing SYNC record", "a record a SYNC record vouches for"])
+@pytest.mark.parametrize("deep", [False, True])
+def test_fsck_says_of_damage_in_the_last_segment_what_a_writer_does_with_it(tmp_path, what, deep):
+    """fsck called damage in the last segment an error whenever a valid record header lay after
+    it -- a PAD record is enough -- while a writer opening the store cuts it as a torn write when
+    no SYNC record (nor the index) vouches for it, as it does for the SYNC record a clean close
+    writes last; --deep was no better.  It now applies recovery's rule (SPEC.md §7.3).  Twin:
+    damage to a record that the closing SYNC record vouches for is an error (recover repairs
+    it)."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        for i in range(5):
+            s.put(f"k{i}", Blob(bytes([i]) * 1000))
+        at = s.info("k3")
+    (seg,) = segment_files(path)
+    from tierstore.engine import segment as seglib
+    from tierstore.engine.fileio import PosixIO
+
+    io = PosixIO()
+    fd = seglib.open_segment(io, seg)
+    try:
+        syncs = [off for off, h in seglib.SegmentScanner(io, fd, 1, path=seg).records() if h.type == 0x8006]
+    finally:
+        io.close(fd)
+    off = syncs[-1] if what == "the closing SYNC record" else at.offset
+    with open(seg, "r+b") as f:
+        f.seek(off + 20)  # inside the record header: its checksum fails
+        b = f.read(1)
+        f.seek(off + 20)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, text = run("fsck", path, *(["--deep"] if deep else []))
+    if what == "the closing SYNC record":
+        assert rc == 0 and "torn write" in text, text
+        with tierstore.open(path) as s:  # the writer cuts it, every object is kept
+            assert [s.get(f"k{i}").data[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+        assert run("fsck", path)[0] == 0
+    else:
+        assert rc == 1 and "was synced" in text, text
+        run("recover", path)  # the header comes back from the index's copy of it
+        assert run("fsck", path)[0] == 0
+        with tierstore.open(path) as s:
+            assert [s.get(f"k{i}").data[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+
+
 def test_fsck_past_damage_in_a_sealed_segment_reports_no_false_unindexed_records(tmp_path):
     """A damaged record header in a sealed segment stops fsck's scan of it; a key deleted after
     the damage was then reported "live record is not indexed" (the index was right), and a text

@@ -166,12 +166,29 @@ def _store_uuid_of_others(io: PosixIO, seg_dir: str, skip: int) -> bytes | None:
     return None
 
 
-def _next_lsn(io: PosixIO, fd: int, seg: int, path: str, offset: int, size: int) -> int | None:
+def first_lsn_from(io: PosixIO, fd: int, seg: int, path: str, offset: int, size: int) -> int | None:
     """The LSN of the first record with one (PAD records have none) from ``offset`` on."""
     scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, verify_payload=False, size=size)
     for _, hdr in scanner.records():
         return hdr.lsn
     return None
+
+
+def certified_after(io: PosixIO, fd: int, seg: int, path: str, offset: int, size: int) -> int:
+    """The largest LSN that valid SYNC records after ``offset`` of a segment vouch for (0: none),
+    scanning on past any further damage (SPEC.md §7.3)."""
+    probe = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False, size=size)
+    best, q = 0, probe.next_valid(offset)
+    while q is not None and q < size:
+        scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=q, verify_payload=False, size=size)
+        for _, hdr in scanner.records():
+            if hdr.type == fmt.REC_SYNC:
+                best = max(best, hdr.meta["durable"])
+        stop = scanner.stop
+        if stop is None or stop.reason == "end" or stop.offset <= q:
+            break
+        q = probe.next_valid(stop.offset)
+    return best
 
 
 def has_no_records(io: PosixIO, fd: int) -> bool:
@@ -406,7 +423,7 @@ class _LogScanner:
                         guess = rec.salvage(io.pread(fd, fmt.HEADER_MAX_BYTES, stop.offset), expected)
                     key = (guess[1], guess[2]) if guess is not None else None
                     self._sealed_damage(fd, seg, path, stop.offset, end, why, key=key)
-                    after = _next_lsn(io, fd, seg, path, nxt, size) if nxt is not None else None
+                    after = first_lsn_from(io, fd, seg, path, nxt, size) if nxt is not None else None
                     lost = after - expected if after is not None and expected is not None else 0
                     if guess is not None and rec.align_up(stop.offset + guess[4], fmt.RECORD_ALIGN) <= end:
                         # the damaged header still names its key: hide it (as a DELETE in its place)
@@ -471,7 +488,7 @@ class _LogScanner:
         uuid = self.store_uuid or _store_uuid_of_others(self.io, self.seg_dir, seg)
         if uuid is None:
             return None
-        base = _next_lsn(self.io, fd, seg, path, first, self.io.size(fd)) if first is not None else None
+        base = first_lsn_from(self.io, fd, seg, path, first, self.io.size(fd)) if first is not None else None
         return seglib.new_segment_header(uuid, seg, base if base is not None else max(1, expect or 1))
 
     def _nothing_lost(self, fd: int, seg: int, path: str, scanner: seglib.SegmentScanner, offset: int,
@@ -490,7 +507,7 @@ class _LogScanner:
         # record's payload is not the log going on)
         if self._nonzero(fd, min(offset + fmt.RECORD_HEADER_SIZE, size), size if nxt is None else nxt):
             return None
-        after = _next_lsn(self.io, fd, seg, path, nxt, size) if nxt is not None else None  # PAD records: none
+        after = first_lsn_from(self.io, fd, seg, path, nxt, size) if nxt is not None else None  # PAD records: none
         if after == expected:
             return nxt
         if after is None and self._next_base() == expected:
@@ -517,23 +534,7 @@ class _LogScanner:
             return False
         if lsn <= self.proven_lsn:
             return True
-        return lsn <= self._certified_after(fd, seg, path, offset, size)
-
-    def _certified_after(self, fd: int, seg: int, path: str, offset: int, size: int) -> int:
-        """The largest LSN that valid SYNC records after ``offset`` vouch for (0: none), scanning
-        on past any further damage."""
-        probe = seglib.SegmentScanner(self.io, fd, seg, path=path, verify_payload=False, size=size)
-        best, q = 0, probe.next_valid(offset)
-        while q is not None and q < size:
-            scanner = seglib.SegmentScanner(self.io, fd, seg, path=path, start=q, verify_payload=False, size=size)
-            for _, hdr in scanner.records():
-                if hdr.type == fmt.REC_SYNC:
-                    best = max(best, hdr.meta["durable"])
-            stop = scanner.stop
-            if stop is None or stop.reason == "end" or stop.offset <= q:
-                break
-            q = probe.next_valid(stop.offset)
-        return best
+        return lsn <= certified_after(self.io, fd, seg, path, offset, size)
 
     def _incomplete_group(self, fd: int, seg: int, path: str, group: "_Group", why: str) -> None:
         """Damage, not a crash (a writer never leaves a group open mid-log): without repair,

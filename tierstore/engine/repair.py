@@ -26,7 +26,7 @@ from .fileio import PosixIO
 from .index import Applied, Index, Location, decode_location, verify_lmdb
 from .lock import acquire_writer_lock, writer_active
 from .options import Options
-from .recovery import check_applied, quarantine_bytes, rebuild_index, shown_key
+from .recovery import certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
 
 
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None] | None:
@@ -447,16 +447,27 @@ def _check_index_to_log(io: PosixIO, view: Any, fds: dict[int, int], report: Rep
     return indexed
 
 
-def _unvouched(io: PosixIO, fd: int, seg: int, path: str, offset: int) -> bool:
-    """Whether the record at ``offset`` of the last segment lies past every LSN its SYNC records
-    vouch for (SPEC.md §7.3): read again without checking payloads."""
-    lsn, vouched = None, 0
-    for off, hdr in seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False).records():
-        if off == offset:
-            lsn = hdr.lsn
-        if hdr.type == fmt.REC_SYNC:
-            vouched = max(vouched, hdr.meta.get("durable", 0))
-    return lsn is not None and lsn > vouched
+def _stop_severity(io: PosixIO, fd: int, seg: int, path: str, stop: seglib.ScanStop,
+                   scanner: seglib.SegmentScanner, base_lsn: int, applied: Applied, *, last: bool) -> tuple[str, str]:
+    """How bad the damage where a scan of segment ``seg`` stopped is, and what it is, by
+    recovery's rule (SPEC.md §7.3): in a sealed segment, an error; in the last one, an error
+    only when the record there was synced -- its LSN (the one expected there, when its header
+    does not decode) is at most the index's applied LSN or a valid SYNC record after it vouches
+    for it -- else a torn write that the next writer cuts (a warning, naming the records
+    after it that the cut drops, their bytes kept in quarantine/)."""
+    if not last:
+        return "error", stop.detail
+    size = io.size(fd)
+    lsn = stop.header.lsn if stop.header is not None else scanner.expect_lsn or base_lsn
+    if lsn <= applied.lsn or lsn <= certified_after(io, fd, seg, path, stop.offset, size):
+        return "error", stop.detail + "; the record was synced (the index or a SYNC record says so)"
+    nxt = scanner.next_valid(stop.offset)
+    dropped = 0
+    if nxt is not None:
+        after = seglib.SegmentScanner(io, fd, seg, path=path, start=nxt, verify_payload=False, size=size)
+        dropped = sum(hdr.type != fmt.REC_PAD for _, hdr in after.records())
+    return "warning", stop.detail + "; no SYNC record vouches for it: a torn write, which the next writer cuts" + (
+        f" (the {dropped} record(s) after it go too, their bytes kept in quarantine/)" if dropped else "")
 
 
 def _check_tail_record(io: PosixIO, fd: int, off: int, hdr: Any, seg_dir: str) -> int | None:
@@ -492,7 +503,7 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
     for seg in segs:
         path = os.path.join(seg_dir, seglib.segment_name(seg))
         try:
-            seglib.read_segment_header(io, fds[seg], path=path, seg_id=seg)
+            base_lsn = seglib.read_segment_header(io, fds[seg], path=path, seg_id=seg).base_lsn
         except TierstoreError as e:
             report.error(f"bad segment header: {e.message}", segment=seg, offset=0)
             continue
@@ -527,14 +538,8 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
                 report.error(f"extent {extent} checksum mismatch (a record not applied to the index yet)", **where)
         stop = scanner.stop
         if stop is not None and stop.reason != "end":
-            severity = "error" if stop.valid_after or seg != segs[-1] else "warning"
-            if severity == "error" and seg == segs[-1] and deep and "checksum mismatch" in stop.detail:
-                # (--deep verified the payload the plain check leaves to _check_tail_record: the same
-                # rule -- in the last segment, a record no SYNC record vouches for is a torn write)
-                torn = _unvouched(io, fds[seg], seg, path, stop.offset)
-                if torn:
-                    severity = "warning"
-                    stop.detail += "; no SYNC record vouches for it: a torn write, which the next writer cuts"
+            severity, stop.detail = _stop_severity(io, fds[seg], seg, path, stop, scanner, base_lsn, applied,
+                                                   last=seg == segs[-1])
             cut = cut or severity == "error"
             report.findings.append(Finding(severity, f"log damaged ({stop.reason}: {stop.detail})", segment=seg,
                                            offset=stop.offset))
