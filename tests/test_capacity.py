@@ -174,6 +174,24 @@ def test_a_second_handle_in_the_process_must_keep_the_first_ones_budget_settings
             assert all(a.contains(f"doc{i}", namespace="rag") for i in range(10))
 
 
+def test_handles_in_the_process_must_keep_the_same_policy_settings_not_only_its_name(tmp_path):
+    """Agreement compared the policies' names: a second handle with ``CostAware`` of other
+    models (what a miss of each namespace costs) shared the engine and evicted by its own
+    weights (a review, 2026-12-03).  Its settings are compared now; the same settings, given as
+    another instance, share the engine."""
+    from tierstore.policy import CostAware
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes="8MiB", ssd_policy=CostAware(models={"chat": 70e9})) as a:
+        for other in ("cost", CostAware(models={"chat": 8e9}), CostAware(models={"chat": 70e9}, reuse=0.5)):
+            with pytest.raises(tierstore.InvalidObject) as err:
+                tierstore.open(path, ssd_bytes="8MiB", ssd_policy=other)
+            assert "ssd_policy=\"cost(models={'chat': 70000000000.0})\"" in err.value.message, err.value.message
+        with tierstore.open(path, ssd_bytes="8MiB", ssd_policy=CostAware(models={"chat": 70e9})) as b:
+            b.put("k", Blob(b"x"))
+            assert a.contains("k")
+
+
 def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):
     with tierstore.open(str(tmp_path / "s"), ssd_bytes=4 * MiB, retain={"rag": "always"}, dram_bytes="4MiB") as s:
         s.put("big", Blob(payload(0, 1_500_000)))

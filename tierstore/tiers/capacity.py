@@ -132,7 +132,7 @@ def budget_settings(capacity: dict[str, Any] | None) -> dict[str, Any]:
         return {"ssd_bytes": None, "retain": [], "ssd_policy": "lru", "downtier": {}}
     return {"ssd_bytes": capacity["budget"],
             "retain": sorted(ns.decode("utf-8") for ns in capacity["retain"]),
-            "ssd_policy": capacity["policy"].name,
+            "ssd_policy": capacity["policy"].settings(),
             "downtier": {ns.decode("utf-8"): sorted({c.spec for c in by_kind.values()})
                          for ns, by_kind in sorted(capacity["downtier"].items())}}
 

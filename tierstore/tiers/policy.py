@@ -71,6 +71,13 @@ class Policy:
         """A new, empty policy of the same kind and settings (one per tier)."""
         return type(self)()
 
+    def settings(self) -> str:
+        """The policy's kind and settings, as handles of one store that must evict alike compare
+        them (``ssd_policy=``): its name and the arguments ``fresh()`` passes on.  A policy of
+        yours is named by its class; override this if it takes arguments."""
+        own = type(self).__module__ + "." + type(self).__qualname__
+        return self.name if own.startswith(__name__ + ".") else own
+
 
 class LRU(Policy):
     """Least recently used first (the default)."""
@@ -138,6 +145,9 @@ class SessionAware(Policy):
 
     def fresh(self) -> "SessionAware":
         return SessionAware(self.half_life)
+
+    def settings(self) -> str:
+        return self.name if self.half_life == 16.0 else f"{self.name}(half_life={self.half_life!r})"
 
     def _activate(self, gid: Hashable, new_turn: bool = False) -> _Group:
         g = self._groups.get(gid)
@@ -302,6 +312,10 @@ class CostAware(Policy):
 
     def fresh(self) -> "CostAware":
         return CostAware(**self._args)  # type: ignore[arg-type]
+
+    def settings(self) -> str:
+        given = {k: v for k, v in self._args.items() if v != CostAware.__init__.__kwdefaults__[k]}
+        return self.name + (f"({', '.join(f'{k}={v!r}' for k, v in sorted(given.items()))})" if given else "")
 
     def cost(self, key: Hashable, nbytes: int, tokens: int) -> float:
         """Seconds a miss of this object costs (``C`` above)."""
