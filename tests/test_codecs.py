@@ -420,3 +420,41 @@ def test_device_decode_gives_the_same_bits_as_the_cpu_decoder(store_path, real_k
             assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
             one = s.get("o", layers=2, device="cpu")
             assert one.layer_start == 2 and torch.equal(one.data.view(torch.int16), want[1:2].view(torch.int16))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX only")
+def test_a_forked_child_compresses_while_a_parent_thread_held_the_context_pool():
+    """The zstd context pool's lock is held by whichever thread takes or returns a context; a
+    child fork()ed at that moment inherits it held, with no thread to release it, and its first
+    zstd call waited for ever.  The child gets a fresh lock (and no contexts)."""
+    import signal
+    import threading
+
+    from tierstore.codecs import zstd as zmod
+
+    data = b"tierstore " * 1000
+    zmod.zstd_decompress(zmod.zstd_compress(data, 3), len(data))  # the pool holds contexts
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:  # another thread of the parent, inside the pool at the fork
+        with zmod._pool_lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            signal.alarm(10)
+            ok = False
+            try:
+                ok = zmod.zstd_decompress(zmod.zstd_compress(data, 3), len(data)) == data
+            finally:
+                os._exit(0 if ok else 1)
+    finally:
+        release.set()
+        t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child hung on the pool's lock (SIGALRM) or failed"
