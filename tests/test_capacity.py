@@ -933,6 +933,24 @@ def test_a_reserve_larger_than_a_budget_allows_is_cut_down_at_open(tmp_path):
         assert files_bytes(path) <= 8 * MiB and len(s.keys()) > 10
 
 
+def test_a_reserve_grown_back_while_a_budgeted_handle_is_open_is_cut_again(tmp_path):
+    """A writer process without a budget holds the automatic reserve (8 MiB once the segments
+    hold 256 MiB) and writes it back after a budgeted handle cut it at open: the budgeted handle
+    then counted 8 MiB it cannot evict and emptied the store (a review, 2026-12-03; here the
+    file is grown as that process's ``ensure_reserve`` grows it).  A put that must evict cuts
+    the reserve back to the budget's share first."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, ssd_bytes=8 * MiB) as s:
+        s.put("a", Blob(b"x" * 1000))
+        with open(os.path.join(path, "RESERVE"), "wb") as f:
+            f.write(bytes(8 * MiB))
+        for i in range(20):
+            s.put(f"k{i}", Blob(payload(i, 200_000)))
+        s.flush()
+        assert os.path.getsize(os.path.join(path, "RESERVE")) <= MiB
+        assert files_bytes(path) <= 8 * MiB and len(s.keys()) > 10
+
+
 def test_quarantine_bytes_follow_a_change_inside_an_old_index(tmp_path, monkeypatch):
     """Deleting a file inside an old index's directory in quarantine/ leaves quarantine/'s mtime
     as it was: the count, cached by that mtime, stayed stale for the life of the process (a
