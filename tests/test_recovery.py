@@ -165,21 +165,39 @@ def test_readonly_open_without_index_refuses(store_path):
         tierstore.open(store_path, readonly=True)
 
 
-def test_index_ahead_of_log_is_rebuilt(tmp_path):
-    """An index that names records the log lost (e.g. durability='none' and power loss)."""
+@pytest.mark.parametrize("durability", ["none", "sync", "group"])
+def test_index_ahead_of_log(tmp_path, durability):
+    """An index that names records the log lost.  With durability="none" that is what a power
+    cut does (the index applied records only handed to the OS): the index is rebuilt from the
+    log, the older versions stand.  With "sync" or "group" the index applies only records the
+    writer synced: the log lost durable records (a segment removed or restored from an older
+    copy), and rebuilding from the log served the older version of a key overwritten since
+    (here x: b"1" for b"2"), with a warning only.  The open now refuses (CorruptionError), and
+    `recover` deletes the keys whose newest versions were lost, with the index as its witness."""
     a = str(tmp_path / "a")
-    with tierstore.open(a) as s:
+    with tierstore.open(a, durability=durability) as s:
         s.put("x", Blob(b"1"))
+        s.put("w", Blob(b"w"))
     snapshot = str(tmp_path / "snap")
     shutil.copytree(a, snapshot)
-    with tierstore.open(a) as s:
+    with tierstore.open(a, durability=durability) as s:
         s.put("y", Blob(b"2"))
+        s.put("x", Blob(b"2"))
     # the new index with the old log: the index's applied record does not exist
     shutil.rmtree(os.path.join(snapshot, "index"))
     shutil.copytree(os.path.join(a, "index"), os.path.join(snapshot, "index"))
+    if durability == "none":
+        with tierstore.open(snapshot) as s:
+            assert "rebuilt_index" in s.recovery
+            assert s.keys() == ["w", "x"] and s.get("x").data == b"1"
+        return
+    with pytest.raises(tierstore.CorruptionError, match="synced before the index applied them") as err:
+        tierstore.open(snapshot)
+    assert "tierstore recover" in err.value.hint
+    result = repair.recover(snapshot)
+    assert result["stale_keys_deleted"] == [{"namespace": "default", "key": "x"}]
     with tierstore.open(snapshot) as s:
-        assert "rebuilt_index" in s.recovery
-        assert s.keys() == ["x"]
+        assert s.keys() == ["w"]
 
 
 def test_corrupt_extent_raises_and_fsck_reports(store_path, real_kv):

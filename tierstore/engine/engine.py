@@ -480,6 +480,15 @@ class Engine:
                 raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
                                       hint="open the store writable (or run `tierstore recover PATH`) "
                                            "to rebuild the index") from None
+            if self.index.applied_synced():
+                # the writer that applied it had synced it: the log lost durable records (a segment
+                # removed or cut), not what a power cut takes with durability="none" -- rebuilt from
+                # the log, the keys they wrote would read older versions, or deleted ones come back
+                raise CorruptionError(f"the log lost records that were synced before the index applied them "
+                                      f"({e.message})", path=self.path,
+                                      hint="restore the missing segment files if you can; else run `tierstore "
+                                           "recover PATH`: it rebuilds the index from the log and deletes the "
+                                           "keys whose newest versions were lost (the index is its witness)") from None
             self.index.close()
             self.index = None
             # said aloud, not only in ``recovery``: records the index had applied are not in the log
@@ -1070,8 +1079,11 @@ class Engine:
                 start = i + 1
         for a, b in cuts:
             end = batch[b - 1]
+            # (a record this writer appended and synced itself: the index may say so, SPEC.md §9 --
+            # another writer's may lie in a segment it sealed without syncing, with durability "none")
+            synced = self.durability != "none" and self.log is not None and self.log.wrote(end.lsn)
             self.index.apply(batch[a:b], Applied(end.segment, end.offset, end.lsn, end.offset + end.record_len),
-                             durable=sync and b == len(batch))
+                             durable=sync and b == len(batch), synced=synced)
             self.counters["index_commits"] += 1
         if self.log is not None:
             self.log.forget_mine(last.lsn)

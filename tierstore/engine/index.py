@@ -27,6 +27,7 @@ from ..format import record as rec
 
 _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
+_SYNCED = struct.Struct("<Q")  # meta `synced`: an applied LSN whose records were all synced when applied
 _SEGSTAT = struct.Struct("<QB")  # dead bytes, state
 _FORMAT = struct.Struct("<HH")
 
@@ -478,6 +479,10 @@ class Index:
         with self.read() as view:
             return view.applied()
 
+    def applied_synced(self) -> bool:
+        with self.read() as view:
+            return view.applied_synced()
+
     def store_uuid(self) -> bytes | None:
         return self.get_meta(b"store_uuid")
 
@@ -573,8 +578,13 @@ class Index:
             txn.put(b"applied", _APPLIED.pack(0, 0, 0, 0), db=self.meta)
         self._write(fn, durable=True)
 
-    def apply(self, ops: Sequence[Op], applied: Applied, *, durable: bool = False) -> None:
+    def apply(self, ops: Sequence[Op], applied: Applied, *, durable: bool = False, synced: bool = False) -> None:
         """Apply log records in LSN order and record the new applied position, atomically.
+
+        ``synced``: the record at ``applied`` was synced in the log before this commit (by this
+        writer, durability "sync" or "group"); recorded as meta ``synced`` = its LSN, else 0, so
+        that an index found ahead of the log tells damage from a power cut that took records of
+        durability "none" (SPEC.md §9).
 
         Dead-byte accounting per segment (for compaction) is updated in the same transaction:
         a PUT record becomes dead when a later PUT or DELETE of its key is applied; a DELETE
@@ -607,6 +617,7 @@ class Index:
                     self._apply_ref(txn, op)
             self._add_dead(txn, deltas)
             txn.put(b"applied", _APPLIED.pack(applied.segment, applied.offset, applied.lsn, applied.end), db=self.meta)
+            txn.put(b"synced", _SYNCED.pack(applied.lsn if synced else 0), db=self.meta)
         self._write(fn, durable=durable)
 
     def _apply_ref(self, txn: lmdb.Transaction, op: Op) -> None:
@@ -700,6 +711,15 @@ class ReadView:
         if v is None or len(v) != _APPLIED.size:
             raise damaged("index has no valid applied position", self.index.path)
         return Applied(*_APPLIED.unpack(v))
+
+    def applied_synced(self) -> bool:
+        """Whether the last commit said the record at the applied position was synced in the log
+        before it was applied (``Index.apply(synced=True)``): that record then missing from the
+        log is damage to the log, not a record of durability "none" lost in a power cut.  False
+        when unknown (an index of an older version, a rebuild, a record of another writer)."""
+        with _reading(self.index.path):
+            v = self.txn.get(b"synced", db=self.t.meta)
+        return v is not None and len(v) == _SYNCED.size and _SYNCED.unpack(v)[0] == self.applied().lsn != 0
 
     def prefix_run(self, namespace: bytes, keys: Iterable[bytes], pending: dict[bytes, bool]) -> int:
         """How many leading ``keys`` exist in ``namespace``; ``pending`` (key -> exists) overrides

@@ -431,6 +431,20 @@ class Log:
             self.mine[key] = (end, first, last)  # type: ignore[index]
             self._mine_order.append((key, last))
 
+    def wrote(self, lsn: int) -> bool:
+        """Whether this writer appended the record with ``lsn`` (one the index has not applied
+        yet): beside other writers, when ``mine`` names it; writing alone, every record is."""
+        if self.mine is None:
+            return True
+        with self._mine_lock:
+            for key, last in reversed(self._mine_order):  # (the newest first: the committer asks of those)
+                if last < lsn:
+                    return False
+                ent = self.mine.get(key)
+                if ent is not None and ent[1] <= lsn:
+                    return True
+        return False
+
     def forget_mine(self, lsn: int) -> None:
         """The index applied the log up to ``lsn``: no reading of the others' records starts
         before it, so this writer's records up to it need not be known any more."""

@@ -29,9 +29,10 @@ from .options import Options
 from .recovery import certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
 
 
-def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None] | None:
-    """The old index's view -- {(namespace, key): LSN}, its applied position and its store
-    uuid -- when the index is there and passes LMDB's offline verifier; None otherwise."""
+def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None, bool] | None:
+    """The old index's view -- {(namespace, key): LSN}, its applied position, its store uuid and
+    whether the writer that applied that position had synced it (``Index.applied_synced``) --
+    when the index is there and passes LMDB's offline verifier; None otherwise."""
     path = os.path.join(root, fmt.INDEX_DIR)
     if not Index.exists(path) or verify_lmdb(path):
         return None
@@ -41,7 +42,8 @@ def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied,
         return None
     try:
         with idx.read() as view:
-            return {(ns, key): loc.header.lsn for ns, key, loc in view.items()}, view.applied(), idx.store_uuid()
+            keys = {(ns, key): loc.header.lsn for ns, key, loc in view.items()}
+            return keys, view.applied(), idx.store_uuid(), view.applied_synced()
     except TierstoreError:
         return None
     finally:
@@ -100,8 +102,9 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
         # log, and a key it holds newer than the rebuild lost a record to damage.  Not in the log:
         # the log ends before it -- after a power cut with durability="none" (the index applied
         # records that were only handed to the OS), or damage at its end: the older versions then
-        # stand, as a writable open gives them
-        in_log = previous is not None and check_applied(io, root, previous[1])
+        # stand, as a writable open gives them -- unless the writer that applied it had synced it:
+        # then the log lost durable records (a segment removed or cut), and the index is a witness
+        in_log = previous is not None and (check_applied(io, root, previous[1]) or previous[3])
         scan = rebuild_index(io, root, repair=True, verify_payloads=True, progress=progress,
                              proven_lsn=previous[1].lsn if previous is not None else 0,
                              witness=_HeaderWitness(root) if previous is not None else None)
