@@ -4,6 +4,7 @@ of a full prefill, and nothing stale, damaged or of another model is ever loaded
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import tierstore  # noqa: E402
 from tierstore import InvalidObject  # noqa: E402
-from tierstore.integrations.transformers import PrefixCache, model_fingerprint  # noqa: E402
+from tierstore.integrations.transformers import PrefixCache, model_fingerprint, weights_sample_digest  # noqa: E402
 
 from .conftest import segment_files  # noqa: E402
 
@@ -124,7 +125,10 @@ def test_another_model_dtype_or_weights_never_loads_these_chunks(store_path):
             assert pc.cached_tokens(ids) == 0
             _, n = pc.load(ids)
             assert n == 0
-    assert model_fingerprint(base) == model_fingerprint(_model(seed=5))  # same config and dtype: same salt
+    # same config and dtype, other weights: another salt (a sample of the weights), unless the caller
+    # names the checkpoint itself
+    assert model_fingerprint(base) != model_fingerprint(_model(seed=5))
+    assert model_fingerprint(base, weights_digest="a") == model_fingerprint(_model(seed=5), weights_digest="a")
     assert model_fingerprint(base, weights_digest="a") != model_fingerprint(base, weights_digest="b")
 
 
@@ -219,7 +223,7 @@ def test_save_takes_a_batch_row_by_row(store_path):
         pc = PrefixCache(store, model, chunk_tokens=16)
         cache = transformers.DynamicCache(config=model.config)
         model(ids, **{pc.cache_argument: cache})
-        assert pc.save(ids, cache) == 6
+        assert pc.save(ids, cache, attention_mask=torch.ones_like(ids)) == 6
         for row in ids:
             cache1, n = pc.load(row)
             assert n == 32
@@ -273,7 +277,65 @@ def test_fingerprint_matches_the_worked_example_of_the_spec():
             return {"hidden_size": 64, "num_hidden_layers": 2, "_name_or_path": "ignored", "use_cache": True}
 
     LlamaForCausalLM = type("LlamaForCausalLM", (), {"config": Config(), "dtype": torch.float32})
-    assert model_fingerprint(LlamaForCausalLM()).hex() == "66c438b893cbb390a78c79f44aa9162a"  # SPEC.md §13.1
+    assert model_fingerprint(LlamaForCausalLM(), weights_digest="rev-1").hex() == \
+        "e65d6d304c8ea1eac1091ecc52b769eb"  # SPEC.md §13.1
+
+    class Weights(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+            self.b = torch.nn.Parameter(torch.arange(100, dtype=torch.float16))
+
+    assert weights_sample_digest(Weights()) == \
+        "sample:dccf70010e9b6811e841974b979859ae5a7d2855fe60081b0aa24affa3c9731d"  # SPEC.md §13.1
+
+
+def test_another_checkpoint_of_the_same_configuration_misses(store_path):
+    """Two checkpoints of one architecture (a base model and its instruction-tuned version) have
+    the same configuration; the fingerprint covered the configuration only, so the second loaded
+    the first's KV and generated other tokens than it does alone (a new user's review,
+    2026-12-03).  A sample of the weights is now part of it; a given weights_digest= replaces
+    the sample, and the same checkpoint loaded again still hits."""
+    first, second = _model("llama"), _model("llama")
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(0.01)
+    ids = _ids(40)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, first, chunk_tokens=16).generate(ids, max_new_tokens=1, do_sample=False)
+        assert PrefixCache(store, second, chunk_tokens=16).cached_tokens(ids) == 0
+        assert PrefixCache(store, first, chunk_tokens=16).cached_tokens(ids) == 32
+        again = copy.deepcopy(first)  # the same weights, another object: hits
+        assert PrefixCache(store, again, chunk_tokens=16).cached_tokens(ids) == 32
+        assert PrefixCache(store, second, chunk_tokens=16, weights_digest="base").cached_tokens(ids) == 0
+
+
+def test_save_of_a_padded_batch_stores_only_what_each_row_computed_unpadded(store_path):
+    """save() of a padded batch stored the KV of padding (and of tokens after it) under the
+    row's token ids: a later prompt of those tokens loaded KV that is not its own (a new user's
+    review, 2026-12-03).  A batch now takes the attention_mask it ran with: a right-padded row
+    gives only its chunks before the padding, a left-padded row none; without a mask a batch is
+    refused.  Twin: the unpadded row's chunks load and generate as the model does alone."""
+    model = _model("llama")
+    long, short = _ids(40), _ids(20, seed=2)
+    pad = torch.zeros(1, 20, dtype=long.dtype)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        right = torch.cat([long, torch.cat([short, pad], dim=1)])
+        mask = torch.cat([torch.ones(1, 40), torch.cat([torch.ones(1, 20), torch.zeros(1, 20)], dim=1)]).long()
+        out = model(right, attention_mask=mask, use_cache=True)
+        with pytest.raises(tierstore.InvalidObject, match="attention_mask"):
+            pc.save(right, out.past_key_values)
+        assert pc.save(right, out.past_key_values, attention_mask=mask) == 3  # 2 of the long row, 1 of the short
+        padded_row = torch.cat([short, pad], dim=1)[:, :33]
+        assert pc.cached_tokens(padded_row) == 16  # never the chunk holding padding
+        left = torch.cat([long, torch.cat([pad, short], dim=1)])
+        lmask = torch.cat([torch.ones(1, 40), torch.cat([torch.zeros(1, 20), torch.ones(1, 20)], dim=1)]).long()
+        out = model(left, attention_mask=lmask, use_cache=True)
+        assert pc.save(left, out.past_key_values, attention_mask=lmask) == 0  # (the long row's are stored)
+        assert pc.cached_tokens(torch.cat([pad, short], dim=1)) == 0
+        plain = model.generate(short, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(short))
+        assert torch.equal(pc.generate(short, max_new_tokens=4, do_sample=False), plain)
 
 
 # -- a new user's review (2026-12-03) ---------------------------------------------------------------
@@ -408,7 +470,7 @@ def test_a_batch_whose_rows_share_chunks_references_them_once_per_session(tmp_pa
             pc = PrefixCache(store, model, chunk_tokens=16, session="conv")
             batch = torch.cat([row, row])
             out = model(batch, use_cache=True)
-            assert pc.save(batch, out.past_key_values) == 4
+            assert pc.save(batch, out.past_key_values, attention_mask=torch.ones_like(batch)) == 4
             assert store.stats()["tiers"]["remote"]["puts"] == 4  # each chunk once, not once per row
             assert len(store.session_keys("conv", namespace="transformers")) == 4
     finally:

@@ -267,7 +267,35 @@ def test_max_bytes_holds_across_restarts_evicting_the_oldest(path):
     b = backend_of(eng)
     ns = b.store.namespaces()[0]
     assert len(b.store.keys(namespace=ns)) == 6  # 8 chunks put, the 2 oldest evicted
-    assert eng.lookup(first) == 0 and eng.lookup(second) == 64  # the first prompt's chunks 0, 1 went
+    # the first prompt's tail went (chunks 3, 2), its head stays usable: before 2026-12-03 its chunks
+    # 0 and 1 went, and the 2 left could never be reached (LMCache uses a prefix only)
+    assert eng.lookup(first) == 32 and eng.lookup(second) == 64
+    close(eng)
+
+
+def test_max_bytes_evicts_a_prompts_tail_before_its_head_and_refuses_a_tiny_limit(path):
+    """A new user's review (2026-12-03): in one process, as across a restart, eviction took a
+    prompt's first chunks and left its tail stored and unreachable; `tierstore.max_bytes: 5`
+    (LMCache's max_local_disk_size counts GB) meant 5 bytes, and each batch evicted everything,
+    then was stored anyway, past the limit."""
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+    src = torch.randn(LAYERS, 2, 64, HEADS, DIM)
+    eng = engine(path, src.clone(), extra={"tierstore.max_bytes": 6 * chunk_bytes})
+    a, b = torch.arange(0, 64), torch.arange(1000, 1064)
+    eng.store(a)
+    wait_stored(eng, a, 64)
+    eng.store(b)
+    wait_stored(eng, b, 64)
+    assert eng.lookup(a) == 32 and eng.lookup(b) == 64  # a's chunks 3 and 2 went
+    close(eng)
+    with pytest.raises(tierstore.InvalidObject, match="bare number is bytes"):
+        TierstoreBackend(config=LMCacheEngineConfig.from_dict(
+            {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_bytes": 5}}))
+    eng = engine(path + "-2", src.clone(), extra={"tierstore.max_bytes": 2 * chunk_bytes})
+    eng.store(a)  # 4 chunks in one batch, room for 2: the first 2 are stored, within the limit
+    wait_stored(eng, a, 32)
+    store = backend_of(eng).store
+    assert sum(len(store.keys(namespace=ns)) for ns in store.namespaces()) == 2
     close(eng)
 
 

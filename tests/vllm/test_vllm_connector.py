@@ -1052,3 +1052,42 @@ def test_tensor_parallel_ranks_in_separate_processes_share_one_store(tmp_path):
             assert not torch.equal(t[: 2 * chunks], other[name][: 2 * chunks])
     with tierstore.open(tmp_path / "kv", readonly=True) as s:
         assert len(s.keys(namespace="vllm")) == 2 * chunks
+
+
+def test_store_options_errors_name_the_option_and_a_read_only_consumer_shuts_down(tmp_path):
+    """From a new user's review (2026-12-03): store_options given as a string raised "dictionary
+    update sequence element #0 has length 1"; store_options.readonly was accepted by a role that
+    saves (its saves then failed one by one), and a read-only consumer's shutdown raised
+    ReadOnlyError from flush().  Now: the option is named, a saving role over a read-only store is
+    refused at start, and a kv_consumer over one loads and shuts down cleanly."""
+    store = tmp_path / "kv"
+    tierstore.open(str(store)).close()
+    with pytest.raises(ValueError, match="store_options must be a dict"):
+        KVConnectorFactory.create_connector(make_config(tmp_path, store, extra={"store_options": "ssd_bytes=1GiB"}),
+                                            KVConnectorRole.SCHEDULER, kv_cache_config())
+    with pytest.raises(ValueError, match="kv_consumer"):
+        KVConnectorFactory.create_connector(make_config(tmp_path, store, extra={"store_options": {"readonly": True}}),
+                                            KVConnectorRole.SCHEDULER, kv_cache_config())
+    cfg = make_config(tmp_path, store, extra={"store_options": {"readonly": True}}, role="kv_consumer")
+    c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    c.shutdown()
+
+
+def test_a_config_json_edited_at_the_same_path_changes_the_fingerprint(tmp_path):
+    """The fingerprint named the model by its path: a config.json edited there (rope_theta,
+    rope_scaling) changes the KV but kept the keys, and stale KV was loaded (a new user's review,
+    2026-12-03).  The configuration as loaded is part of it now; fields that do not change the
+    KV (eos_token_id) are not."""
+    from tierstore.integrations.vllm import model_fingerprint
+
+    base = model_fingerprint(make_config(tmp_path, tmp_path / "kv"), pp_rank=0, tp_rank=0)
+    model = tmp_path / "tiny-llama"
+    original = json.loads((model / "config.json").read_text())
+
+    def edited(**fields):  # the same path, config.json edited (make_config would write it again)
+        (model / "config.json").write_text(json.dumps({**original, **fields}))
+        return model_fingerprint(_config(model, tmp_path / "kv", 32, None, "fail", "float16"), pp_rank=0, tp_rank=0)
+
+    assert edited() == base
+    assert edited(eos_token_id=7) == base
+    assert edited(rope_theta=5000.0) != base

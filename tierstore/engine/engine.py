@@ -481,6 +481,7 @@ class Engine:
                                       hint="open the store writable (or run `tierstore recover PATH`) "
                                            "to rebuild the index") from None
             if self.index.applied_synced():
+                self._refuse_newer_segments()  # (a newer writer's records this version cannot read: not damage)
                 # the writer that applied it had synced it: the log lost durable records (a segment
                 # removed or cut), not what a power cut takes with durability="none" -- rebuilt from
                 # the log, the keys they wrote would read older versions, or deleted ones come back

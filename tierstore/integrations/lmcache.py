@@ -46,6 +46,7 @@ _log = logging.getLogger("tierstore")
 CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
 SETTINGS = ("path", "max_bytes", "codec", "durability", "remote", "remote_policy")  # extra_config tierstore.*
+MAX_BYTES_MIN = 4096  # tierstore.max_bytes below this holds no chunk (a bare number mistaken for GB)
 SYNC_S = 1.0  # at the limit, how often to take in what other processes stored or removed (seconds)
 
 
@@ -113,6 +114,12 @@ class TierstoreBackend(StoragePluginInterface):
                          ", ".join(CONFIG_PREFIX + s for s in SETTINGS))
         limit = _setting(config, "max_bytes")
         self.max_bytes = parse_size(limit, "tierstore.max_bytes") if limit is not None else None
+        if self.max_bytes is not None and self.max_bytes < MAX_BYTES_MIN:
+            raise InvalidObject(f"tierstore.max_bytes={limit!r} is {self.max_bytes} bytes: too small to hold a chunk "
+                                f"(at least {MAX_BYTES_MIN} bytes)",
+                                hint="a bare number is bytes (LMCache's max_local_disk_size counts GB): write "
+                                     "e.g. '50GB' or '64GiB'")
+        self._warned_too_big = False
         self.codec = _setting(config, "codec")
         self.lossy: str | None = None  # a lossy codec's spec: its chunks get namespaces of their own
         if self.codec is not None:
@@ -223,6 +230,30 @@ class TierstoreBackend(StoragePluginInterface):
             if st["dead_bytes"] > st["live_bytes"] // 3:
                 self.store.compact(min_dead_ratio=0.25)
 
+    def _touch(self, ns: str, ks: list[bytes]) -> None:
+        """Mark the chunks ``ks`` of a prompt, in prompt order, as just used (caller holds the lock):
+        the first one last, so eviction takes a prompt's tail before its head -- LMCache uses a
+        prefix only, and a head evicted first leaves the tail stored and unreachable."""
+        for k in reversed(ks):
+            if (ns, k) in self._lru:
+                self._lru.move_to_end((ns, k))
+
+    def _fitting(self, items: list[Any]) -> list[Any]:
+        """The leading chunks of a batch that fit in ``max_bytes`` at all (the rest are not stored,
+        warned once): a batch larger than the limit evicted everything, then passed it anyway."""
+        if self.max_bytes is None:
+            return items
+        total = 0
+        for n, (_, _, obj) in enumerate(items):
+            total += self._nbytes(obj)
+            if total > self.max_bytes:
+                if not self._warned_too_big:
+                    self._warned_too_big = True
+                    _log.warning("tierstore: a batch of %d LMCache chunks is larger than tierstore.max_bytes=%d: "
+                                 "the first %d are stored, the rest are misses", len(items), self.max_bytes, n)
+                return items[:n]
+        return items
+
     # -- puts --------------------------------------------------------------------------------------
 
     @staticmethod
@@ -251,6 +282,7 @@ class TierstoreBackend(StoragePluginInterface):
                 by_ns.setdefault(namespace_of(key, self.lossy), []).append((key, key_of(key), obj))
             for ns, items in by_ns.items():
                 try:
+                    items = self._fitting(items)
                     self._make_room(ns, sum(self._nbytes(obj) for _, _, obj in items))
                     kv, blobs = [], []
                     for key, k, obj in items:
@@ -259,7 +291,9 @@ class TierstoreBackend(StoragePluginInterface):
                                 "lmcache_fmt": m.fmt.name}
                         value = self._object(obj)
                         (kv if isinstance(value, KVCache) else blobs).append((key, k, obj, value, meta))
-                    for batch, codec in ((kv, self.codec), (blobs, None)):
+                    # written last chunk first: the order of LSNs is then the order a restart's LRU
+                    # takes them in, and a prompt's tail goes before its head there too (_touch)
+                    for batch, codec in ((kv[::-1], self.codec), (blobs[::-1], None)):
                         for i in range(0, len(batch), 1024):
                             part = batch[i : i + 1024]
                             self.store.put_many([(k, value, meta) for _, k, _, value, meta in part], namespace=ns,
@@ -267,8 +301,9 @@ class TierstoreBackend(StoragePluginInterface):
                             with self._lock:  # counted against the limit as each part lands
                                 for _, k, obj, _, _ in part:
                                     self._lru[(ns, k)] = self._nbytes(obj)
-                                    self._lru.move_to_end((ns, k))
                             stored += [key for key, _, _, _, _ in part]
+                    with self._lock:  # a prefix's last chunk first in line, its first chunk last (see _touch)
+                        self._touch(ns, [k for _, k, _ in items])
                 except TierstoreError as e:
                     _log.warning("tierstore: storing %d LMCache chunks failed: %s", len(items), e)
         finally:
@@ -406,10 +441,9 @@ class TierstoreBackend(StoragePluginInterface):
                     data = got[n].data
                     memoryview(mem.byte_array).cast("B")[: len(data)] = data
                 out[n] = mem
-                with self._lock:
-                    nk = (namespace_of(keys[n], self.lossy), key_of(keys[n]))
-                    if nk in self._lru:
-                        self._lru.move_to_end(nk)
+            with self._lock:  # (a prefix's head kept longest, as _put_batch leaves it)
+                for ns, idx in by_ns.items():
+                    self._touch(ns, [key_of(keys[n]) for n in idx if n < end and out[n] is not None])
         except BaseException:  # LMCache's memory given back before the error goes on
             for plan in plans:
                 if plan is not None:

@@ -31,33 +31,55 @@ except ImportError as _missing:  # an optional extra: say which
                       "pip install 'tierstore[transformers]'") from _missing
 
 from .. import CorruptionError, InvalidObject, KVCache, NamespaceHandle, TierstoreError, chunk_hashes, codecs
+from . import CONFIG_NOT_KV
 
 _log = logging.getLogger("tierstore")
 
-# configuration fields that do not change the KV a model computes (names, paths, generation defaults)
-_NOT_KV = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "use_cache",
-                     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
-                     "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "_attn_implementation",
-                     "_attn_implementation_autoset", "attn_implementation", "problem_type", "tokenizer_class"})
-FINGERPRINT_VERSION = b"tierstore/transformers/1"
+FINGERPRINT_VERSION = b"tierstore/transformers/2"  # 2 (2026-12-03): a sample of the weights by default
+WEIGHT_SAMPLES = 64  # elements of each parameter in the weights' sample (SPEC.md §13.1)
+
+
+def weights_sample_digest(model: Any) -> str:
+    """What ``model_fingerprint`` uses when no ``weights_digest`` is given: ``"sample:"`` and the
+    SHA-256 (hex) over every parameter, in ``named_parameters()`` order, of its name, shape,
+    dtype and ``WEIGHT_SAMPLES`` elements at evenly spaced positions of the flattened tensor, as
+    float32 (SPEC.md §13.1).  Two checkpoints of one architecture (a base model and its
+    instruction-tuned version, a merged fine-tune) differ there: one never loads the other's KV.
+    A few kilobytes are read per model, not the weights.  InvalidObject when a parameter has no
+    data here (on the meta device, offloaded): pass ``weights_digest=`` then."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.device.type == "meta":
+                raise InvalidObject(f"the weights of {name} are not in memory (meta device, offloaded): PrefixCache "
+                                    "cannot tell this checkpoint from another",
+                                    hint="pass weights_digest= (a string naming the checkpoint, e.g. its revision)")
+            flat = p.detach().reshape(-1)
+            n = flat.numel()
+            at = torch.arange(WEIGHT_SAMPLES, dtype=torch.int64, device=flat.device) * max(n - 1, 0) \
+                // (WEIGHT_SAMPLES - 1) if n > WEIGHT_SAMPLES else torch.arange(n, device=flat.device)
+            values = flat[at].to(torch.float32).cpu().numpy().astype("<f4").tobytes()
+            for part in (name.encode(), str(tuple(p.shape)).encode(), str(p.dtype).encode(), values):
+                h.update(len(part).to_bytes(4, "little") + part)
+    return "sample:" + h.hexdigest()
 
 
 def model_fingerprint(model: Any, *, weights_digest: str | bytes | None = None) -> bytes:
     """The salt of a model's chunk hashes (SPEC.md §13.1): SHA-256 over the fingerprint version,
-    the model class, its dtype and its configuration as sorted JSON (fields that do not change
-    the KV left out), and ``weights_digest`` if given.  Two models whose KV may differ for the same
-    tokens get different salts, so one never loads the other's KV: a fine-tune of the same
-    architecture differs only in its weights, which is what ``weights_digest`` (any string the
-    caller derives from them: a checkpoint revision, a file hash) is for."""
+    the model class, its dtype, its configuration as sorted JSON (fields that do not change the
+    KV left out) and the weights' digest: ``weights_digest`` if given (any string naming the
+    checkpoint: a revision, a file hash), else ``weights_sample_digest(model)``.  Two models
+    whose KV may differ for the same tokens get different salts, so one never loads the
+    other's KV -- a fine-tune of the same architecture differs only in its weights."""
     config = model.config.to_dict()
-    kept = {k: v for k, v in config.items() if k not in _NOT_KV}
+    kept = {k: v for k, v in config.items() if k not in CONFIG_NOT_KV}
+    if weights_digest is None:
+        weights_digest = weights_sample_digest(model)
+    w = weights_digest.encode() if isinstance(weights_digest, str) else bytes(weights_digest)
     h = hashlib.sha256()
     for part in (FINGERPRINT_VERSION, type(model).__name__.encode(), str(model.dtype).encode(),
-                 json.dumps(kept, sort_keys=True, default=str).encode()):
+                 json.dumps(kept, sort_keys=True, default=str).encode(), w):
         h.update(len(part).to_bytes(4, "little") + part)
-    if weights_digest is not None:
-        w = weights_digest.encode() if isinstance(weights_digest, str) else bytes(weights_digest)
-        h.update(len(w).to_bytes(4, "little") + w)
     return h.digest()[:16]
 
 
@@ -96,10 +118,12 @@ class PrefixCache:
     ``namespace``: where the chunks go (default "transformers"); ``codec``: the store codec of
     the chunks (e.g. "int8"; default lossless); ``session``: tie the chunks to a conversation
     so ``store.drop_session(session, namespace=...)`` frees what only it used;
-    ``weights_digest``: see ``model_fingerprint``.  Over a read-only store (or a tenant's
-    handle, ``store.namespace(...)``, reading a namespace it was only granted) it loads and
-    generates but saves nothing (``save`` raises ReadOnlyError / AccessDenied).  A chunk found damaged is
-    deleted (over a writable store), so the next ``save`` stores it again.
+    ``weights_digest``: a string naming the checkpoint (a revision, a file hash) instead of
+    the sample of the weights the fingerprint takes by default (``model_fingerprint``).  Over a
+    read-only store (or a tenant's handle, ``store.namespace(...)``, reading a namespace it was
+    only granted) it loads and generates but saves nothing (``save`` raises ReadOnlyError /
+    AccessDenied).  A chunk found damaged is deleted (over a writable store), so the next
+    ``save`` stores it again.
     """
 
     def __init__(self, store: Any, model: Any, *, chunk_tokens: int = 256, namespace: str = "transformers",
@@ -117,6 +141,7 @@ class PrefixCache:
         self._warned: set[bytes] = set()  # damaged chunks it cannot delete: warned once each
         self._warned_beams = False
         self._warned_lossy = False
+        self._warned_padding = False
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
         self.lossless = choice is None or choice.codec.lossless  # what load accepts
@@ -242,11 +267,17 @@ class PrefixCache:
                 layer.update(k, v)
         return cache, n
 
-    def save(self, input_ids: Any, cache: Any) -> int:
+    def save(self, input_ids: Any, cache: Any, *, attention_mask: Any = None) -> int:
         """Store the full chunks of ``input_ids`` (a row, or a batch: row b from the cache's batch
         index b) that ``cache`` holds and the store does not have yet; returns how many were
-        written.  One atomic batch per row (``put_many``)."""
+        written.  One atomic batch per row (``put_many``).
+
+        ``attention_mask``: the mask the model ran with; required for a batch of several rows
+        (``torch.ones_like(input_ids)`` when no row is padded).  The KV of a padded row is not
+        what the row alone computes: of a right-padded row only the chunks before its first
+        padding are stored, of a left-padded row none (its tokens sat at other positions)."""
         ids = self._rows(input_ids)
+        usable = self._unpadded(ids, attention_mask)
         layers = list(cache.layers) if hasattr(cache, "layers") else None
         if not layers:
             raise InvalidObject(f"save takes a DynamicCache, got {type(cache).__name__}")
@@ -269,7 +300,7 @@ class PrefixCache:
         # conversation that shares them keeps them
         mine = set(self.store.session_keys(self.session, namespace=self.namespace)) if self.session else set()
         for b in range(ids.shape[0]):
-            n = min(held, ids.shape[1]) // self.chunk_tokens * self.chunk_tokens
+            n = min(held, usable[b]) // self.chunk_tokens * self.chunk_tokens
             hashes = self.hashes(ids[b, :n])
             have = self.store.contains_many(hashes, namespace=self.namespace) if hashes else []
             items = []
@@ -286,6 +317,28 @@ class PrefixCache:
             mine.update(h for h, _ in items)  # (a later row of the batch that shares them: referenced now)
             written += have.count(False)
         return written
+
+    def _unpadded(self, ids: torch.Tensor, attention_mask: Any) -> list[int]:
+        """Per row of ``ids``, how many leading tokens ran unpadded (``save``'s ``attention_mask``)."""
+        if attention_mask is None:
+            if ids.shape[0] > 1:
+                raise InvalidObject("save of a batch takes the attention_mask the model ran with (padded rows "
+                                    "hold KV that is not the row's own)",
+                                    hint="pass attention_mask=...; torch.ones_like(input_ids) when no row is padded")
+            return [ids.shape[1]]
+        mask = torch.as_tensor(attention_mask)
+        if mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise InvalidObject(f"attention_mask is shaped {tuple(mask.shape)}; input_ids {tuple(ids.shape)}")
+        ones = mask.bool().cpu()
+        # leading ones per row: the index of the first zero (cummin keeps 1 only up to it)
+        usable = ones.to(torch.int8).cummin(dim=1).values.sum(dim=1).tolist()
+        if any(n < ids.shape[1] for n in usable) and not self._warned_padding:
+            self._warned_padding = True
+            _log.warning("tierstore: PrefixCache.save stores the chunks of padded rows only up to their first padding "
+                         "(none of a left-padded row)")
+        return [int(n) for n in usable]
 
     def generate(self, input_ids: Any, **kwargs: Any) -> Any:
         """``model.generate`` with the longest stored prefix loaded first and the new full chunks

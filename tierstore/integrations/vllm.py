@@ -76,6 +76,7 @@ import tierstore
 
 from .. import CorruptionError, InvalidObject, KVCache, MLACache, TierstoreError, chunk_hashes
 from ..names import check_namespace
+from . import CONFIG_NOT_KV
 from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
@@ -86,12 +87,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _log = logging.getLogger("tierstore")
-FINGERPRINT_VERSION = b"tierstore/vllm/2"
+FINGERPRINT_VERSION = b"tierstore/vllm/3"  # 3 (2026-12-03): the loaded configuration
 
 def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, model_id: str | None = None,
                       layers: tuple[str, ...] = (), codec: str | None = None, epoch: int = 0) -> bytes:
     """The salt of one rank's chunk hashes: SHA-256 over the fingerprint version, the model
-    (name, revision, dtype, quantization, config overrides), the KV cache dtype, the attention
+    (name, revision, dtype, quantization, config overrides, its configuration as loaded less
+    the fields that do not change the KV), the KV cache dtype, the attention
     kind, the tensor- and pipeline-parallel sizes, the pipeline stage ``pp_rank`` (its layers),
     the tensor-parallel ``tp_rank`` (its heads; None: shared by every tensor rank, for MLA
     latents), ``model_id``, the names of the KV cache's layers in the order a chunk stores them
@@ -99,9 +101,14 @@ def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, mo
     loaded by a deployment that stores losslessly) and ``epoch`` (``reset_cache``).  16 bytes."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     overrides = getattr(mc, "hf_overrides", None)
+    # the model's configuration as loaded (config.json and overrides): a config.json edited at the
+    # same path (rope_scaling, say) changes the KV, and so the keys
+    hf = getattr(mc, "hf_config", None)
+    config = {k: v for k, v in hf.to_dict().items() if k not in CONFIG_NOT_KV} if hasattr(hf, "to_dict") else {}
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
              str(getattr(mc, "quantization", None)),
              json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides),
+             json.dumps(config, sort_keys=True, default=str),
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
              str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",
              str(model_id), "\n".join(layers), str(codec), f"epoch{epoch}"]
@@ -239,9 +246,17 @@ class TierstoreConnector(KVConnectorBase_V1):
                                   for name in g.layer_names)
         self._epoch = 0
         self._salts = self._salts_of(0)
-        store_options = dict(extra.get("store_options") or {})
+        raw_options = extra.get("store_options") or {}
+        if not isinstance(raw_options, dict):
+            raise ValueError(f"kv_connector_extra_config.store_options must be a dict of tierstore.open options "
+                             f"(e.g. {{\"ssd_bytes\": \"500GiB\"}}), got {type(raw_options).__name__} "
+                             f"{raw_options!r}")
+        store_options = dict(raw_options)
         if "durability" in store_options:
             raise ValueError("give durability as kv_connector_extra_config.durability, not in store_options")
+        if store_options.get("readonly") and self._saves:
+            raise ValueError(f"store_options.readonly: a read-only store cannot save, and kv_role {kv_role!r} saves "
+                             "what it computes; use kv_role \"kv_consumer\" to load only")
         options = {"durability": extra.get("durability", "group"), **store_options}
         # the scheduler side and an in-process worker each open a handle: writable handles on one store
         # in one process share its engine (tierstore.open), so this costs no second LMDB environment
@@ -768,7 +783,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         for f, _ in list(self._pending):
             f.result()
         self._pending = []
-        self._store.flush()
+        if not self._store.readonly:  # (a consumer over a read-only store wrote nothing)
+            self._store.flush()
 
     def shutdown(self) -> None:
         if self._store is None:
