@@ -1124,11 +1124,13 @@ class Store:
         """Send the remote tier every local object it lacks, or holds an older version of (of
         ``namespace``, or of all): objects written before the store had a remote, while it was
         unreachable, or evicted from it.  A newer version or a tombstone on the server is never
-        replaced.  ``progress(n)`` is called with each batch's count.  Returns counts:
-        ``checked``, ``sent``, ``present`` (the server holds this or a newer version), ``local_only``
-        (objects that need a zstd dictionary, which stay local), ``failed`` (no answer) and
-        ``refused`` (the server refused the value: larger than it takes, or another type of key
-        under its name).
+        replaced.  Deletes not yet sent (the server was down, or "write-back") are sent first.
+        ``progress(n)`` is called with each batch's count.  Returns counts: ``checked``, ``sent``,
+        ``present`` (the server holds this or a newer version), ``local_only`` (objects that need
+        a zstd dictionary, which stay local), ``tombstones`` (deletes sent), ``failed`` (objects
+        and deletes not sent: no answer), ``refused`` (the server refused the value: larger than
+        it takes, or another type of key under its name) and ``answered`` (False: the server
+        never answered).
         (``tierstore remote-sync PATH --remote URL``.)"""
         self._check_writable()
         remote = self._remote
@@ -1137,7 +1139,14 @@ class Store:
                                 hint='tierstore.open(path, remote="redis://host:6379/0")')
         engine = self._engine
         names = [encode_namespace(namespace)] if namespace is not None else engine.namespaces()
-        counts = {"checked": 0, "sent": 0, "present": 0, "local_only": 0, "failed": 0, "refused": 0}
+        counts: dict[str, Any] = {"checked": 0, "sent": 0, "present": 0, "local_only": 0, "tombstones": 0,
+                                  "failed": 0, "refused": 0, "answered": True}
+        try:
+            remote.ping()
+        except RemoteDown:
+            counts["answered"] = False
+        counts["tombstones"], not_sent = remote.queue.send_tombstones()
+        counts["failed"] += not_sent
         for ns in names:
             keys = sorted(engine.keys(ns))
             for i in range(0, len(keys), 256):
@@ -1159,7 +1168,7 @@ class Store:
                         counts["present"] += 1
                         continue
                     try:
-                        counts["sent" if remote.push(record, version) else "present"] += 1
+                        counts["sent" if remote.push(record, version) == 1 else "present"] += 1
                     except RemoteRefused:
                         remote.count("refused")
                         counts["refused"] += 1

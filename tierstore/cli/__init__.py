@@ -134,14 +134,15 @@ def cmd_remote_sync(args: argparse.Namespace) -> int:
         finally:
             bar.close()
         counts["remote"] = store.stats()["tiers"]["remote"]["url"]
-    if counts["failed"] and not counts["checked"]:
+    if not counts["answered"] or counts["failed"] and not counts["checked"] and not counts["tombstones"]:
         return _fail(args, EXIT_CANNOT_OPEN, f"remote {counts['remote']} does not answer (or refuses every command): "
                                              "nothing was sent; the warning above says why")
 
     def text() -> None:
         print(f"{args.path} -> {counts['remote']}: {counts['checked']} checked, {counts['sent']} sent, "
               f"{counts['present']} already there, {counts['local_only']} local only (zstd dictionary), "
-              f"{counts['failed']} failed, {counts['refused']} refused by the server")
+              f"{counts['tombstones']} deletes sent, {counts['failed']} failed, {counts['refused']} refused by "
+              "the server")
 
     _emit(args, counts, text)
     return EXIT_OK if not counts["failed"] and not counts["refused"] else EXIT_FINDINGS

@@ -43,19 +43,39 @@ UNVERSIONED = (0, bytes(16))  # objects written before the store had a remote
 
 # Compare-and-set (SPEC.md §14.3).  KEYS[1] the object's key, KEYS[2] a staged value (a put);
 # ARGV[1] the new envelope (48 bytes).  Byte-wise version comparison: no locale-dependent
-# string comparison.  Returns 1 (applied), 0 (the server holds this or a newer version),
-# -1 (the staged value is gone: expired or evicted before the swap).
+# string comparison.  Returns 1 (applied), 0 (the server holds a newer version), 2 (it holds
+# this very version: a repeated send), -1 (the staged value is gone: expired or evicted before
+# the swap).  A current value whose envelope is not one (§14.2: its magic, layout, stamp below
+# 2^63, CRC-32C -- computed bit by bit, only when it would win) is no version: anything
+# replaces it, as a reader reads no value there (a flipped stamp byte kept every later put of
+# the key out for decades).
 CAS_SCRIPT = """
+local function sound(cur)
+  if #cur ~= 48 or string.sub(cur, 1, 4) ~= 'TSRV' or string.byte(cur, 5) ~= 1 or string.byte(cur, 9) >= 128 then
+    return false
+  end
+  local crc = -1
+  for i = 1, 44 do
+    crc = bit.bxor(crc, string.byte(cur, i))
+    for _ = 1, 8 do
+      crc = bit.bxor(bit.rshift(crc, 1), bit.band(0x82F63B78, -bit.band(crc, 1)))
+    end
+  end
+  local stored = ((string.byte(cur, 45) * 256 + string.byte(cur, 46)) * 256 + string.byte(cur, 47)) * 256
+    + string.byte(cur, 48)
+  return bit.bnot(crc) == bit.tobit(stored)
+end
 local cur = redis.call('GETRANGE', KEYS[1], 0, 47)
 local new = ARGV[1]
 if #cur == 48 and string.sub(cur, 1, 4) == 'TSRV' and string.byte(cur, 9) < 128 then
-  local newer = false
+  local order = 0
   for i = 9, 32 do
     local a, b = string.byte(new, i), string.byte(cur, i)
-    if a ~= b then newer = a > b; break end
+    if a ~= b then order = a > b and 1 or -1; break end
   end
-  if not newer then
+  if order <= 0 and sound(cur) then
     if #KEYS == 2 then redis.call('DEL', KEYS[2]) end
+    if order == 0 then return 2 end
     return 0
   end
 end
@@ -132,8 +152,12 @@ def parse_url(url: str) -> Target:
     scheme = scheme.lower()
     cluster, tls = SCHEMES[scheme], scheme.split("+")[0] in ("rediss", "valkeys")
     userinfo, at, hostpath = rest.rpartition("@")  # credentials first: they may hold '/' or ','
+    if "?" in hostpath or "#" in hostpath:  # (redis-py reads options there; these would be dropped unread)
+        raise InvalidObject(f"remote=: options in the URL ({'?' if '?' in hostpath else '#'}...) are not read",
+                            hint="give them to tierstore.open: remote_timeout=, remote_connect_timeout=, "
+                                 "remote_retry_s=, remote_queue= (the password may come from "
+                                 f"{ENV_PASSWORD})")
     hostpart, _, path = hostpath.partition("/")
-    path = path.split("?")[0]
     username = password = None
     if at:
         user, colon, pw = userinfo.partition(":")  # redis://user@host: a user (as redis-py reads it),
@@ -478,8 +502,8 @@ class RemoteTier:
         self.retry_s, self.timeout, self.connect_timeout = retry_s, timeout, connect_timeout
         self.clock = CLOCK
         self.counters = {"hits": 0, "misses": 0, "stale": 0, "bad_values": 0, "bytes_in": 0, "bytes_out": 0,
-                         "puts": 0, "put_conflicts": 0, "tombstones": 0, "errors": 0, "full": 0, "skipped": 0,
-                         "queued": 0, "queue_dropped": 0, "resent": 0, "not_cached": 0, "refused": 0}
+                         "puts": 0, "put_conflicts": 0, "put_repeats": 0, "tombstones": 0, "errors": 0, "full": 0,
+                         "skipped": 0, "queued": 0, "queue_dropped": 0, "resent": 0, "not_cached": 0, "refused": 0}
         self._latency: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self._down_until = 0.0
         self._down_logged = False
@@ -573,6 +597,9 @@ class RemoteTier:
         self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
+            if isinstance(e, redis.exceptions.AuthenticationError) and "HELLO" in text and \
+                    self.target.password is None:  # (Redis's own words only say the client is not authenticated)
+                text += f" -- the server wants a password: give it in the URL or in {ENV_PASSWORD}"
             _log.warning("remote %s unavailable (%s: %s); serving local data only, retrying every %.1f s",
                          self.url, type(e).__name__, text, self.retry_s)
             self._down_logged = True
@@ -623,6 +650,10 @@ class RemoteTier:
                 "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99)}
 
     # -- reading ---------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        """RemoteDown unless the server answers."""
+        self._call(lambda: self.client.ping())
 
     def state(self, ns: bytes, k: bytes) -> Remote | None:
         """What the server holds for the key (its envelope), None if nothing (or a damaged value)."""
@@ -799,10 +830,11 @@ class RemoteTier:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def push(self, record: rec.EncodedRecord, version: Version) -> bool:
-        """Send a PUT record; True if the server now holds it, False if it holds a newer (or this)
-        version.  The value is staged under a key of the same hash slot and swapped in by the
-        compare-and-set script: a reader never sees half a value."""
+    def push(self, record: rec.EncodedRecord, version: Version) -> int:
+        """Send a PUT record: 1 if the server now holds it, 2 if it held this very version already
+        (a repeated send), 0 if it holds a newer one.  The value is staged under a key of the
+        same hash slot and swapped in by the compare-and-set script: a reader never sees half a
+        value."""
         hdr = record.header
         name = remote_key(hdr.namespace, hdr.key)
         # one stage per send: two sends of one version at once (a push and the queue's sweep) never
@@ -838,8 +870,8 @@ class RemoteTier:
         if out == -1:
             raise RemoteDown("the staged value vanished before it was swapped in (server evicting)")
         self.count("bytes_out", total)
-        self.count("puts" if out == 1 else "put_conflicts")
-        return out == 1
+        self.count({1: "puts", 2: "put_repeats"}.get(out, "put_conflicts"))
+        return out
 
     def tombstone(self, ns: bytes, k: bytes, version: Version) -> bool:
         """Mark the key deleted at ``version`` (unless the server holds a newer version)."""
@@ -850,8 +882,8 @@ class RemoteTier:
             return int(self._cas(keys=[remote_key(ns, k)], args=[env], client=client))
 
         out = self._call(run)
-        self.count("tombstones" if out == 1 else "put_conflicts")
-        return out == 1
+        self.count({1: "tombstones", 2: "put_repeats"}.get(out, "put_conflicts"))
+        return out in (1, 2)
 
 
 def _value_max(client: Any) -> int:
@@ -1033,6 +1065,29 @@ class PushQueue:
     def tombstones_pending(self) -> int:
         """Deletes not yet sent (kept in REMOTE)."""
         return len(self._tombs)
+
+    def send_tombstones(self) -> tuple[int, int]:
+        """Send every delete not yet sent, now (``remote_sync``): (sent, not sent: no answer).
+        The sender thread may send one at the same time: the compare-and-set makes that harmless."""
+        with self._cv:
+            todo = list(self._tombs.items())
+        sent = failed = 0
+        for (ns, k), version in todo:
+            try:
+                self.tier.tombstone(ns, k, version)
+            except RemoteRefused:  # (counted and logged; dropped, as the sender drops it)
+                self.tier.count("refused")
+            except RemoteDown:
+                failed += 1
+                continue
+            else:
+                sent += 1
+            with self._cv:
+                if self._tombs.get((ns, k)) == version:
+                    del self._tombs[(ns, k)]
+        if len(todo) > failed:
+            self.save()
+        return sent, failed
 
     def tombstone_of(self, ns: bytes, k: bytes) -> Version | None:
         """The version of a delete of the key not yet sent, if any (reads treat it as local)."""
