@@ -54,11 +54,16 @@ def weights_sample_digest(model: Any) -> str:
                 raise InvalidObject(f"the weights of {name} are not in memory (meta device, offloaded): PrefixCache "
                                     "cannot tell this checkpoint from another",
                                     hint="pass weights_digest= (a string naming the checkpoint, e.g. its revision)")
-            flat = p.detach().reshape(-1)
-            n = flat.numel()
-            at = torch.arange(WEIGHT_SAMPLES, dtype=torch.int64, device=flat.device) * max(n - 1, 0) \
-                // (WEIGHT_SAMPLES - 1) if n > WEIGHT_SAMPLES else torch.arange(n, device=flat.device)
-            values = flat[at].to(torch.float32).cpu().numpy().astype("<f4").tobytes()
+            try:
+                flat = p.detach().reshape(-1)
+                n = flat.numel()
+                at = torch.arange(WEIGHT_SAMPLES, dtype=torch.int64, device=flat.device) * max(n - 1, 0) \
+                    // (WEIGHT_SAMPLES - 1) if n > WEIGHT_SAMPLES else torch.arange(n, device=flat.device)
+                values = flat[at].to(torch.float32).cpu().numpy().astype("<f4").tobytes()
+            except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # a sharded or packed tensor
+                raise InvalidObject(f"PrefixCache cannot sample the weights of {name} ({type(p).__name__}: {e})",
+                                    hint="pass weights_digest= (a string naming the checkpoint, e.g. its "
+                                         "revision)") from None
             for part in (name.encode(), str(tuple(p.shape)).encode(), str(p.dtype).encode(), values):
                 h.update(len(part).to_bytes(4, "little") + part)
     return "sample:" + h.hexdigest()
