@@ -190,6 +190,17 @@ def test_handles_in_the_process_must_keep_the_same_policy_settings_not_only_its_
         with tierstore.open(path, ssd_bytes="8MiB", ssd_policy=CostAware(models={"chat": 70e9})) as b:
             b.put("k", Blob(b"x"))
             assert a.contains("k")
+        with tierstore.open(path, ssd_bytes="8MiB", ssd_policy=CostAware(models={b"chat": int(70e9)})):
+            pass  # the same settings written another way (a review of the fix): shared, not refused
+    from tierstore.policy import SessionAware
+
+    class Mine(SessionAware):  # another policy than "session", whatever its name says
+        def victims(self):  # type: ignore[no-untyped-def]
+            return reversed(list(super().victims()))
+
+    with tierstore.open(str(tmp_path / "t"), ssd_bytes="8MiB", ssd_policy="session"), \
+            pytest.raises(tierstore.InvalidObject, match="other settings"):
+        tierstore.open(str(tmp_path / "t"), ssd_bytes="8MiB", ssd_policy=Mine())
 
 
 def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):

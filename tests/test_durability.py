@@ -386,3 +386,29 @@ def test_direct_io_unsupported_falls_back(store_path, monkeypatch):
     s.close()
     with tierstore.open(store_path) as s:
         assert s.get("big").data == data and s.get("big2").data == data[::-1]
+
+
+def test_a_sync_put_into_a_segment_a_none_writer_created_survives_a_power_cut(tmp_path):
+    """A writer with durability="none" rolled the log over into a new segment without syncing
+    the directory; a later "sync" writer appended to that segment and synced only the file.  A
+    power cut that undoes unsynced directory changes took the segment, and an acknowledged put
+    with it (a review, 2026-12-03; the index, which said the put was synced, then refused the
+    store).  The first sync of a segment this log did not create syncs the directory too."""
+    root = str(tmp_path / "s")
+    with tierstore.open(root, segment_bytes="1MiB") as s:
+        s.put("base", Blob(b"b" * 100))
+    fs = FaultFS(root)
+    with tierstore.open(root, _io=fs, durability="none", segment_bytes="1MiB") as s:
+        for i in range(6):
+            s.put(f"n{i}", Blob(bytes([i + 1]) * 300_000))  # rolls over: a new segment, no directory sync
+    s = tierstore.open(root, _io=fs, durability="sync", segment_bytes="1MiB")
+    s.put("acked", Blob(b"A" * 1000))  # acknowledged: durable
+    s._engine.commit(force=True, sync=True)
+    snap = str(tmp_path / "snap")
+    os.makedirs(snap)
+    s._engine.index.env.copy(snap)
+    dest = str(tmp_path / "crash")
+    fs.crash_state(dest, "B", random.Random(1), snap)  # directory changes since the last fsync undone
+    s.close()
+    with tierstore.open(dest) as t:
+        assert t.get("acked").data == b"A" * 1000

@@ -1145,8 +1145,9 @@ class Store:
             remote.ping()
         except RemoteDown:
             counts["answered"] = False
-        counts["tombstones"], not_sent = remote.queue.send_tombstones()
+        counts["tombstones"], not_sent, refused = remote.queue.send_tombstones()
         counts["failed"] += not_sent
+        counts["refused"] += refused
         for ns in names:
             keys = sorted(engine.keys(ns))
             for i in range(0, len(keys), 256):

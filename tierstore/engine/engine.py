@@ -476,10 +476,6 @@ class Engine:
         try:
             scan = self._scan_from_applied(uuid)
         except recovery.IndexAhead as e:
-            if self.readonly or not self.alone:
-                raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
-                                      hint="open the store writable (or run `tierstore recover PATH`) "
-                                           "to rebuild the index") from None
             if self.index.applied_synced():
                 self._refuse_newer_segments()  # (a newer writer's records this version cannot read: not damage)
                 # the writer that applied it had synced it: the log lost durable records (a segment
@@ -490,6 +486,10 @@ class Engine:
                                       hint="restore the missing segment files if you can; else run `tierstore "
                                            "recover PATH`: it rebuilds the index from the log and deletes the "
                                            "keys whose newest versions were lost (the index is its witness)") from None
+            if self.readonly or not self.alone:
+                raise CorruptionError(f"index and log disagree ({e.message})", path=self.path,
+                                      hint="open the store writable (or run `tierstore recover PATH`) "
+                                           "to rebuild the index") from None
             self.index.close()
             self.index = None
             # said aloud, not only in ``recovery``: records the index had applied are not in the log

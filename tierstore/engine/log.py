@@ -108,6 +108,11 @@ class Log:
         self._copies_bytes = 0
         self.copies_dropped = 0  # copies never written (more were pending than COPIES_PENDING_MAX)
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
+        # the active segment's directory entry may not be durable: a writer with durability "none"
+        # created it without syncing the directory (this log did not create it): the first sync
+        # syncs the directory too, or a power cut could take the segment -- and an acknowledged put
+        # with it -- away (a review, 2026-12-03)
+        self._dir_unsynced = sync_enabled
         # with other writer processes (the owner sets it to {}): this writer's records, (segment,
         # offset) -> (end, first LSN, last LSN), a group as one entry from its GROUP record on, so
         # that reading the others' records passes over them unread (SegmentScanner's ``skip``)
@@ -526,6 +531,7 @@ class Log:
             self.io.close(self.dfd)  # only appends use it, and they hold append_lock
         self.dfd = None
         if self.sync_enabled:
+            self._dir_unsynced = False  # (create_segment synced the directory: every entry in it)
             self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
             self.durable_lsn = self.next_lsn - 1
             self.unsynced_bytes = 0
@@ -555,6 +561,16 @@ class Log:
             raise StoreIOError(f"fdatasync failed: {e.strerror or e}; the handle is now poisoned",
                                errno=e.errno, poisoned=True, segment=self.active) from None
 
+    def _sync_dir(self) -> None:
+        """Make the segments directory's entries durable (the active segment's among them)."""
+        try:
+            self.io.fsync_dir(self.seg_dir)
+        except OSError as e:
+            self.poisoned = e
+            raise StoreIOError(f"fsync of the segments directory failed: {e.strerror or e}; the handle is now "
+                               "poisoned", errno=e.errno, poisoned=True, path=self.seg_dir) from None
+        self._dir_unsynced = False
+
     def sync(self, upto: Appended | None = None) -> None:
         """Make every record appended so far (or at least up to ``upto``) durable.
 
@@ -581,6 +597,8 @@ class Log:
                 for old in sealed:  # older segments first: the log stays a prefix on disk
                     self._fdatasync(old)
                 self._fdatasync(fd)  # outside append_lock: appends continue during the sync
+                if self._dir_unsynced:
+                    self._sync_dir()
             except StoreIOError as e:  # poisoned; what was not durable is taken back (when no other
                 with self.append_lock:  # process writes: their records after ours are never cut)
                     if fd == self.fd and self.alone():
@@ -685,6 +703,7 @@ class Log:
                 self.io.close(self.dfd)
             self.dfd = None
             self.fd, self.active = fd, active
+            self._dir_unsynced = self.sync_enabled  # (another writer created it, maybe without a sync)
             self._older_minor = False  # begun by a writer of this version (an older one appends nowhere now)
         self.tail, self.next_lsn = tail, next_lsn
         self.written, self.written_lsn = (active, tail), next_lsn - 1

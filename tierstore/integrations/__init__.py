@@ -14,3 +14,17 @@ CONFIG_NOT_KV = frozenset({
     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "bos_token_id",
     "eos_token_id", "pad_token_id", "tie_word_embeddings", "_attn_implementation", "_attn_implementation_autoset",
     "attn_implementation", "problem_type", "tokenizer_class"})
+
+
+def config_json(config: dict) -> str:
+    """A model configuration as the fingerprints hash it (SPEC.md §13.1): sorted JSON, the
+    fields that do not change the KV left out, a value JSON cannot encode as its ``str`` less
+    any memory address (`` at 0x...``: it would differ between processes, and a scheduler's
+    keys would never match its workers')."""
+    import json
+    import re
+
+    def text(value: object) -> str:
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
+
+    return json.dumps({k: v for k, v in config.items() if k not in CONFIG_NOT_KV}, sort_keys=True, default=text)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import json
 import logging
 from typing import Any
 
@@ -31,7 +30,7 @@ except ImportError as _missing:  # an optional extra: say which
                       "pip install 'tierstore[transformers]'") from _missing
 
 from .. import CorruptionError, InvalidObject, KVCache, NamespaceHandle, TierstoreError, chunk_hashes, codecs
-from . import CONFIG_NOT_KV
+from . import config_json
 
 _log = logging.getLogger("tierstore")
 
@@ -76,14 +75,12 @@ def model_fingerprint(model: Any, *, weights_digest: str | bytes | None = None) 
     checkpoint: a revision, a file hash), else ``weights_sample_digest(model)``.  Two models
     whose KV may differ for the same tokens get different salts, so one never loads the
     other's KV -- a fine-tune of the same architecture differs only in its weights."""
-    config = model.config.to_dict()
-    kept = {k: v for k, v in config.items() if k not in CONFIG_NOT_KV}
     if weights_digest is None:
         weights_digest = weights_sample_digest(model)
     w = weights_digest.encode() if isinstance(weights_digest, str) else bytes(weights_digest)
     h = hashlib.sha256()
     for part in (FINGERPRINT_VERSION, type(model).__name__.encode(), str(model.dtype).encode(),
-                 json.dumps(kept, sort_keys=True, default=str).encode(), w):
+                 config_json(model.config.to_dict()).encode(), w):
         h.update(len(part).to_bytes(4, "little") + part)
     return h.digest()[:16]
 

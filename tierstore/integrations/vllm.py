@@ -76,7 +76,7 @@ import tierstore
 
 from .. import CorruptionError, InvalidObject, KVCache, MLACache, TierstoreError, chunk_hashes
 from ..names import check_namespace
-from . import CONFIG_NOT_KV
+from . import config_json
 from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
@@ -104,11 +104,11 @@ def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, mo
     # the model's configuration as loaded (config.json and overrides): a config.json edited at the
     # same path (rope_scaling, say) changes the KV, and so the keys
     hf = getattr(mc, "hf_config", None)
-    config = {k: v for k, v in hf.to_dict().items() if k not in CONFIG_NOT_KV} if hasattr(hf, "to_dict") else {}
+    config = config_json(hf.to_dict() if hasattr(hf, "to_dict") else {})
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
              str(getattr(mc, "quantization", None)),
              json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides),
-             json.dumps(config, sort_keys=True, default=str),
+             config,
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
              str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",
              str(model_id), "\n".join(layers), str(codec), f"epoch{epoch}"]

@@ -74,9 +74,30 @@ class Policy:
     def settings(self) -> str:
         """The policy's kind and settings, as handles of one store that must evict alike compare
         them (``ssd_policy=``): its name and the arguments ``fresh()`` passes on.  A policy of
-        yours is named by its class; override this if it takes arguments."""
-        own = type(self).__module__ + "." + type(self).__qualname__
-        return self.name if own.startswith(__name__ + ".") else own
+        yours (a subclass of a built-in one too) is named by its class; override this if it
+        takes arguments (``_settings`` formats them)."""
+        return self._settings({})
+
+    def _settings(self, given: dict[str, Any]) -> str:
+        """``settings()`` of a policy whose arguments differ from their defaults by ``given``:
+        values normalised (numbers as floats, dicts by sorted text keys), so that equal
+        settings written two ways compare equal."""
+        kind = self.name if type(self).__module__ == __name__ else f"{type(self).__module__}.{type(self).__qualname__}"
+        if not given:
+            return kind
+        return kind + "(" + ", ".join(f"{k}={_normal(v)!r}" for k, v in sorted(given.items())) + ")"
+
+
+def _normal(v: Any) -> Any:
+    """A setting's value in one form: numbers as floats, dicts by sorted text keys."""
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, dict):
+        return dict(sorted(((k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)),
+                            _normal(x)) for k, x in v.items()))
+    return v
 
 
 class LRU(Policy):
@@ -147,7 +168,7 @@ class SessionAware(Policy):
         return SessionAware(self.half_life)
 
     def settings(self) -> str:
-        return self.name if self.half_life == 16.0 else f"{self.name}(half_life={self.half_life!r})"
+        return self._settings({} if self.half_life == 16.0 else {"half_life": self.half_life})
 
     def _activate(self, gid: Hashable, new_turn: bool = False) -> _Group:
         g = self._groups.get(gid)
@@ -314,8 +335,8 @@ class CostAware(Policy):
         return CostAware(**self._args)  # type: ignore[arg-type]
 
     def settings(self) -> str:
-        given = {k: v for k, v in self._args.items() if v != CostAware.__init__.__kwdefaults__[k]}
-        return self.name + (f"({', '.join(f'{k}={v!r}' for k, v in sorted(given.items()))})" if given else "")
+        defaults = CostAware.__init__.__kwdefaults__
+        return self._settings({k: v for k, v in self._args.items() if _normal(v) != _normal(defaults[k])})
 
     def cost(self, key: Hashable, nbytes: int, tokens: int) -> float:
         """Seconds a miss of this object costs (``C`` above)."""

@@ -45,13 +45,22 @@ UNVERSIONED = (0, bytes(16))  # objects written before the store had a remote
 # ARGV[1] the new envelope (48 bytes).  Byte-wise version comparison: no locale-dependent
 # string comparison.  Returns 1 (applied), 0 (the server holds a newer version), 2 (it holds
 # this very version: a repeated send), -1 (the staged value is gone: expired or evicted before
-# the swap).  A current value whose envelope is not one (§14.2: its magic, layout, stamp below
-# 2^63, CRC-32C -- computed bit by bit, only when it would win) is no version: anything
-# replaces it, as a reader reads no value there (a flipped stamp byte kept every later put of
-# the key out for decades).
+# the swap).  A current value whose envelope is not one (§14.2: its magic, layout, flags,
+# reserved fields, stamp below 2^63, a tombstone without a record, CRC-32C -- computed bit by
+# bit, only when it would win) is no version: anything replaces it, as a reader reads no value
+# there (a flipped stamp byte kept every later put of the key out for decades).
 CAS_SCRIPT = """
+local function zeros(s, i, j)
+  for n = i, j do
+    if string.byte(s, n) ~= 0 then return false end
+  end
+  return true
+end
 local function sound(cur)
-  if #cur ~= 48 or string.sub(cur, 1, 4) ~= 'TSRV' or string.byte(cur, 5) ~= 1 or string.byte(cur, 9) >= 128 then
+  if #cur ~= 48 or string.sub(cur, 1, 4) ~= 'TSRV' or string.byte(cur, 5) ~= 1 then return false end
+  local flags = string.byte(cur, 6)
+  if flags > 1 or not zeros(cur, 7, 8) or not zeros(cur, 41, 44) or string.byte(cur, 9) >= 128
+      or (flags == 1 and not zeros(cur, 33, 40)) then
     return false
   end
   local crc = -1
@@ -1066,17 +1075,19 @@ class PushQueue:
         """Deletes not yet sent (kept in REMOTE)."""
         return len(self._tombs)
 
-    def send_tombstones(self) -> tuple[int, int]:
-        """Send every delete not yet sent, now (``remote_sync``): (sent, not sent: no answer).
-        The sender thread may send one at the same time: the compare-and-set makes that harmless."""
+    def send_tombstones(self) -> tuple[int, int, int]:
+        """Send every delete not yet sent, now (``remote_sync``): (sent, not sent: no answer,
+        refused by the server: dropped, as the sender drops them).  The sender thread may send
+        one at the same time: the compare-and-set makes that harmless."""
         with self._cv:
             todo = list(self._tombs.items())
-        sent = failed = 0
+        sent = failed = refused = 0
         for (ns, k), version in todo:
             try:
                 self.tier.tombstone(ns, k, version)
-            except RemoteRefused:  # (counted and logged; dropped, as the sender drops it)
+            except RemoteRefused:  # (counted and logged)
                 self.tier.count("refused")
+                refused += 1
             except RemoteDown:
                 failed += 1
                 continue
@@ -1087,7 +1098,7 @@ class PushQueue:
                     del self._tombs[(ns, k)]
         if len(todo) > failed:
             self.save()
-        return sent, failed
+        return sent, failed, refused
 
     def tombstone_of(self, ns: bytes, k: bytes) -> Version | None:
         """The version of a delete of the key not yet sent, if any (reads treat it as local)."""
