@@ -194,6 +194,8 @@ def test_index_ahead_of_log(tmp_path, durability):
     with pytest.raises(tierstore.CorruptionError, match="synced before the index applied them") as err:
         tierstore.open(snapshot)
     assert "tierstore recover" in err.value.hint
+    with pytest.raises(tierstore.CorruptionError, match="synced before the index applied them"):
+        tierstore.open(snapshot, readonly=True)  # (it said "open the store writable", which then refused)
     result = repair.recover(snapshot)
     assert result["stale_keys_deleted"] == [{"namespace": "default", "key": "x"}]
     with tierstore.open(snapshot) as s:
