@@ -666,3 +666,37 @@ def test_damage_to_the_record_the_index_last_applied_is_not_an_index_ahead_of_th
     with tierstore.open(store_path) as s:
         assert "rebuilt_index" not in s.recovery
         assert {k: s.get(k).data for k in s.keys()} == data
+
+
+@pytest.mark.parametrize("off_by", [1, -1])
+def test_a_segment_header_whose_base_lsn_is_not_its_first_records_is_rewritten_not_the_record(tmp_path, off_by):
+    """A segment header whose checksum holds but whose base LSN is off by one from its first
+    record's (a bug or a crafted file): fsck said ok, and recover quarantined the intact record
+    ("LSN 9 where 8 was expected") and lost its object (a review, 2026-12-03).  fsck names it
+    now, and recover rewrites the header and keeps the record.  Twin: an intact store is ok."""
+    import dataclasses
+
+    from tierstore.engine import repair
+    from tierstore.engine import segment as seglib
+    from tierstore.engine.fileio import DEFAULT_IO
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path, segment_bytes=65536) as s:
+        for i in range(6):
+            s.put(f"k{i}", Blob(bytes([65 + i]) * 20000))
+    assert repair.fsck(path).ok
+    seg = os.path.join(path, "segments", seglib.segment_name(2))
+    fd = seglib.open_segment(DEFAULT_IO, seg)
+    header = seglib.read_segment_header(DEFAULT_IO, fd, path=seg, seg_id=2)
+    DEFAULT_IO.close(fd)
+    with open(seg, "r+b") as f:
+        f.write(dataclasses.replace(header, base_lsn=header.base_lsn - off_by).encode())
+    report = repair.fsck(path)
+    assert not report.ok and any("is not its first record's LSN" in f.what for f in report.findings)
+    result = repair.recover(path)
+    assert [d["reason"] for d in result["damage"]] == [
+        f"segment header rewritten (base LSN {header.base_lsn - off_by} is not its first record's LSN "
+        f"{header.base_lsn})"]
+    assert repair.fsck(path, deep=True).ok
+    with tierstore.open(path) as s:
+        assert [s.get(f"k{i}").data[:1] for i in range(6)] == [bytes([65 + i]) for i in range(6)]

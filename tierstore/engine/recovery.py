@@ -191,6 +191,16 @@ def certified_after(io: PosixIO, fd: int, seg: int, path: str, offset: int, size
     return best
 
 
+def base_disagrees(io: PosixIO, fd: int, seg: int, path: str, base_lsn: int) -> int | None:
+    """The LSN of the valid record at the start of a segment when it is not the header's
+    ``base_lsn`` (SPEC.md §7.1: they are equal), else None (equal, or no valid record there)."""
+    scanner = seglib.SegmentScanner(io, fd, seg, path=path, verify_payload=False)
+    if not scanner.header_at(fmt.SEGMENT_HEADER_SIZE):
+        return None
+    first = first_lsn_from(io, fd, seg, path, fmt.SEGMENT_HEADER_SIZE, io.size(fd))
+    return first if first is not None and first != base_lsn else None
+
+
 def has_no_records(io: PosixIO, fd: int) -> bool:
     """True when nothing past the segment header parses as a record header."""
     if io.size(fd) <= fmt.SEGMENT_HEADER_SIZE:
@@ -295,6 +305,14 @@ class _LogScanner:
                                     hint="open it with readonly=True, or upgrade tierstore to write to it")
             if offset is None:
                 offset = fmt.SEGMENT_HEADER_SIZE
+                first = base_disagrees(io, fd, seg, path, header.base_lsn)
+                if first is not None and self.repair and self.writable and (expect is None or first >= expect):
+                    # a header whose checksum holds but whose base LSN is not its first record's (whose
+                    # own checksum holds, and whose LSN does not go back): the header is wrong, not the
+                    # record -- rewritten, the record kept (it was quarantined as "LSN x where y was
+                    # expected", a review 2026-12-03)
+                    header = self._salvage_header(fd, seg, path, CorruptionError(
+                        f"base LSN {header.base_lsn} is not its first record's LSN {first}"), expect)
                 if expect is not None and header.base_lsn < expect:
                     # LSNs never go back; a gap is legitimate (compaction deletes whole segments)
                     self._sealed_damage(fd, seg, path, offset, None,

@@ -26,7 +26,7 @@ from .fileio import PosixIO
 from .index import Applied, Index, Location, decode_location, verify_lmdb
 from .lock import acquire_writer_lock, writer_active
 from .options import Options
-from .recovery import certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
+from .recovery import base_disagrees, certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
 
 
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None, bool] | None:
@@ -510,6 +510,10 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
         except TierstoreError as e:
             report.error(f"bad segment header: {e.message}", segment=seg, offset=0)
             continue
+        first = base_disagrees(io, fds[seg], seg, path, base_lsn)
+        if first is not None:
+            report.error(f"segment header's base LSN {base_lsn} is not its first record's LSN {first}: a reader "
+                         "rejects that record (`tierstore recover PATH` rewrites the header)", segment=seg, offset=0)
         scanner = seglib.SegmentScanner(io, fds[seg], seg, path=path, verify_payload=deep)
         vouched = 0  # the largest LSN this segment's SYNC records say was synced (SPEC.md §7.3)
         bad: list[tuple[int, Any, int]] = []
