@@ -412,3 +412,68 @@ def test_a_sync_put_into_a_segment_a_none_writer_created_survives_a_power_cut(tm
     s.close()
     with tierstore.open(dest) as t:
         assert t.get("acked").data == b"A" * 1000
+
+
+def test_flush_of_a_none_writer_makes_its_new_segments_durable(tmp_path):
+    """flush() makes every earlier write durable, whatever the mode; with durability="none" a
+    rollover creates a segment without syncing the directory, and flush() synced the files
+    only: a power cut that undoes unsynced directory changes took the segment and its puts
+    (a review, 2026-12-03)."""
+    root = str(tmp_path / "s")
+    with tierstore.open(root, segment_bytes="1MiB") as s:
+        s.put("base", Blob(b"b" * 100))
+    fs = FaultFS(root)
+    s = tierstore.open(root, _io=fs, durability="none", segment_bytes="1MiB")
+    for i in range(6):
+        s.put(f"n{i}", Blob(bytes([i + 1]) * 300_000))
+    s.put("last", Blob(b"L" * 100))
+    s.flush()
+    snap = str(tmp_path / "snap")
+    os.makedirs(snap)
+    s._engine.index.env.copy(snap)
+    dest = str(tmp_path / "crash")
+    fs.crash_state(dest, "B", random.Random(1), snap)
+    s.close()
+    with tierstore.open(dest) as t:
+        assert t.get("n5").data == bytes([6]) * 300_000 and t.get("last").data == b"L" * 100
+
+
+def test_a_sync_writer_makes_the_segments_a_none_writer_sealed_beside_it_durable(tmp_path):
+    """Two writers on one store (separate engines, as two processes): one with durability
+    "none" rolls the log over twice; the other's next put adopted the newest segment and synced
+    it, but not the two the "none" writer sealed in between, nor their directory entries.  After
+    a power cut the store refused to open ("segment header truncated") although a sync put was
+    acknowledged after them (SPEC.md §7.8: a sync makes durable everything written before it,
+    whoever wrote it; a review, 2026-12-03)."""
+    from tierstore.engine import engine as eng
+
+    root = str(tmp_path / "s")
+    with tierstore.open(root, segment_bytes="1MiB") as s:
+        s.put("base", Blob(b"b" * 100))
+        s.put("k", Blob(b"v1"))
+    fs = FaultFS(root)
+    synced = tierstore.open(root, _io=fs, durability="sync", segment_bytes="1MiB", index_commit_ms=100_000)
+    synced.put("s0", Blob(b"s" * 100))
+    synced._engine.commit(force=True, sync=True)
+    snap = str(tmp_path / "snap")
+    os.makedirs(snap)
+    synced._engine.index.env.copy(snap)
+    saved = dict(eng._WRITERS)
+    eng._WRITERS.clear()  # a second engine, as another process has
+    try:
+        loose = tierstore.open(root, _io=fs, durability="none", segment_bytes="1MiB", index_commit_ms=100_000)
+        for i in range(12):
+            loose.put(f"n{i}", Blob(bytes([i + 1]) * 300_000))
+            if i == 4:
+                loose.put("k", Blob(b"v2"))
+        synced.put("acked", Blob(b"A" * 1000))  # acknowledged: everything before it is durable too
+        dest = str(tmp_path / "crash")
+        fs.crash_state(dest, "B", random.Random(1), snap)
+        loose.close()
+        synced.close()
+        with tierstore.open(dest) as t:
+            assert t.get("acked").data == b"A" * 1000 and t.get("k").data == b"v2"
+            assert t.get("n11").data == bytes([12]) * 300_000
+    finally:
+        eng._WRITERS.clear()
+        eng._WRITERS.update(saved)

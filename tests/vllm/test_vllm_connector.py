@@ -8,6 +8,9 @@ the connector's hooks where vLLM's attention layers call them."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -1091,3 +1094,28 @@ def test_a_config_json_edited_at_the_same_path_changes_the_fingerprint(tmp_path)
     assert edited() == base
     assert edited(eos_token_id=7) == base
     assert edited(rope_theta=5000.0) != base
+
+
+def test_the_fingerprint_is_the_same_in_every_process(tmp_path):
+    """hf_overrides may be a function, which str() prints with its memory address: each process
+    (scheduler, workers) got its own salt and nothing stored was ever matched; a set in the
+    configuration printed in hash-seed order (a review, 2026-12-03).  Two interpreters with
+    different hash seeds agree now."""
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from test_vllm_connector import make_config
+from tierstore.integrations.vllm import model_fingerprint
+def override(config):
+    return config
+cfg = make_config(__import__("pathlib").Path({str(tmp_path)!r}), __import__("pathlib").Path({str(tmp_path / "kv")!r}))
+cfg.model_config.hf_overrides = override
+print(model_fingerprint(cfg, pp_rank=0, tp_rank=0).hex())
+"""
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        outs.add(out.stdout.split()[-1])
+    assert len(outs) == 1

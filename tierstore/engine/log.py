@@ -108,11 +108,12 @@ class Log:
         self._copies_bytes = 0
         self.copies_dropped = 0  # copies never written (more were pending than COPIES_PENDING_MAX)
         self._sealed_unsynced: list[int] = []  # fds of sealed segments not yet synced (durability="none")
-        # the active segment's directory entry may not be durable: a writer with durability "none"
-        # created it without syncing the directory (this log did not create it): the first sync
-        # syncs the directory too, or a power cut could take the segment -- and an acknowledged put
-        # with it -- away (a review, 2026-12-03)
-        self._dir_unsynced = sync_enabled
+        # a segment's directory entry may not be durable: a writer with durability "none" created it
+        # without syncing the directory (this one, or another -- this log did not create the active
+        # segment): the next sync syncs the directory too, or a power cut could take the segment,
+        # and an acknowledged put with it, away (a review, 2026-12-03).  Read and cleared under the
+        # append lock, with what it covers
+        self._dir_unsynced = True
         # with other writer processes (the owner sets it to {}): this writer's records, (segment,
         # offset) -> (end, first LSN, last LSN), a group as one entry from its GROUP record on, so
         # that reading the others' records passes over them unread (SegmentScanner's ``skip``)
@@ -516,6 +517,12 @@ class Log:
         self._pad_to_page()
         self._flush_buffer()
         if self.sync_enabled:
+            # (segments other writers sealed, adopted since the last sync: durable before this claims
+            # everything before the new segment durable)
+            for old in self._sealed_unsynced:
+                self._fdatasync(old)
+            self._to_close.extend(self._sealed_unsynced)
+            self._sealed_unsynced = []
             self._fdatasync(self.fd)
         else:
             self._sealed_unsynced.append(self.fd)
@@ -530,8 +537,9 @@ class Log:
         if self.dfd is not None and self.dfd >= 0:
             self.io.close(self.dfd)  # only appends use it, and they hold append_lock
         self.dfd = None
+        # create_segment synced the directory (every entry in it), unless durability is "none"
+        self._dir_unsynced = not self.sync_enabled
         if self.sync_enabled:
-            self._dir_unsynced = False  # (create_segment synced the directory: every entry in it)
             self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
             self.durable_lsn = self.next_lsn - 1
             self.unsynced_bytes = 0
@@ -569,7 +577,6 @@ class Log:
             self.poisoned = e
             raise StoreIOError(f"fsync of the segments directory failed: {e.strerror or e}; the handle is now "
                                "poisoned", errno=e.errno, poisoned=True, path=self.seg_dir) from None
-        self._dir_unsynced = False
 
     def sync(self, upto: Appended | None = None) -> None:
         """Make every record appended so far (or at least up to ``upto``) durable.
@@ -590,6 +597,7 @@ class Log:
                 self._flush_buffer()
                 fd, pos, lsn = self.fd, (self.active, self.tail), self.next_lsn - 1
                 sealed, self._sealed_unsynced = self._sealed_unsynced, []
+                sync_dir, self._dir_unsynced = self._dir_unsynced, False
                 to_close, self._to_close = self._to_close, []
                 self.unsynced_bytes = 0
                 self.oldest_unsynced = None
@@ -597,7 +605,7 @@ class Log:
                 for old in sealed:  # older segments first: the log stays a prefix on disk
                     self._fdatasync(old)
                 self._fdatasync(fd)  # outside append_lock: appends continue during the sync
-                if self._dir_unsynced:
+                if sync_dir:
                     self._sync_dir()
             except StoreIOError as e:  # poisoned; what was not durable is taken back (when no other
                 with self.append_lock:  # process writes: their records after ours are never cut)
@@ -699,11 +707,21 @@ class Log:
             except OSError as e:
                 raise io_error(e, "open segment", path=self._path(active), segment=active) from None
             self._sealed_unsynced.append(self.fd)
+            # segments other writers sealed in between (one with durability "none" syncs none of them):
+            # this writer's next sync makes them durable too -- it vouches for every record before its
+            # own (SPEC.md §7.8)
+            for between in range(self.active + 1, active):
+                try:
+                    self._sealed_unsynced.append(self.io.open(self._path(between), os.O_RDWR))
+                except FileNotFoundError:  # (removed by a compaction since: its records were copied)
+                    pass
+                except OSError as e:
+                    raise io_error(e, "open segment", path=self._path(between), segment=between) from None
             if self.dfd is not None and self.dfd >= 0:
                 self.io.close(self.dfd)
             self.dfd = None
             self.fd, self.active = fd, active
-            self._dir_unsynced = self.sync_enabled  # (another writer created it, maybe without a sync)
+            self._dir_unsynced = True  # (another writer created it, maybe without a directory sync)
             self._older_minor = False  # begun by a writer of this version (an older one appends nowhere now)
         self.tail, self.next_lsn = tail, next_lsn
         self.written, self.written_lsn = (active, tail), next_lsn - 1

@@ -16,15 +16,25 @@ CONFIG_NOT_KV = frozenset({
     "attn_implementation", "problem_type", "tokenizer_class"})
 
 
-def config_json(config: dict) -> str:
-    """A model configuration as the fingerprints hash it (SPEC.md §13.1): sorted JSON, the
-    fields that do not change the KV left out, a value JSON cannot encode as its ``str`` less
-    any memory address (`` at 0x...``: it would differ between processes, and a scheduler's
-    keys would never match its workers')."""
+def stable_json(value: object) -> str:
+    """``value`` as sorted JSON that is the same in every process (a fingerprint's part): a set
+    as a sorted list, a function or class by its module and name, any other value JSON cannot
+    encode as its ``str`` less any memory address (`` at 0x...``: it would differ between
+    processes, and a scheduler's keys would never match its workers')."""
     import json
     import re
 
-    def text(value: object) -> str:
-        return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
+    def text(v: object) -> object:
+        if isinstance(v, (set, frozenset)):
+            return sorted(v, key=repr)
+        if callable(v) and hasattr(v, "__qualname__"):
+            return f"{getattr(v, '__module__', '')}.{v.__qualname__}"
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", str(v))
 
-    return json.dumps({k: v for k, v in config.items() if k not in CONFIG_NOT_KV}, sort_keys=True, default=text)
+    return json.dumps(value, sort_keys=True, default=text)
+
+
+def config_json(config: dict) -> str:
+    """A model configuration as the fingerprints hash it (SPEC.md §13.1): ``stable_json`` of
+    it, the fields that do not change the KV left out."""
+    return stable_json({k: v for k, v in config.items() if k not in CONFIG_NOT_KV})

@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
-import json
 import logging
 import math
 import sys
@@ -76,7 +75,7 @@ import tierstore
 
 from .. import CorruptionError, InvalidObject, KVCache, MLACache, TierstoreError, chunk_hashes
 from ..names import check_namespace
-from . import config_json
+from . import config_json, stable_json
 from .paged import PagedLayer, PagedLayout
 
 if TYPE_CHECKING:
@@ -107,7 +106,7 @@ def model_fingerprint(vllm_config: Any, *, pp_rank: int, tp_rank: int | None, mo
     config = config_json(hf.to_dict() if hasattr(hf, "to_dict") else {})
     parts = [FINGERPRINT_VERSION, str(mc.model), str(getattr(mc, "revision", None)), str(mc.dtype),
              str(getattr(mc, "quantization", None)),
-             json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides),
+             stable_json(overrides),
              config,
              str(cc.cache_dtype), b"mla" if mc.use_mla else b"kv", str(pc.tensor_parallel_size),
              str(pc.pipeline_parallel_size), f"pp{pp_rank}", "tp-shared" if tp_rank is None else f"tp{tp_rank}",

@@ -94,9 +94,9 @@ def _normal(v: Any) -> Any:
         return v
     if isinstance(v, (int, float)):
         return float(v)
-    if isinstance(v, dict):
-        return dict(sorted(((k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)),
-                            _normal(x)) for k, x in v.items()))
+    if isinstance(v, dict):  # (an empty dict is no dict: models={} is models=None)
+        return dict(sorted(((k.decode("utf-8", "backslashreplace") if isinstance(k, (bytes, bytearray))
+                             else str(k)), _normal(x)) for k, x in v.items())) or None
     return v
 
 
@@ -165,7 +165,7 @@ class SessionAware(Policy):
         self._active: OrderedDict[Hashable, None] = OrderedDict()  # queued turns, not yet served
 
     def fresh(self) -> "SessionAware":
-        return SessionAware(self.half_life)
+        return type(self)(self.half_life)
 
     def settings(self) -> str:
         return self._settings({} if self.half_life == 16.0 else {"half_life": self.half_life})
@@ -332,7 +332,7 @@ class CostAware(Policy):
         self._held: dict[Hashable, _Uses] = {}  # histories holding objects here (what victims() ranks)
 
     def fresh(self) -> "CostAware":
-        return CostAware(**self._args)  # type: ignore[arg-type]
+        return type(self)(**self._args)  # type: ignore[arg-type]
 
     def settings(self) -> str:
         defaults = CostAware.__init__.__kwdefaults__

@@ -1084,15 +1084,15 @@ class PushQueue:
         sent = failed = refused = 0
         for (ns, k), version in todo:
             try:
-                self.tier.tombstone(ns, k, version)
-            except RemoteRefused:  # (counted and logged)
+                held = self.tier.tombstone(ns, k, version)
+            except RemoteRefused:  # (counted in the tier's stats, and logged by its first refusal)
                 self.tier.count("refused")
                 refused += 1
             except RemoteDown:
                 failed += 1
                 continue
             else:
-                sent += 1
+                sent += held  # (False: the server holds a newer version, a conflict the tier counts)
             with self._cv:
                 if self._tombs.get((ns, k)) == version:
                     del self._tombs[(ns, k)]
