@@ -477,3 +477,62 @@ def test_a_sync_writer_makes_the_segments_a_none_writer_sealed_beside_it_durable
     finally:
         eng._WRITERS.clear()
         eng._WRITERS.update(saved)
+
+
+def test_a_failed_adopt_changes_nothing_and_leaks_no_descriptor(tmp_path):
+    """adopt() of segments another writer made put the active descriptor among the segments to
+    sync before it had opened them all: an open that failed (EMFILE) left the active descriptor
+    there -- the next sync closed it, twice -- and leaked the new one (a review, 2026-12-03).
+    Every file is opened first now."""
+    import errno
+
+    from tierstore.engine import engine as eng
+
+    root = str(tmp_path / "s")
+    with tierstore.open(root, segment_bytes="1MiB") as s:
+        s.put("base", Blob(b"b" * 100))
+    fs = FaultFS(root)
+
+    def segment_fds() -> list[str]:
+        out = []
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{f}")
+            except OSError:
+                continue
+            if target.endswith(".tseg") and target.startswith(root):
+                out.append(target)
+        return out
+
+    saved = dict(eng._WRITERS)
+    synced = tierstore.open(root, _io=fs, durability="sync", segment_bytes="1MiB", index_commit_ms=100_000)
+    eng._WRITERS.clear()  # a second engine, as another process has
+    try:
+        loose = tierstore.open(root, _io=fs, durability="none", segment_bytes="1MiB", index_commit_ms=100_000)
+        for i in range(12):  # three segments further on
+            loose.put(f"n{i}", Blob(bytes([i + 1]) * 300_000))
+        log = synced._engine.log
+        opening = fs.open
+
+        def refused_once(path, flags, mode=0o644):  # type: ignore[no-untyped-def]
+            name = os.path.basename(path)
+            if name.endswith(".tseg") and log.active < int(name.split(".")[0], 16) < loose._engine.log.active:
+                fs.open = opening
+                raise OSError(errno.EMFILE, "injected EMFILE")
+            return opening(path, flags, mode)
+
+        fs.open = refused_once
+        with pytest.raises(tierstore.TierstoreError):
+            synced.put("x", Blob(b"x" * 100))
+        fs.open = opening
+        assert log.fd not in log._sealed_unsynced
+        synced.put("y", Blob(b"y" * 100))
+        synced.put("z", Blob(b"z" * 100))
+        loose.close()
+        synced.close()
+        assert segment_fds() == []
+    finally:
+        eng._WRITERS.clear()
+        eng._WRITERS.update(saved)
+    with tierstore.open(root) as s:
+        assert s.get("y").data == b"y" * 100 and s.get("z").data == b"z" * 100

@@ -114,6 +114,7 @@ class Log:
         # and an acknowledged put with it, away (a review, 2026-12-03).  Read and cleared under the
         # append lock, with what it covers
         self._dir_unsynced = True
+        self._sealed_in_flight = 0  # syncs between taking sealed segments and having synced them
         # with other writer processes (the owner sets it to {}): this writer's records, (segment,
         # offset) -> (end, first LSN, last LSN), a group as one entry from its GROUP record on, so
         # that reading the others' records passes over them unread (SegmentScanner's ``skip``)
@@ -524,22 +525,25 @@ class Log:
             self._to_close.extend(self._sealed_unsynced)
             self._sealed_unsynced = []
             self._fdatasync(self.fd)
-        else:
-            self._sealed_unsynced.append(self.fd)
         new_id = self.active + 1
         try:
             self.create_segment(self.io, self.seg_dir, self.store_uuid, new_id, self.next_lsn, self.sync_enabled)
             fd = self.io.open(self._path(new_id), os.O_RDWR)
         except OSError as e:
             raise io_error(e, "create segment", path=self._path(new_id), segment=new_id) from None
-        if self.fd not in self._sealed_unsynced:
+        if self.sync_enabled:
             self._to_close.append(self.fd)  # a concurrent sync() may still be using it
+        else:  # (only once the new segment exists: a failed rollover leaves the active fd where it was)
+            self._sealed_unsynced.append(self.fd)
         if self.dfd is not None and self.dfd >= 0:
             self.io.close(self.dfd)  # only appends use it, and they hold append_lock
         self.dfd = None
         # create_segment synced the directory (every entry in it), unless durability is "none"
         self._dir_unsynced = not self.sync_enabled
-        if self.sync_enabled:
+        # (not while a sync() is still syncing sealed segments it took: this claim would cover them
+        # before they are durable -- and the committer applies up to durable_lsn; that sync's end
+        # moves durable on)
+        if self.sync_enabled and not self._sealed_in_flight:
             self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
             self.durable_lsn = self.next_lsn - 1
             self.unsynced_bytes = 0
@@ -599,6 +603,7 @@ class Log:
                 sealed, self._sealed_unsynced = self._sealed_unsynced, []
                 sync_dir, self._dir_unsynced = self._dir_unsynced, False
                 to_close, self._to_close = self._to_close, []
+                self._sealed_in_flight += bool(sealed)
                 self.unsynced_bytes = 0
                 self.oldest_unsynced = None
             try:
@@ -612,8 +617,14 @@ class Log:
                     if fd == self.fd and self.alone():
                         self._take_back(e)
                 raise
-            for old in sealed + to_close:
-                self.io.close(old)
+            finally:
+                with self.append_lock:
+                    self._sealed_in_flight -= bool(sealed)
+                for old in sealed + to_close:  # (on failure too: the handle is poisoned, they would leak)
+                    try:
+                        self.io.close(old)
+                    except OSError:
+                        pass
             self.durable = max(self.durable, pos)
             self.durable_lsn = max(self.durable_lsn, lsn)
 
@@ -702,21 +713,24 @@ class Log:
         durability past it.  Their records are theirs to vouch for (``last_data_lsn`` stays)."""
         assert not self._buf
         if active != self.active:
-            try:
-                fd = self.io.open(self._path(active), os.O_RDWR)
-            except OSError as e:
-                raise io_error(e, "open segment", path=self._path(active), segment=active) from None
-            self._sealed_unsynced.append(self.fd)
             # segments other writers sealed in between (one with durability "none" syncs none of them):
             # this writer's next sync makes them durable too -- it vouches for every record before its
-            # own (SPEC.md §7.8)
-            for between in range(self.active + 1, active):
-                try:
-                    self._sealed_unsynced.append(self.io.open(self._path(between), os.O_RDWR))
-                except FileNotFoundError:  # (removed by a compaction since: its records were copied)
-                    pass
-                except OSError as e:
-                    raise io_error(e, "open segment", path=self._path(between), segment=between) from None
+            # own (SPEC.md §7.8).  Every file is opened before anything changes: a failed open leaves
+            # the log as it was, and nothing open
+            opened: list[int] = []
+            try:
+                for between in range(self.active + 1, active):
+                    try:
+                        opened.append(self.io.open(self._path(between), os.O_RDWR))
+                    except FileNotFoundError:  # (removed by a compaction since: its records were copied)
+                        pass
+                fd = self.io.open(self._path(active), os.O_RDWR)
+            except OSError as e:
+                for f in opened:
+                    self.io.close(f)
+                raise io_error(e, "open segment", path=self._path(active), segment=active) from None
+            self._sealed_unsynced.append(self.fd)
+            self._sealed_unsynced.extend(opened)
             if self.dfd is not None and self.dfd >= 0:
                 self.io.close(self.dfd)
             self.dfd = None
