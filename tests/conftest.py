@@ -88,3 +88,17 @@ def run_threads(target, n: int) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def open_files(prefix: str) -> list[str]:
+    """The files this process holds open whose path starts with ``prefix`` (from /proc/self/fd;
+    a deleted one ends in " (deleted)")."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            out.append(target)
+    return out

@@ -25,7 +25,7 @@ from tierstore import Blob
 from tierstore.engine import repair
 from tierstore.engine.fileio import DEFAULT_IO
 
-from .conftest import checked_state
+from .conftest import checked_state, open_files
 from .faultfs import FaultFS
 
 
@@ -493,17 +493,6 @@ def test_a_failed_adopt_changes_nothing_and_leaks_no_descriptor(tmp_path):
         s.put("base", Blob(b"b" * 100))
     fs = FaultFS(root)
 
-    def segment_fds() -> list[str]:
-        out = []
-        for f in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{f}")
-            except OSError:
-                continue
-            if target.endswith(".tseg") and target.startswith(root):
-                out.append(target)
-        return out
-
     saved = dict(eng._WRITERS)
     synced = tierstore.open(root, _io=fs, durability="sync", segment_bytes="1MiB", index_commit_ms=100_000)
     eng._WRITERS.clear()  # a second engine, as another process has
@@ -530,7 +519,7 @@ def test_a_failed_adopt_changes_nothing_and_leaks_no_descriptor(tmp_path):
         synced.put("z", Blob(b"z" * 100))
         loose.close()
         synced.close()
-        assert segment_fds() == []
+        assert open_files(os.path.join(root, "segments")) == []
     finally:
         eng._WRITERS.clear()
         eng._WRITERS.update(saved)

@@ -21,6 +21,8 @@ from tierstore import Blob
 from tierstore.cli import main as cli
 from tierstore.engine import repair
 
+from .conftest import open_files
+
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
 
 # a writer process: puts (some large: written outside the small-record buffer), atomic batches,
@@ -541,15 +543,7 @@ def test_segments_another_process_compacted_away_are_let_go(store_path):
     segs = os.path.join(store_path, "segments")
 
     def held() -> list[str]:
-        out = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(segs):
-                out.append(target)
-        return out
+        return open_files(segs)
 
     def held_deleted() -> list[str]:
         return [t for t in held() if t.endswith("(deleted)")]

@@ -305,8 +305,8 @@ class _LogScanner:
                                     hint="open it with readonly=True, or upgrade tierstore to write to it")
             if offset is None:
                 offset = fmt.SEGMENT_HEADER_SIZE
-                first = base_disagrees(io, fd, seg, path, header.base_lsn)
-                if first is not None and self.repair and self.writable and (expect is None or first >= expect):
+                first = base_disagrees(io, fd, seg, path, header.base_lsn) if self.repair and self.writable else None
+                if first is not None and (expect is None or first >= expect):
                     # a header whose checksum holds but whose base LSN is not its first record's (whose
                     # own checksum holds, and whose LSN does not go back): the header is wrong, not the
                     # record -- rewritten, the record kept (it was quarantined as "LSN x where y was

@@ -7,6 +7,9 @@ Each module uses only tierstore's public API and follows its host stack's conven
 module imports the stack when it is imported.
 """
 
+import json
+import re
+
 # configuration fields that do not change the KV a model computes (names, paths, generation
 # defaults): left out of the model fingerprints that salt chunk keys (SPEC.md §13.1)
 CONFIG_NOT_KV = frozenset({
@@ -21,9 +24,6 @@ def stable_json(value: object) -> str:
     as a sorted list, a function or class by its module and name, any other value JSON cannot
     encode as its ``str`` less any memory address (`` at 0x...``: it would differ between
     processes, and a scheduler's keys would never match its workers')."""
-    import json
-    import re
-
     def text(v: object) -> object:
         if isinstance(v, (set, frozenset)):
             return sorted(v, key=repr)
