@@ -12,7 +12,11 @@ Checks what cannot be checked on a CPU-only machine:
 4. the CUDA GPU tier: the I/O path the probe chose (gds / kvikio-compat / posix), pinned
    DRAM buffers, SSD->GPU and DRAM->GPU promotion with device-side decoding (bit-exact
    against the CPU decoder), a GPU hit's latency against a device copy, stream_layers to
-   the device in order, and eviction from the GPU tier falling back to DRAM.
+   the device in order, and eviction from the GPU tier falling back to DRAM;
+5. transformers' PrefixCache on the device (if transformers is installed): a prefix loaded
+   with load(background=True) gives the logits of one loaded whole, and the time to first
+   token of a 4,096-token prompt (3,840 stored) loaded whole vs layer by layer behind the
+   forward pass (the overlap that docs/benchmarks.md measured as no gain on a 2-core CPU).
 Exits 1 on any mismatch.  Runs in well under a minute.
 
 ``--vllm`` checks the vLLM connector instead (tierstore.integrations.vllm): ``vllm.LLM`` with
@@ -103,6 +107,7 @@ def main(argv: list[str]) -> int:
                 times[name].append(time.perf_counter() - t0)
         out["chunk_get_to_device_ms"] = {k: round(float(np.median(v)) * 1000, 2) for k, v in times.items()}
     ok &= check_gpu_tier(dev, out, rng)
+    ok &= check_prefix_cache(dev, out)
     out["ok"] = bool(ok)
     print(json.dumps(out, indent=2) if args.json else out)
     return 0 if ok else 1
@@ -160,6 +165,54 @@ def check_gpu_tier(dev: str, out: dict, rng: np.random.Generator) -> bool:
         ok &= gpu["bytes_used"] <= gpu["capacity_bytes"]
     out["gpu_tier"] = res
     return ok
+
+
+def check_prefix_cache(dev: str, out: dict) -> bool:
+    import torch
+
+    try:
+        import transformers
+
+        from tierstore.integrations.transformers import PrefixCache
+    except ImportError as e:
+        out["prefix_cache"] = {"skipped": f"transformers not installed ({e})"}
+        return True
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=12, hidden_size=768, intermediate_size=2048,
+                                   num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+                                   max_position_embeddings=4160)
+    model = transformers.LlamaForCausalLM(cfg).to(dev).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 4096), generator=torch.Generator().manual_seed(1)).to(dev)
+    res: dict = {}
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)  # (also runs on "cpu")
+    with tempfile.TemporaryDirectory() as d, tierstore.open(d) as s, torch.no_grad():
+        pc = PrefixCache(s, model, chunk_tokens=256)
+        kw = pc.cache_argument
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[:, :3840], **{kw: cache})
+        pc.save(ids[:, :3840], cache)
+        s.flush()
+        whole, n = pc.load(ids)
+        behind, m = pc.load(ids, background=True)
+        a = model(ids[:, n:], **{kw: whole}).logits
+        b = model(ids[:, m:], **{kw: behind}).logits
+        res["background_equals_whole"] = n == m == 3840 and torch.equal(a, b)
+        times: dict = {"whole": [], "background": [], "recompute": []}
+        for _ in range(5):
+            for mode in times:
+                s.drop_cached()
+                sync()
+                t0 = time.perf_counter()
+                if mode == "recompute":
+                    model(ids, logits_to_keep=1)
+                else:
+                    c, k = pc.load(ids, background=mode == "background")
+                    model(ids[:, k:], logits_to_keep=1, **{kw: c})
+                sync()
+                times[mode].append(time.perf_counter() - t0)
+        res["ttft_ms"] = {k: round(float(np.median(v)) * 1000, 2) for k, v in times.items()}
+    out["prefix_cache"] = res
+    return bool(res["background_equals_whole"])
 
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

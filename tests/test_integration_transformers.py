@@ -484,7 +484,7 @@ def test_a_chunk_gone_between_the_match_and_the_load_ends_the_prefix_there(store
         pc = PrefixCache(store, model, chunk_tokens=16)
         pc.generate(ids, max_new_tokens=1, do_sample=False)
         assert pc.cached_tokens(ids) == 64
-        monkeypatch.setattr(pc, "cached_tokens", lambda _ids: 64)  # matched before chunk 2 went
+        monkeypatch.setattr(store, "match_prefix", lambda hashes, **kw: 4)  # matched before chunk 2 went
         store.delete(pc.hashes(ids[0])[2], namespace="transformers")
         with caplog.at_level(logging.WARNING, logger="tierstore"):
             cache, n = pc.load(ids)
@@ -512,3 +512,103 @@ def test_the_lossy_scan_ends_the_prefix_where_it_cannot_look(tmp_path, monkeypat
 
         monkeypatch.setattr(store, "info", info_once_gone)
         assert pc.load(ids)[1] == 0
+
+
+def _flip_chunk_byte(store_path, key: bytes) -> None:
+    """Flip one byte near the end of a stored chunk's payload (its last layer)."""
+    with tierstore.open(store_path, readonly=True) as store:
+        info = store.info(key, namespace="transformers")
+    seg = [s for s in segment_files(store_path) if int(os.path.basename(s).split(".")[0], 16) == info.segment][0]
+    with open(seg, "r+b") as f:
+        f.seek(info.offset + info.stored_bytes - 100)
+        b = f.read(1)
+        f.seek(info.offset + info.stored_bytes - 100)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_background_load_gives_what_a_whole_load_gives(store_path):
+    model = _model("llama")
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        whole, n = pc.load(ids)
+        behind, m = pc.load(ids, background=True)
+        assert n == m == 96 and behind.get_seq_length() == 96  # the length before any layer is waited for
+        rest = model(ids[:, n:], **{pc.cache_argument: behind}).logits
+        assert torch.equal(rest, model(ids[:, n:], **{pc.cache_argument: whole}).logits)
+        assert (model(ids).logits[:, n:] - rest).abs().max().item() <= 1e-4
+        fresh, _ = pc.load(ids, background=True)
+        again, _ = pc.load(ids)
+        for a, b in zip(fresh.layers, again.layers):  # read directly, before any forward: waits, never half
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        empty, none = pc.load(_ids(100, seed=9), background=True)  # nothing stored: a plain empty cache
+        assert none == 0 and empty.get_seq_length() == 0
+
+
+def test_a_chunk_found_damaged_by_a_background_load_raises_on_use_and_generate_recomputes(store_path, caplog):
+    model = _model("llama")
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        bad = pc.hashes(ids[0])[2]
+    _flip_chunk_byte(store_path, bad)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        cache, n = pc.load(ids, background=True)
+        assert n == 96  # the index's answer: the damage is found while reading the last layer
+        with pytest.raises(tierstore.CorruptionError) as e:
+            model(ids[:, n:], **{pc.cache_argument: cache})
+        assert e.value.key == bad
+        assert pc.cached_tokens(ids) == 32  # deleted: the next load is the shorter prefix
+        assert pc.load(ids)[1] == 32
+        pc.generate(ids, max_new_tokens=1, do_sample=False)  # stored again
+        assert pc.cached_tokens(ids) == 96
+    _flip_chunk_byte(store_path, bad)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16, overlap_load=True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            assert torch.equal(pc.generate(ids, max_new_tokens=16, do_sample=False), _greedy(model, ids, 16))
+        assert sum("damaged" in r.message for r in caplog.records) == 1
+        assert pc.cached_tokens(ids) == 96  # stored again by that generate
+
+
+def test_a_chunk_deleted_during_a_background_load_is_recomputed_by_generate(store_path, monkeypatch, caplog):
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        pc = PrefixCache(store, model, chunk_tokens=16, overlap_load=True)
+        real, gone, asked = store.get_many, [], []
+
+        def deleting_one_first(keys, **kw):  # another process deletes chunk 2 after the match
+            asked.append(kw.get("layers"))
+            if not gone and len(keys) == 4:
+                gone.append(store.delete(keys[2], namespace="transformers"))
+            return real(keys, **kw)
+
+        monkeypatch.setattr(store, "get_many", deleting_one_first)
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            assert torch.equal(pc.generate(ids, max_new_tokens=8, do_sample=False), _greedy(model, ids, 8))
+        assert gone == [True] and any("chunk 2" in m and "gone" in m for m in caplog.messages)
+        assert asked[0] == [0] and asked[1] is None  # layer 0 in the background, then the whole shorter prefix
+        assert pc.cached_tokens(ids) == 64  # stored again
+
+
+def test_generate_overlaps_the_load_only_when_asked(store_path, monkeypatch):
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, model, chunk_tokens=16).generate(ids, max_new_tokens=1, do_sample=False)
+        real, asked = store.get_many, []
+        monkeypatch.setattr(store, "get_many", lambda keys, **kw: asked.append(kw.get("layers")) or real(keys, **kw))
+        for overlap, first in (({}, None), ({"overlap_load": False}, None), ({"overlap_load": True}, [0])):
+            asked.clear()
+            pc = PrefixCache(store, model, chunk_tokens=16, **overlap)
+            assert torch.equal(pc.generate(ids, max_new_tokens=4, do_sample=False), _greedy(model, ids, 4))
+            assert asked[0] == first
+        with pytest.raises(InvalidObject, match="overlap_load"):
+            PrefixCache(store, model, overlap_load=None)

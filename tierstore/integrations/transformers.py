@@ -20,16 +20,19 @@ import functools
 import hashlib
 import inspect
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 try:
     import torch
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 except ImportError as _missing:  # an optional extra: say which
     raise ImportError(f"tierstore.integrations.transformers needs torch and transformers ({_missing}); "
                       "pip install 'tierstore[transformers]'") from _missing
 
-from .. import CorruptionError, InvalidObject, KVCache, NamespaceHandle, TierstoreError, chunk_hashes, codecs
+from .. import CorruptionError, InvalidObject, KVCache, NamespaceHandle, NotFound, TierstoreError, chunk_hashes, codecs
 from . import config_json
 
 _log = logging.getLogger("tierstore")
@@ -121,7 +124,11 @@ class PrefixCache:
     the chunks (e.g. "int8"; default lossless); ``session``: tie the chunks to a conversation
     so ``store.drop_session(session, namespace=...)`` frees what only it used;
     ``weights_digest``: a string naming the checkpoint (a revision, a file hash) instead of
-    the sample of the weights the fingerprint takes by default (``model_fingerprint``).  Over a
+    the sample of the weights the fingerprint takes by default (``model_fingerprint``);
+    ``overlap_load``: whether ``generate`` reads the prefix layer by layer behind the first
+    forward pass (``load(background=True)``; default False: on a 2-core CPU it measured no
+    faster than reading the prefix whole first, docs/benchmarks.md, and it has not yet been
+    measured on a GPU).  Over a
     read-only store (or a tenant's handle, ``store.namespace(...)``, reading a namespace it was
     only granted) it loads and generates but saves nothing (``save`` raises ReadOnlyError /
     AccessDenied).  A chunk found damaged is deleted (over a writable store), so the next
@@ -130,9 +137,11 @@ class PrefixCache:
 
     def __init__(self, store: Any, model: Any, *, chunk_tokens: int = 256, namespace: str = "transformers",
                  codec: str | None = None, session: str | None = None,
-                 weights_digest: str | bytes | None = None) -> None:
+                 weights_digest: str | bytes | None = None, overlap_load: bool = False) -> None:
         if type(chunk_tokens) is not int or chunk_tokens < 1:
             raise InvalidObject(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if type(overlap_load) is not bool:
+            raise InvalidObject(f"overlap_load must be True or False, got {overlap_load!r}")
         _full_attention_only(model.config)
         choice = codecs.parse(codec, "kv") if codec is not None else None  # refused now, not after a generation
         if session is not None:
@@ -146,6 +155,7 @@ class PrefixCache:
         self._warned_padding = False
         self.store, self.model = store, model
         self.chunk_tokens, self.namespace, self.codec, self.session = chunk_tokens, namespace, codec, session
+        self.overlap_load = overlap_load
         self.lossless = choice is None or choice.codec.lossless  # what load accepts
         self.salt = model_fingerprint(model, weights_digest=weights_digest)
         if choice is not None and not choice.codec.lossless:  # lossy chunks under keys of their own (SPEC.md
@@ -177,86 +187,66 @@ class PrefixCache:
         ids = self._rows(input_ids)
         if ids.shape[0] != 1:
             raise InvalidObject("cached_tokens takes one row of token ids")
-        n = ids.shape[1]
-        usable = (n - 1) // self.chunk_tokens
-        matched = self.store.match_prefix(self.hashes(ids[0, : usable * self.chunk_tokens]), namespace=self.namespace)
-        return matched * self.chunk_tokens
+        return len(self._matched(ids)) * self.chunk_tokens
+
+    def _matched(self, ids: torch.Tensor) -> list[bytes]:
+        """The keys of the stored chunks that start one row, never its last token."""
+        usable = (ids.shape[1] - 1) // self.chunk_tokens
+        hashes = self.hashes(ids[0, : usable * self.chunk_tokens])
+        return hashes[: self.store.match_prefix(hashes, namespace=self.namespace)]
 
     # -- load and save --------------------------------------------------------------------------
 
-    def load(self, input_ids: Any) -> tuple[DynamicCache, int]:
+    def load(self, input_ids: Any, *, background: bool = False) -> tuple[DynamicCache, int]:
         """A fresh ``DynamicCache`` holding the longest stored prefix of ``input_ids`` (one row),
         on the model's device, in the dtype its chunks were saved in (the cache's: the model's
         unless it ran under autocast), and its length in tokens (0: nothing stored; the cache
         is then empty).  A chunk that is missing or damaged ends the prefix there, with one logged
-        warning: the rest is recomputed, never loaded wrong."""
+        warning: the rest is recomputed, never loaded wrong.
+
+        ``background=True`` returns as soon as the index has answered and reads the chunks
+        layer by layer in a thread, in layer order, straight into the cache's tensors: a
+        forward pass over the cache computes layer i while layer i+1 is read (each layer's
+        ``keys`` / ``values`` wait for its data on first use).  The length is then the
+        index's: a chunk found damaged (or deleted) during the read cannot shorten it, so
+        using that layer raises the TierstoreError that stopped the read (the damaged chunk
+        is deleted, as here) -- load again, without ``background``, for the shorter prefix
+        (``generate`` does).  Never wrong KV either way."""
         ids = self._rows(input_ids)
         if ids.shape[0] != 1:
             raise InvalidObject("load takes one row of token ids (a DynamicCache holds one prefix length)",
                                 hint="call it per row; save() takes a batch")
-        n = self.cached_tokens(ids)
-        chunks = self.hashes(ids[0, :n])
-        config = self.model.config
-        device = self.model.device
+        chunks, n = self._stored_chunks(ids)
+        if background and chunks:
+            try:
+                dest = self._destination(chunks[0], n)
+            except (TierstoreError, AttributeError, TypeError, ValueError):
+                pass  # the synchronous read below names what is wrong and shortens the prefix
+            else:
+                cache = self._arriving(chunks, dest)
+                if cache is not None:
+                    return cache, n
         dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
         tc = self.chunk_tokens
-        if self.lossless:  # lossy chunks under lossless keys (a store whose default codec for KV is
-            for i, h in enumerate(chunks):  # lossy, open(codecs=...)): the prefix ends before the first
-                try:
-                    lossless = self.store.info(h, namespace=self.namespace).lossless
-                except (TierstoreError, AttributeError, TypeError, ValueError) as e:
-                    _log.warning("tierstore: chunk %d (key %s...) of a stored prefix could not be described (%s); "
-                                 "recomputing from token %d", i, h.hex()[:16], getattr(e, "message", e), i * tc)
-                    chunks, n = chunks[:i], i * tc  # (the prefix ends there: nothing unchecked is loaded)
-                    break
-                if not lossless:
-                    if not self._warned_lossy:
-                        self._warned_lossy = True
-                        _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects lossless "
-                                     "KV: the prefix ends there (the store's default codec for KV, "
-                                     "open(codecs=...), made it lossy)", i)
-                    chunks, n = chunks[:i], i * tc
-                    break
         got, todo = 0, len(chunks)
         while todo:
             try:
                 if not dest:
-                    info = self.store.info(chunks[0], namespace=self.namespace)
-                    heads, _, hd = info.shape[2:]
-                    dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
-                    dest = [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
-                             torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
+                    dest = self._destination(chunks[0], n)
                 # each layer's K and V straight into their place in the cache's own tensors (one view
                 # per chunk: split makes them all at once); the chunks only the disk holds are read
                 # side by side
-                per_layer = [(k[0].split(tc, dim=1), v[0].split(tc, dim=1)) for k, v in dest]
                 objs = self.store.get_many(chunks[:todo], namespace=self.namespace,
-                                           out=[[(ks[i], vs[i]) for ks, vs in per_layer] for i in range(todo)])
+                                           out=self._views(dest, todo, range(len(dest))))
             except (TierstoreError, AttributeError, TypeError, ValueError) as e:
-                i = chunks.index(e.key) if isinstance(e, TierstoreError) and e.key in chunks[:todo] else 0
-                why = "is damaged" if isinstance(e, CorruptionError) else \
-                    "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
-                    else "could not be read"
-                removed = False
-                if isinstance(e, CorruptionError) and e.key == chunks[i] and self.writable:
-                    try:
-                        removed = self.store.delete(chunks[i], namespace=self.namespace)  # the next save replaces it
-                    except TierstoreError as gone:  # (it stays: warned about once)
-                        _log.debug("tierstore: could not delete a damaged chunk: %s", gone)
-                if chunks[i] not in self._warned:
-                    _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; recomputing from "
-                                 "token %d", i, chunks[i].hex()[:16], why, getattr(e, "message", e),
-                                 ", deleted" if removed else "", i * tc)
-                    if not removed and len(self._warned) < 10_000:
-                        self._warned.add(chunks[i])
-                todo = i  # the chunks before it, again (the call returned none of them)
+                todo = self._failed(e, chunks[:todo])  # the chunks before it, again (the call returned none)
                 continue
             got = next((i for i, obj in enumerate(objs) if obj is None), todo)
             if got < todo:  # deleted or evicted since match_prefix: a shorter prefix
                 _log.warning("tierstore: chunk %d of a stored prefix is gone; recomputing from token %d",
                              got, got * tc)
             break
-        cache = DynamicCache(config=config)
+        cache = DynamicCache(config=self.model.config)
         if not got:
             return cache, 0
         n = got * self.chunk_tokens
@@ -268,6 +258,101 @@ class PrefixCache:
             else:
                 layer.update(k, v)
         return cache, n
+
+    def _stored_chunks(self, ids: torch.Tensor) -> tuple[list[bytes], int]:
+        """The keys of the stored chunks ``load`` may read for one row, and their tokens:
+        ``match_prefix``, ended before the first lossy chunk where lossless KV is expected."""
+        chunks = self._matched(ids)
+        tc = self.chunk_tokens
+        n = len(chunks) * tc
+        if not self.lossless:
+            return chunks, n
+        # lossy chunks under lossless keys (a store whose default codec for KV is lossy,
+        # open(codecs=...)): the prefix ends before the first
+        for i, h in enumerate(chunks):
+            try:
+                lossless = self.store.info(h, namespace=self.namespace).lossless
+            except (TierstoreError, AttributeError, TypeError, ValueError) as e:
+                _log.warning("tierstore: chunk %d (key %s...) of a stored prefix could not be described (%s); "
+                             "recomputing from token %d", i, h.hex()[:16], getattr(e, "message", e), i * tc)
+                return chunks[:i], i * tc  # (the prefix ends there: nothing unchecked is loaded)
+            if not lossless:
+                if not self._warned_lossy:
+                    self._warned_lossy = True
+                    _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects lossless "
+                                 "KV: the prefix ends there (the store's default codec for KV, "
+                                 "open(codecs=...), made it lossy)", i)
+                return chunks[:i], i * tc
+        return chunks, n
+
+    def _destination(self, first: bytes, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K and V tensors ``[1, kv_heads, n, head_dim]`` a prefix of ``n``
+        tokens is read into, shaped and typed as the first chunk was stored."""
+        info = self.store.info(first, namespace=self.namespace)
+        heads, _, hd = info.shape[2:]
+        dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
+        device = self.model.device
+        return [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
+                 torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
+
+    def _views(self, dest: list[tuple[torch.Tensor, torch.Tensor]], chunks: int,
+               layers: Any) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``get_many``'s ``out=``: for each of the first ``chunks`` chunks, the views of
+        ``layers`` of ``dest`` that chunk's tokens fill."""
+        tc = self.chunk_tokens
+        per_layer = [(dest[li][0][0].split(tc, dim=1), dest[li][1][0].split(tc, dim=1)) for li in layers]
+        return [[(ks[i], vs[i]) for ks, vs in per_layer] for i in range(chunks)]
+
+    def _failed(self, e: Exception, chunks: list[bytes]) -> int:
+        """A read of ``chunks`` that raised ``e``: warn (once per chunk), delete the chunk if it
+        is damaged and the store writable (the next ``save`` stores it again), and return the
+        index of the chunk that failed (0 when ``e`` names none): the prefix ends there."""
+        i = chunks.index(e.key) if isinstance(e, TierstoreError) and e.key in chunks else 0
+        why = "is damaged" if isinstance(e, CorruptionError) else \
+            "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
+            else "could not be read"
+        removed = False
+        if isinstance(e, CorruptionError) and e.key == chunks[i] and self.writable:
+            try:
+                removed = self.store.delete(chunks[i], namespace=self.namespace)  # the next save replaces it
+            except TierstoreError as gone:  # (it stays: warned about once)
+                _log.debug("tierstore: could not delete a damaged chunk: %s", gone)
+        if chunks[i] not in self._warned:
+            _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; recomputing from "
+                         "token %d", i, chunks[i].hex()[:16], why, getattr(e, "message", e),
+                         ", deleted" if removed else "", i * self.chunk_tokens)
+            if not removed and len(self._warned) < 10_000:
+                self._warned.add(chunks[i])
+        return i
+
+    def _arriving(self, chunks: list[bytes], dest: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache | None:
+        """A DynamicCache over ``dest`` whose layers a thread reads, in layer order, from
+        ``chunks`` (load(background=True)); None where the model's cache layers are not plain
+        ``DynamicLayer``s, one per stored layer."""
+
+        def read_layer(li: int) -> None:
+            try:
+                objs = self.store.get_many(chunks, namespace=self.namespace, layers=[li],
+                                           out=self._views(dest, len(chunks), [li]))
+            except (TierstoreError, AttributeError, TypeError, ValueError) as e:
+                i = self._failed(e, chunks)
+                if isinstance(e, TierstoreError):
+                    raise
+                raise InvalidObject(f"stored chunk {i} of the prefix does not fit this model: {e}",
+                                    key=chunks[i], namespace=self.namespace) from e
+            gone = next((i for i, obj in enumerate(objs) if obj is None), None)
+            if gone is not None:  # deleted or evicted since match_prefix
+                _log.warning("tierstore: chunk %d of a stored prefix is gone; recomputing from token %d",
+                             gone, gone * self.chunk_tokens)
+                raise NotFound("a chunk of the stored prefix was deleted while it was being loaded",
+                               key=chunks[gone], namespace=self.namespace)
+
+        cache = DynamicCache(config=self.model.config)
+        if len(cache.layers) != len(dest) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None  # (the synchronous load fills what the model's own layers are)
+        arrival = _Arrival(read_layer, len(dest))
+        cache.layers[:] = [_ArrivingLayer(k, v, arrival, li) for li, (k, v) in enumerate(dest)]
+        return cache
 
     def save(self, input_ids: Any, cache: Any, *, attention_mask: Any = None) -> int:
         """Store the full chunks of ``input_ids`` (a row, or a batch: row b from the cache's batch
@@ -283,9 +368,7 @@ class PrefixCache:
         layers = list(cache.layers) if hasattr(cache, "layers") else None
         if not layers:
             raise InvalidObject(f"save takes a DynamicCache, got {type(cache).__name__}")
-        from transformers.cache_utils import DynamicLayer
-
-        other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        other = sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, _ArrivingLayer)})
         if other:  # quantized layers hold only a residual window in .keys, sliding ones the last window
             raise InvalidObject(f"save takes a DynamicCache of full-attention layers; this cache has "
                                 f"{', '.join(other)}",
@@ -350,7 +433,9 @@ class PrefixCache:
         With beam search (or several sequences returned) the cache's rows are beams, not the
         returned sequence: it runs ``model.generate`` alone, loading and saving nothing (logged
         once).  A save that
-        fails is logged; the generation is returned all the same."""
+        fails is logged; the generation is returned all the same.  With ``overlap_load`` the
+        prefix is loaded with ``load(background=True)``: a chunk found damaged meanwhile is
+        logged and deleted, and the generation runs again over the shorter prefix."""
         ids = self._rows(input_ids).to(self.model.device)
         if ids.shape[0] != 1:
             raise InvalidObject("generate takes one row of token ids", hint="call it per row")
@@ -370,8 +455,17 @@ class PrefixCache:
                 _log.warning("tierstore: PrefixCache.generate neither loads nor saves under beam search or several "
                              "returned sequences (the cache's rows are beams, not one sequence)")
             return self.model.generate(ids, **kwargs)
-        cache, _ = self.load(ids)
-        out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
+        cache, _ = self.load(ids, background=self.overlap_load)
+        try:
+            out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
+        except TierstoreError:
+            arrival = getattr(cache.layers[0], "arrival", None) if cache.layers else None
+            if not isinstance(arrival, _Arrival) or arrival.error is None:
+                raise
+            # a chunk was damaged or deleted while it was being read (logged, and deleted if
+            # damaged): the shorter prefix, read whole first
+            cache, _ = self.load(ids)
+            out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
         if not self.writable:
             return out
@@ -383,3 +477,82 @@ class PrefixCache:
         except TierstoreError as e:  # the generation stands; its chunks are a later miss
             _log.warning("tierstore: PrefixCache.generate could not save its chunks: %s", e)
         return out
+
+
+class _Arrival:
+    """The layers of a stored prefix, read by a thread in layer order: ``wait(i)`` returns once
+    layer i is in place, or raises the error that stopped the read before it."""
+
+    def __init__(self, read_layer: Callable[[int], None], count: int) -> None:
+        self._done = 0  # layers in place
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, args=(read_layer, count), name="tierstore-prefix-load", daemon=True).start()
+
+    def _run(self, read_layer: Callable[[int], None], count: int) -> None:
+        for i in range(count):
+            try:
+                read_layer(i)
+            except BaseException as e:  # (handed to whoever waits for this layer: nothing is swallowed)
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._done = i + 1
+                self._cond.notify_all()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the read (None: nothing, so far)."""
+        with self._cond:
+            return self._error
+
+    def wait(self, i: int) -> None:
+        with self._cond:
+            while self._done <= i and self._error is None:
+                self._cond.wait()
+            if self._done <= i:
+                assert self._error is not None
+                raise self._error
+
+
+class _ArrivingLayer(DynamicLayer):
+    """A ``DynamicLayer`` over tensors a background load is filling: its ``keys`` and ``values``
+    wait for the layer's data on first use (so nothing reads them half written); its length is
+    known at once."""
+
+    _pending = False  # (the base class's __init__ sets keys and values before ours runs)
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, arrival: _Arrival, index: int) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._keys, self._values = keys, values
+        self._tokens = keys.shape[-2]
+        self.arrival, self._index, self._pending = arrival, index, True
+
+    def _arrived(self) -> None:
+        if self._pending:
+            self.arrival.wait(self._index)
+            self._pending = False
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        self._arrived()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor) -> None:
+        self._keys = value
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        self._arrived()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor) -> None:
+        self._values = value
+
+    def get_seq_length(self) -> int:
+        return self._tokens if self._pending else super().get_seq_length()
