@@ -197,7 +197,7 @@ def write_case(name: str, *, segment_bytes: int = 1 << 20, torn: bool = False, c
             f.write(bytes([b[0] ^ 0x20]))
     shutil.rmtree(store_dir / "index")
     os.remove(store_dir / "LOCK")
-    for coordination in ("APPEND", "COMPACT"):  # several writers' coordination files (SPEC.md §1): not format
+    for coordination in ("APPEND", "COMPACT", "COMMIT"):  # several writers' coordination files (SPEC.md §1): not format
         if (store_dir / coordination).exists():
             os.remove(store_dir / coordination)
     if (store_dir / fmt.RESERVE_FILE).exists():

@@ -54,6 +54,7 @@ from .index import damaged as index_damaged
 from .index import stamp as index_stamp
 from .lock import (
     AppendLock,
+    CommitTurn,
     acquire_writer_lock,
     alone_now,
     claim,
@@ -72,7 +73,7 @@ _NOWHERE: dict[str, Any] = {}  # an error's where, filled in by whoever catches 
 STORE_ENTRIES = frozenset({fmt.LOCK_FILE, fmt.SEGMENTS_DIR, fmt.INDEX_DIR, fmt.QUARANTINE_DIR,
                            fmt.INDEX_DIR + ".rebuild", fmt.RESERVE_FILE, fmt.REMOTE_FILE,
                            fmt.REMOTE_FILE + ".tmp", fmt.APPEND_FILE, fmt.COMPACT_FILE, fmt.REMOTE_LOCK_FILE,
-                           fmt.INFLIGHT_FILE, fmt.STAMPS_FILE})
+                           fmt.INFLIGHT_FILE, fmt.STAMPS_FILE, fmt.COMMIT_FILE})
 QUARANTINE_RECOUNT_S = 2.0  # quarantine/'s bytes are counted again at least this often (disk_bytes)
 RESERVE_AUTO = 8 << 20  # reserve_bytes=None: this much, once the segments hold RESERVE_AUTO_FROM bytes
 RESERVE_AUTO_FROM = 256 << 20
@@ -222,6 +223,7 @@ class Engine:
         self.counters = {"sync_requests": 0, "index_commits": 0, "abandoned_catch_ups": 0}
         self.write_lock: Any = threading.RLock()  # the append lock once opened writable
         self._append: AppendLock | None = None
+        self._turn: CommitTurn | None = None  # beside other writers: the index commits' turn (COMMIT)
         self.alone = True  # no other process had the store open for writing when this one opened
         self._entered_at: tuple[int, int, int] | None = None  # the log's end when the append lock was taken
         self._marked = False  # APPEND says "writing" (this process wrote under the append lock it holds)
@@ -309,6 +311,7 @@ class Engine:
         # writer has the store open (then this one may recover the log and rebuild the index),
         # shared beside them otherwise (SPEC.md §7.8)
         self._append = append = AppendLock(io, self.path)
+        self._turn = CommitTurn(io, self.path)
         append.acquire(timeout=self.options.lock_timeout)
         try:
             self._lock_fd, self.alone = join_writers(io, self.path, self.options.lock_timeout)
@@ -599,6 +602,8 @@ class Engine:
             self._lock_fd = -1
         if self._append is not None:
             self._append.close()
+        if self._turn is not None:
+            self._turn.close()
 
     @property
     def append_lock(self) -> Any:
@@ -813,19 +818,25 @@ class Engine:
             assert self.log is not None
             self._see_range(behind, self.log.position())
 
-    def _see_for_commit(self, limit: int) -> None:
+    def _see_for_commit(self, limit: int, upto: tuple[int, int] | None) -> None:
         """What the committer needs of ``see_all``: the range is noted under the append lock (no
         ``see_all`` is then half done), then read without it -- the records before the end this
         log adopted are whole and never change -- so appends go on meanwhile.  The range stays
-        marked unseen for decisions (``see_all`` reads what the index has not applied since)."""
+        marked unseen for decisions (``see_all`` reads what the index has not applied since).
+        ``upto``: where the record at LSN ``limit`` ends (the log's last sync): nothing after it
+        is read -- the commit applies nothing past the limit, and another writer's commit may
+        apply those records before this one needs them."""
         assert self.log is not None and self._append is not None and self.index is not None
         with self._append:
             behind, end = self._behind, self.log.position()
         if behind is not None and behind[2] <= limit and self.index.applied().lsn < limit:
+            if upto is not None and upto < end[:2]:
+                end = (upto[0], upto[1], limit + 1)
             self._see_range(behind, end)
 
     def _see_range(self, start: tuple[int, int, int], end: tuple[int, int, int]) -> None:
-        """Merge other processes' records in [start, end) that the index has not applied."""
+        """Merge other processes' records in [start, end) that the index has not applied (the
+        segments are read up to ``end``, a record boundary, and no further)."""
         assert self.index is not None
         applied = self.index.applied()
         after = (applied.segment, rec.align_up(applied.end, fmt.RECORD_ALIGN), applied.lsn + 1)
@@ -838,7 +849,8 @@ class Engine:
         for attempt in range(3):
             try:
                 scan = recovery.scan_log(self.io, self.path, self.store_uuid, frm, writable=False, repair=False,
-                                         verify_tail=False, skip=self.log.mine if self.log is not None else None)
+                                         verify_tail=False, skip=self.log.mine if self.log is not None else None,
+                                         stop=end[:2])
                 break
             except (recovery.IndexAhead, FileNotFoundError):
                 # another process's compaction retired a segment (the first, or one listed before it
@@ -1035,11 +1047,25 @@ class Engine:
                 log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
             with log.append_lock:  # (an append_group advances the log before it hands its records to the
                 # memtable: read under the lock, the limit never names part of a group not yet pending)
-                limit = log.written_lsn if self.durability == "none" else log.durable_lsn
-            if self._append is not None:  # other processes' records below the limit: read them first
-                self._see_for_commit(limit)
-            with self._merge_lock:  # no other process's records merge in below the batch meanwhile
-                self._apply_pending(limit, force, sync, now)
+                if self.durability == "none":
+                    limit, upto = log.written_lsn, None
+                else:  # (and a position at or past where the record at the limit ends)
+                    limit, upto = log.durable_point()
+            with self._commit_turn():
+                if self._append is not None:  # other processes' records below the limit: read them first
+                    self._see_for_commit(limit, upto)
+                with self._merge_lock:  # no other process's records merge in below the batch meanwhile
+                    self._apply_pending(limit, force, sync, now)
+
+    def _commit_turn(self) -> contextlib.AbstractContextManager[None]:
+        """Beside other writers, the commits' turn (SPEC.md §7.8): one process at a time reads
+        other writers' records and applies them; a process waiting for its turn then finds most
+        of them applied, and reads only the rest.  Not while this thread holds the append lock
+        (the turn's holder may be waiting for it): the commit then reads what it needs alone, as
+        without the turn."""
+        if self._turn is None or self._turn.fd < 0 or (self._append is not None and self._append.held_here()):
+            return contextlib.nullcontext()
+        return self._turn.turn()
 
     def _apply_pending(self, limit: int, force: bool, sync: bool, now: float) -> None:
         """Apply the pending records up to LSN ``limit`` (the caller holds the commit and merge locks)."""

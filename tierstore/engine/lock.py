@@ -1,5 +1,5 @@
 """The locks of a store directory (SPEC.md §7.8): the writer lock on LOCK, the append lock on
-APPEND, the compaction lock on COMPACT.
+APPEND, the compaction lock on COMPACT, the index commits' turn on COMMIT.
 
 Writable handles hold a *shared* ``flock`` on LOCK for their life; a handle that finds no
 other writer takes it exclusively while it opens (it may then recover and rebuild), and tools
@@ -13,12 +13,13 @@ hooks of ``AppendLock``.  Closing a descriptor (or the process dying) releases i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import StoreLocked
@@ -132,6 +133,7 @@ class AppendLock:
         self.fd = io.open(self.path, os.O_RDWR | os.O_CREAT)
         self._lock = threading.RLock()
         self._depth = 0
+        self._owner: int | None = None  # the thread that holds it (None: no thread)
         self.on_enter: Callable[[], None] | None = None
         self.on_leave: Callable[[], None] | None = None
 
@@ -152,6 +154,7 @@ class AppendLock:
             self._lock.release()
             raise
         self._depth = 1
+        self._owner = threading.get_ident()
         if self.on_enter is not None:
             try:
                 self.on_enter()
@@ -172,10 +175,15 @@ class AppendLock:
 
     def _unlock(self) -> None:
         self._depth = 0
+        self._owner = None
         try:
             self.io.flock(self.fd, fcntl.LOCK_UN)
         finally:
             self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return self._owner == threading.get_ident()
 
     def __enter__(self) -> "AppendLock":
         self.acquire()
@@ -193,6 +201,32 @@ class AppendLock:
 
     def write_state(self, data: bytes) -> None:
         os.pwrite(self.fd, data, 0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.io.close(self.fd)
+            self.fd = -1
+
+
+class CommitTurn:
+    """Index commits of writers beside others take turns (SPEC.md §7.8): an exclusive ``flock``
+    on COMMIT is held while a commit reads other writers' records and applies them, so that a
+    record is read by one writer's commit, not by each one's -- the next in turn finds the index
+    applied past most of what it would have read.  Correctness does not rest on it (a commit
+    skips what another applied, turn or no turn): it saves CPU.  A thread that holds the append
+    lock never waits for a turn (the holder of the turn may be waiting for the append lock)."""
+
+    def __init__(self, io: PosixIO, root: str) -> None:
+        self.io = io
+        self.fd = io.open(os.path.join(root, fmt.COMMIT_FILE), os.O_RDWR | os.O_CREAT)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        self.io.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            self.io.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -86,7 +86,7 @@ class Log:
         self.written = (active, tail)  # the OS holds every byte before this position
         self.written_lsn = next_lsn - 1
         self.durable = (active, tail)  # every byte before this position is synced
-        self.durable_lsn = next_lsn - 1
+        self.durable_lsn = next_lsn - 1  # (moved after durable: see durable_point)
         # the end of the records other writer processes appended, as last adopted (SPEC.md §7.8):
         # a take-back after a failed write never cuts below it
         self._floor, self._floor_lsn = (active, tail), next_lsn - 1
@@ -544,7 +544,7 @@ class Log:
         # before they are durable -- and the committer applies up to durable_lsn; that sync's end
         # moves durable on)
         if self.sync_enabled and not self._sealed_in_flight:
-            self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
+            self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)  # (before durable_lsn: see durable_point)
             self.durable_lsn = self.next_lsn - 1
             self.unsynced_bytes = 0
             self.oldest_unsynced = None
@@ -625,8 +625,16 @@ class Log:
                         self.io.close(old)
                     except OSError:
                         pass
-            self.durable = max(self.durable, pos)
+            self.durable = max(self.durable, pos)  # (before durable_lsn: see durable_point)
             self.durable_lsn = max(self.durable_lsn, lsn)
+
+    def durable_point(self) -> tuple[int, tuple[int, int]]:
+        """The last durable LSN and a position every durable byte lies before, read without a
+        lock: the LSN first -- ``sync`` and a rollover move ``durable`` before ``durable_lsn``, so
+        the position read after the LSN is never before the end of that LSN's record (a later
+        one only makes a reader of the log up to it read a little more)."""
+        lsn = self.durable_lsn
+        return lsn, self.durable
 
     def _sync_fits(self) -> bool:
         """Whether a SYNC record fits in the active segment (caller holds append_lock)."""

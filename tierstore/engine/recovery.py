@@ -219,8 +219,10 @@ class _LogScanner:
                  verify_sealed: bool, progress: Callable[[int], None] | None, proven_lsn: int = 0,
                  verify_tail: bool = True,
                  witness: Callable[[int, int], rec.RecordHeader | None] | None = None,
-                 skip: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> None:
+                 skip: dict[tuple[int, int], tuple[int, int, int]] | None = None,
+                 stop: tuple[int, int] | None = None) -> None:
         self.proven_lsn = proven_lsn  # records up to this LSN are known to have been synced
+        self.stop = stop  # where the log is read as if it ended (scan_log)
         self.skip = skip  # the caller's own records: passed over unread (SegmentScanner)
         # repair: the previous index's copy of the record header at (segment, offset), if it had one
         self.witness = witness
@@ -249,6 +251,8 @@ class _LogScanner:
             if not segs or segs[0] != start.segment:
                 raise IndexAhead(f"segment {start.segment} of the applied position is missing")
             self.result.last = start
+        if self.stop is not None:
+            segs = [s for s in segs if s <= self.stop[0]]
         expect: int | None = start.lsn + 1 if resume and start is not None else None
         for n, seg in enumerate(segs):
             first = resume and n == 0
@@ -319,6 +323,8 @@ class _LogScanner:
                                         f"segment base LSN {header.base_lsn} below {expect}, the next expected")
                 expect = header.base_lsn
             size = io.size(fd)
+            if self.stop is not None and seg == self.stop[0]:
+                size = min(size, max(self.stop[1], offset))
             scanner = seglib.SegmentScanner(io, fd, seg, path=path, start=offset, expect_lsn=expect,
                                             verify_payload=self._verify(is_last), size=size, skip=self.skip)
             group: _Group | None = None  # an atomic group (SPEC.md §7.7) whose records are still coming
@@ -765,18 +771,23 @@ def scan_log(io: PosixIO, root: str, store_uuid: bytes | None, start: Applied | 
              repair: bool, verify_sealed: bool = False, progress: Callable[[int], None] | None = None,
              proven_lsn: int = 0, verify_tail: bool = True,
              witness: Callable[[int, int], rec.RecordHeader | None] | None = None,
-             skip: dict[tuple[int, int], tuple[int, int, int]] | None = None) -> LogScan:
+             skip: dict[tuple[int, int], tuple[int, int, int]] | None = None,
+             stop: tuple[int, int] | None = None) -> LogScan:
     """Scan the log from ``start`` (None: from the first segment) and cut a torn tail if writable.
     ``verify_tail=False`` skips the payload checksums of the last segment (a writer catching up
     with records other live writers wrote whole, SPEC.md §7.8).  ``skip``: the caller's own
-    records, passed over unread and left out of the result (``SegmentScanner``).
+    records, passed over unread and left out of the result (``SegmentScanner``).  ``stop``: a
+    position (segment, offset) at a record boundary where the log is read as if it ended
+    there (a writer reading other writers' records up to its own last sync; not with
+    ``writable``, which would cut what lies after it).
 
     Returns the records past ``start`` in LSN order and where the valid log ends.  Raises
     ``IndexAhead`` when ``start`` is not in the log.  See the module docstring for the rules.
     """
+    assert stop is None or not writable
     return _LogScanner(io, root, store_uuid, writable=writable, repair=repair, verify_sealed=verify_sealed,
                        progress=progress, proven_lsn=proven_lsn, verify_tail=verify_tail, witness=witness,
-                       skip=skip).run(start)
+                       skip=skip, stop=stop).run(start)
 
 
 def check_applied(io: PosixIO, root: str, applied: Applied) -> bool:

@@ -164,6 +164,7 @@ LOCK_FILE = "LOCK"
 # --- SPEC.md §7.8 Several writer processes (coordination files, not data) -------------------
 APPEND_FILE = "APPEND"  # flock held per append; holds the log end its last holder left
 COMPACT_FILE = "COMPACT"  # flock held by a compaction
+COMMIT_FILE = "COMMIT"  # flock held by a writer beside others while its index commit reads and applies
 APPEND_MAGIC = b"TSAP"
 APPEND_CLEAN, APPEND_WRITING = 0, 1  # state bit 0: the holder let go / is writing (or died writing)
 APPEND_REFS = 2  # state bit 1: the log holds (or held) session references (§5.4)
