@@ -922,3 +922,71 @@ def test_batch_calls_refuse_what_is_not_a_sequence_as_invalid_object(store_path,
                 call(bad)
         s.put_many(iter([("a", Blob(b"x"))]))  # any iterable is a sequence here
         assert s.contains_many(iter(["a", "b"])) == [True, False]
+
+
+def test_a_get_many_the_store_closes_under_ends_with_store_closed_never_hangs(tmp_path):
+    """close() cancels the reads get_many queued on its reader threads; concurrent.futures'
+    wait() never wakes for a future cancelled that way, so the call hung for good (4 to 21 of
+    40 tries, a review 2026-12-03), or a read still in flight let go of a segment close() had
+    already forgotten (KeyError).  It ends with StoreClosed (or its objects) now."""
+    import random
+    import time
+
+    kv = np.random.default_rng(0).standard_normal((8, 2, 4, 256, 64)).astype(np.float32)  # 4 MiB each
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        s.put_many([(f"c{i}", KVCache(kv)) for i in range(12)])
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+    for _ in range(25):
+        s = tierstore.open(path, dram_bytes=0)
+        box: list[str] = []
+        t = threading.Thread(target=_read_all, args=(s, box), daemon=True)
+        t.start()
+        time.sleep(rng.random() * 0.004)
+        s.close()
+        t.join(20)
+        assert box, "get_many hung after close()"
+        outcomes[box[0]] = outcomes.get(box[0], 0) + 1
+    assert set(outcomes) <= {"objects", "StoreClosed"}, outcomes
+
+
+def _read_all(s, box: list[str]) -> None:
+    try:
+        s.get_many([f"c{i}" for i in range(12)])
+        box.append("objects")
+    except tierstore.StoreClosed:
+        box.append("StoreClosed")
+    except Exception as e:  # noqa: BLE001 (the test reports what else came out)
+        box.append(f"{type(e).__name__}: {e}")
+
+
+@needs_torch
+def test_gpu_destinations_that_are_chunk_views_of_one_cache_are_not_taken_for_shared(store_path, monkeypatch):
+    """Pieces in GPU memory have no numpy view, and were compared by their byte ranges only: the
+    per-chunk views of a model's cache tensors ([1, kv_heads, tokens, head_dim] split by tokens)
+    overlap in range whenever kv_heads > 1, so a load of several chunks into a CUDA cache was
+    refused as "sharing memory" (a review, 2026-12-03; no GPU here: GPU pieces are emulated by
+    hiding the host views of CPU tensors, as tierstore sees a CUDA tensor).  Their layouts are
+    compared now; views that do overlap are still refused."""
+    import torch
+
+    from tierstore import arrays
+    from tierstore.format import block
+
+    monkeypatch.setattr(arrays, "host_view", lambda t: None if arrays.is_torch_tensor(t) else t)
+    monkeypatch.setattr(block, "_host_destination", lambda *a, **k: None)
+    kv = np.random.default_rng(0).standard_normal((3, 2, 4, 16, 8)).astype(np.float32)
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"c{i}", KVCache(kv * (i + 1))) for i in range(4)])
+        dest = [(torch.empty(1, 4, 64, 8), torch.empty(1, 4, 64, 8)) for _ in range(3)]
+        views = [(k[0].split(16, dim=1), v[0].split(16, dim=1)) for k, v in dest]
+        out = [[(ks[i], vs[i]) for ks, vs in views] for i in range(4)]
+        s.get_many([f"c{i}" for i in range(4)], out=out)
+        for i in range(4):
+            for layer, (k, v) in enumerate(dest):
+                assert np.array_equal(k[0, :, 16 * i:16 * (i + 1)].numpy(), kv[layer, 0] * (i + 1))
+                assert np.array_equal(v[0, :, 16 * i:16 * (i + 1)].numpy(), kv[layer, 1] * (i + 1))
+        out[3] = out[1]  # two keys into the same views
+        with pytest.raises(InvalidObject, match="share memory"):
+            s.get_many([f"c{i}" for i in range(4)], out=out)

@@ -612,3 +612,69 @@ def test_generate_overlaps_the_load_only_when_asked(store_path, monkeypatch):
             assert asked[0] == first
         with pytest.raises(InvalidObject, match="overlap_load"):
             PrefixCache(store, model, overlap_load=None)
+
+
+def test_a_chunk_replaced_by_a_lossy_version_during_a_background_load_is_never_used(store_path, monkeypatch):
+    """Each layer of a background load is read in a snapshot of its own: a chunk replaced by an
+    int8 version between two layers gave layer 0 lossless KV and the rest lossy, unwarned (a
+    review, 2026-12-03).  The read checks that every chunk is still the version found
+    lossless after each layer; a replaced one stops it (and generate loads again)."""
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        PrefixCache(store, model, chunk_tokens=16).generate(ids, max_new_tokens=1, do_sample=False)
+        pc = PrefixCache(store, model, chunk_tokens=16, overlap_load=True)
+        h = pc.hashes(ids[0])[1]
+        lossless = store.get(h, namespace="transformers")
+        real, done = store.get_many, []
+
+        def replacing_between_layers(keys, **kw):
+            if kw.get("layers") == [1] and not done:
+                done.append(store.put(h, lossless, namespace="transformers", codec="int8"))
+            return real(keys, **kw)
+
+        monkeypatch.setattr(store, "get_many", replacing_between_layers)
+        cache, n = pc.load(ids, background=True)
+        assert n == 64
+        with pytest.raises(tierstore.TierstoreError, match="replaced"):
+            model(ids[:, n:], **{pc.cache_argument: cache})
+        done.clear()
+        store.put(h, lossless, namespace="transformers")  # lossless again; replaced once more mid-load
+        assert torch.equal(pc.generate(ids, max_new_tokens=4, do_sample=False), _greedy(model, ids, 4))
+        monkeypatch.setattr(store, "get_many", real)
+        assert pc.load(ids)[1] == 16  # chunk 1 is int8 now: a lossless prefix ends before it
+
+
+def test_a_background_loaded_cache_copies_resets_and_fills_inference_mode_tensors_normally(store_path):
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.inference_mode():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        whole, n = pc.load(ids)
+        assert not whole.layers[0].keys.is_inference()  # (the store's reader threads may fill it)
+        behind, _ = pc.load(ids, background=True)
+        twin = copy.deepcopy(behind)  # transformers' prefix reuse idiom: a plain copy, no thread or lock
+        assert all(type(layer).__name__ == "DynamicLayer" for layer in twin.layers)
+        for a, b in zip(twin.layers, whole.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        rest = model(ids[:, n:], **{pc.cache_argument: twin}).logits
+        assert torch.equal(rest, model(ids[:, n:], **{pc.cache_argument: whole}).logits)
+        again, _ = pc.load(ids, background=True)
+        again.reset()
+        assert again.get_seq_length() == 0  # (it said 64 until a layer was used)
+
+
+def test_generate_under_assisted_decoding_loads_and_saves_nothing(store_path, caplog):
+    """transformers' assisted decoding over a cache that holds a prefix leaves KV a full prefill
+    does not give (chunks differing by 0.75, a review 2026-12-03): saved, it would poison every
+    later load."""
+    model = _model("llama")
+    ids = _ids(100)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            out = pc.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                                               attention_mask=torch.ones_like(ids)))
+        assert store.keys(namespace="transformers") == [] and any("assisted" in m for m in caplog.messages)

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, wait
+from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -1470,7 +1470,11 @@ class Store:
                     for n, blob in zip(batch, blobs):
                         result[n] = blob
         finally:
-            wait(futures.values())  # every read ends before the call returns or raises
+            for f in futures.values():  # every read ends before the call returns or raises (one
+                try:  # at a time: wait() never wakes for a future that close() cancelled)
+                    f.exception()
+                except CancelledError:
+                    pass
         for n, f in futures.items():
             try:
                 result[n] = f.result()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptionError, FormatVersionError
+from ..errors import CorruptionError, FormatVersionError, StoreClosed
 from ..format import constants as fmt
 from ..format import record as rec
 from .fileio import (
@@ -620,6 +620,7 @@ class SegmentFiles:
         self._fds: dict[int, list[int]] = {}  # id -> [fd, direct fd or -1, refs]
         self._retired: set[int] = set()
         self._next_sweep = 0.0
+        self._closed = False  # close_all ran: nothing opens a segment any more
 
     def path(self, seg_id: int) -> str:
         return os.path.join(self.seg_dir, segment_name(seg_id))
@@ -631,6 +632,8 @@ class SegmentFiles:
                 self._sweep()
             ent = self._fds.get(seg_id)
             if ent is None:
+                if self._closed:  # (a read that began before the store closed: no fd it would leak)
+                    raise StoreClosed("the store was closed during the read", path=self.seg_dir)
                 path = self.path(seg_id)
                 fd = open_segment(self.io, path)
                 self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
@@ -645,7 +648,9 @@ class SegmentFiles:
 
     def release(self, seg_id: int) -> None:
         with self._lock:
-            ent = self._fds[seg_id]
+            ent = self._fds.get(seg_id)
+            if ent is None:  # (closed meanwhile: close_all with no read in flight on it)
+                return
             ent[2] -= 1
             if ent[2] == 0 and seg_id in self._retired:
                 self._close(seg_id)
@@ -685,7 +690,13 @@ class SegmentFiles:
             self.io.close(dfd)
 
     def close_all(self) -> None:
+        """Close every segment's fds; those a read still uses (a read that began before the
+        store closed) when it lets go -- never under it, where the fd's number could be
+        reused by another file."""
         with self._lock:
-            for seg in list(self._fds):
-                self._close(seg)
-            self._retired.clear()
+            self._closed = True
+            for seg, ent in list(self._fds.items()):
+                if ent[2] == 0:
+                    self._close(seg)
+                else:
+                    self._retired.add(seg)

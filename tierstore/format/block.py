@@ -10,6 +10,7 @@ This module does no I/O: reading is delegated to an ``ExtentReader``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -385,7 +386,7 @@ def layer_destination(hdr: rec.RecordHeader, layers: Any, out: Any) -> LayerDest
                                     "it cannot hold distinct values")
             lo, hi = _bounds(p)
             mine.append(arrays.host_view(p))
-            spans.append((lo, hi, mine[-1], i))
+            spans.append((lo, hi, mine[-1] if mine[-1] is not None else _DeviceLayout.of(p), i))
         if len(mine) == 1:  # one [2, ...] piece: its two halves
             mine = [None, None] if mine[0] is None else [mine[0][0], mine[0][1]]
         views.append((mine[0], mine[1]))
@@ -456,6 +457,21 @@ def _bounds(p: Any) -> tuple[int, int]:
     return lo, start + sum(st * (n - 1) for st, n in zip(strides, p.shape) if st > 0) * size + size
 
 
+@dataclasses.dataclass(frozen=True)
+class _DeviceLayout:
+    """The layout of a piece in GPU memory (no numpy view of it exists), for ``_shared_runs``:
+    its shape, its strides in bytes and its element size."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, t: Any) -> _DeviceLayout:
+        size = t.element_size()
+        return cls(tuple(int(n) for n in t.shape), tuple(int(st) * size for st in t.stride()), size)
+
+
 def _shares(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays share memory (exactly; a case too costly to decide counts as shared)."""
     try:
@@ -521,8 +537,9 @@ def _first_shared(spans: list[tuple[int, int, Any, Any]],
                   apart: Callable[[Any, Any], bool] | None = None) -> tuple[Any, Any] | None:
     """The tags of two spans (first byte, end, host view or None, tag) whose memory is shared,
     or None: pieces whose byte ranges overlap are compared exactly (K and V interleaved in one
-    tensor do not share memory, though their ranges overlap); CUDA pieces by their ranges
-    only.  Pairs for which ``apart(tag, tag2)`` is false are not compared."""
+    tensor do not share memory, though their ranges overlap); CUDA pieces by their layouts
+    when there are many (``_shared_runs``: the per-chunk views of a model's cache), else by
+    their ranges.  Pairs for which ``apart(tag, tag2)`` is false are not compared."""
     spans = sorted(spans, key=lambda x: x[0])
     reach = -1
     for lo, hi, _, _ in spans:  # (the common case: no two byte ranges overlap)
@@ -543,8 +560,8 @@ def _first_shared(spans: list[tuple[int, int, Any, Any]],
                 break
             if apart is not None and not apart(tag, tag2):
                 continue
-            if view is None or view2 is None or _shares(view, view2):
-                return tag, tag2
+            if type(view) is not np.ndarray or type(view2) is not np.ndarray or _shares(view, view2):
+                return tag, tag2  # (a GPU piece: by its byte range)
     return None
 
 
@@ -562,7 +579,8 @@ def _spans_of(dest: Any) -> list[tuple[int, int, Any, int]]:
     """The memory of a read's destination (``LayerDest``, or one array or tensor) as spans."""
     if isinstance(dest, LayerDest):
         return dest.spans
-    return [(*_bounds(dest), arrays.host_view(dest), 0)]
+    view = arrays.host_view(dest)
+    return [(*_bounds(dest), view if view is not None else _DeviceLayout.of(dest), 0)]
 
 
 def check_apart(dests: list[tuple[int, Any, Any]]) -> None:

@@ -151,6 +151,7 @@ class PrefixCache:
         self.writable = not store.readonly and (not isinstance(store, NamespaceHandle) or store.name == namespace)
         self._warned: set[bytes] = set()  # damaged chunks it cannot delete: warned once each
         self._warned_beams = False
+        self._warned_assisted = False
         self._warned_lossy = False
         self._warned_padding = False
         self.store, self.model = store, model
@@ -216,14 +217,14 @@ class PrefixCache:
         if ids.shape[0] != 1:
             raise InvalidObject("load takes one row of token ids (a DynamicCache holds one prefix length)",
                                 hint="call it per row; save() takes a batch")
-        chunks, n = self._stored_chunks(ids)
+        chunks, n, versions = self._stored_chunks(ids)
         if background and chunks:
             try:
                 dest = self._destination(chunks[0], n)
             except (TierstoreError, AttributeError, TypeError, ValueError):
                 pass  # the synchronous read below names what is wrong and shortens the prefix
             else:
-                cache = self._arriving(chunks, dest)
+                cache = self._arriving(chunks, dest, versions)
                 if cache is not None:
                     return cache, n
         dest: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V [1, kv_heads, n, head_dim]
@@ -245,6 +246,11 @@ class PrefixCache:
             if got < todo:  # deleted or evicted since match_prefix: a shorter prefix
                 _log.warning("tierstore: chunk %d of a stored prefix is gone; recomputing from token %d",
                              got, got * tc)
+            changed = self._replaced(chunks[:got], versions)
+            if changed is not None:  # (the version read may not be the one found lossless)
+                _log.warning("tierstore: chunk %d of a stored prefix was replaced while it was read; recomputing "
+                             "from token %d", changed, changed * tc)
+                got = changed
             break
         cache = DynamicCache(config=self.model.config)
         if not got:
@@ -259,31 +265,48 @@ class PrefixCache:
                 layer.update(k, v)
         return cache, n
 
-    def _stored_chunks(self, ids: torch.Tensor) -> tuple[list[bytes], int]:
-        """The keys of the stored chunks ``load`` may read for one row, and their tokens:
-        ``match_prefix``, ended before the first lossy chunk where lossless KV is expected."""
+    def _stored_chunks(self, ids: torch.Tensor) -> tuple[list[bytes], int, list[int] | None]:
+        """The keys of the stored chunks ``load`` may read for one row, their tokens, and
+        (where lossless KV is expected) the LSNs of the versions found lossless: ``match_prefix``,
+        ended before the first lossy chunk."""
         chunks = self._matched(ids)
         tc = self.chunk_tokens
         n = len(chunks) * tc
         if not self.lossless:
-            return chunks, n
+            return chunks, n, None
+        versions: list[int] = []
         # lossy chunks under lossless keys (a store whose default codec for KV is lossy,
         # open(codecs=...)): the prefix ends before the first
         for i, h in enumerate(chunks):
             try:
-                lossless = self.store.info(h, namespace=self.namespace).lossless
+                info = self.store.info(h, namespace=self.namespace)
+                lossless = info.lossless
             except (TierstoreError, AttributeError, TypeError, ValueError) as e:
                 _log.warning("tierstore: chunk %d (key %s...) of a stored prefix could not be described (%s); "
                              "recomputing from token %d", i, h.hex()[:16], getattr(e, "message", e), i * tc)
-                return chunks[:i], i * tc  # (the prefix ends there: nothing unchecked is loaded)
+                return chunks[:i], i * tc, versions  # (the prefix ends there: nothing unchecked is loaded)
             if not lossless:
                 if not self._warned_lossy:
                     self._warned_lossy = True
                     _log.warning("tierstore: stored chunk %d is lossy where this PrefixCache expects lossless "
                                  "KV: the prefix ends there (the store's default codec for KV, "
                                  "open(codecs=...), made it lossy)", i)
-                return chunks[:i], i * tc
-        return chunks, n
+                return chunks[:i], i * tc, versions
+            versions.append(info.lsn)
+        return chunks, n, versions
+
+    def _replaced(self, chunks: list[bytes], versions: list[int] | None) -> int | None:
+        """The first of ``chunks`` whose version is no longer the one ``_stored_chunks`` found
+        lossless (replaced meanwhile: the read may have taken the new one), or None."""
+        if versions is None:
+            return None
+        for i, h in enumerate(chunks):
+            try:
+                if self.store.info(h, namespace=self.namespace).lsn != versions[i]:
+                    return i
+            except TierstoreError:
+                return i
+        return None
 
     def _destination(self, first: bytes, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the K and V tensors ``[1, kv_heads, n, head_dim]`` a prefix of ``n``
@@ -292,8 +315,11 @@ class PrefixCache:
         heads, _, hd = info.shape[2:]
         dtype = getattr(torch, info.dtype)  # as saved (the cache's dtype, e.g. under autocast)
         device = self.model.device
-        return [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
-                 torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
+        # normal tensors even under torch.inference_mode(): the store's reader threads fill them,
+        # and an inference tensor may not be changed outside inference mode
+        with torch.inference_mode(False):
+            return [(torch.empty(1, heads, n, hd, dtype=dtype, device=device),
+                     torch.empty(1, heads, n, hd, dtype=dtype, device=device)) for _ in range(info.shape[0])]
 
     def _views(self, dest: list[tuple[torch.Tensor, torch.Tensor]], chunks: int,
                layers: Any) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -325,7 +351,8 @@ class PrefixCache:
                 self._warned.add(chunks[i])
         return i
 
-    def _arriving(self, chunks: list[bytes], dest: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache | None:
+    def _arriving(self, chunks: list[bytes], dest: list[tuple[torch.Tensor, torch.Tensor]],
+                  versions: list[int] | None) -> DynamicCache | None:
         """A DynamicCache over ``dest`` whose layers a thread reads, in layer order, from
         ``chunks`` (load(background=True)); None where the model's cache layers are not plain
         ``DynamicLayer``s, one per stored layer."""
@@ -346,6 +373,12 @@ class PrefixCache:
                              gone, gone * self.chunk_tokens)
                 raise NotFound("a chunk of the stored prefix was deleted while it was being loaded",
                                key=chunks[gone], namespace=self.namespace)
+            changed = self._replaced(chunks, versions)  # (each layer is read in a snapshot of its own)
+            if changed is not None:
+                _log.warning("tierstore: chunk %d of a stored prefix was replaced while it was loaded", changed)
+                raise TierstoreError("a chunk of the stored prefix was replaced while it was being loaded (its "
+                                     "layers could come from two versions)", key=chunks[changed],
+                                     namespace=self.namespace, hint="load it again")
 
         cache = DynamicCache(config=self.model.config)
         if len(cache.layers) != len(dest) or any(type(layer) is not DynamicLayer for layer in cache.layers):
@@ -431,11 +464,14 @@ class PrefixCache:
         other arguments go to ``generate`` unchanged (``attention_mask`` is made for the full
         row; one with zeros, i.e. padding, is refused: the KV of a padded row is not the row's).
         With beam search (or several sequences returned) the cache's rows are beams, not the
-        returned sequence: it runs ``model.generate`` alone, loading and saving nothing (logged
-        once).  A save that
-        fails is logged; the generation is returned all the same.  With ``overlap_load`` the
-        prefix is loaded with ``load(background=True)``: a chunk found damaged meanwhile is
-        logged and deleted, and the generation runs again over the shorter prefix."""
+        returned sequence, and assisted decoding (``assistant_model``,
+        ``prompt_lookup_num_tokens``, ``assistant_early_exit``) over a cache that holds a prefix
+        leaves KV that a full prefill does not give (transformers 5.25): it runs
+        ``model.generate`` alone, loading and saving nothing (logged once).  A save that
+        fails is logged; the generation is returned all the same.  With ``overlap_load`` (and
+        no ``streamer``) the prefix is loaded with ``load(background=True)``: when an error stops
+        that read (a chunk damaged -- logged and deleted -- or deleted meanwhile), the
+        generation runs again over the prefix a whole read then finds."""
         ids = self._rows(input_ids).to(self.model.device)
         if ids.shape[0] != 1:
             raise InvalidObject("generate takes one row of token ids", hint="call it per row")
@@ -455,7 +491,18 @@ class PrefixCache:
                 _log.warning("tierstore: PrefixCache.generate neither loads nor saves under beam search or several "
                              "returned sequences (the cache's rows are beams, not one sequence)")
             return self.model.generate(ids, **kwargs)
-        cache, _ = self.load(ids, background=self.overlap_load)
+        assisted = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                    if kwargs.get(name, getattr(config, name, None)) is not None]
+        if assisted:  # transformers' assisted decoding over a prefilled cache computes wrong KV
+            if not self._warned_assisted:  # (its chunks would poison every later load): plain generate
+                self._warned_assisted = True
+                _log.warning("tierstore: PrefixCache.generate neither loads nor saves under assisted decoding (%s): "
+                             "over a cache that holds a prefix it leaves KV that a full prefill does not give",
+                             ", ".join(assisted))
+            return self.model.generate(ids, **kwargs)
+        # (a streamer is told the prompt once: a generation run again would tell it twice)
+        background = self.overlap_load and kwargs.get("streamer") is None
+        cache, _ = self.load(ids, background=background)
         try:
             out = self.model.generate(ids, **{self.cache_argument: cache}, **kwargs)
         except TierstoreError:
@@ -556,3 +603,22 @@ class _ArrivingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self._tokens if self._pending else super().get_seq_length()
+
+    def reset(self) -> None:
+        self._pending = False  # (what the read still writes goes to tensors this layer dropped)
+        super().reset()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copied (``copy.deepcopy``) or pickled as the plain ``DynamicLayer`` it is once
+        its data has arrived (waits for it): no lock or thread goes along."""
+        self._arrived()
+        state = {k: v for k, v in self.__dict__.items() if k not in ("arrival", "_index", "_pending", "_tokens",
+                                                                        "_keys", "_values")}
+        state["keys"], state["values"] = self._keys, self._values
+        return _plain_layer, (state,)
+
+
+def _plain_layer(state: dict[str, Any]) -> DynamicLayer:
+    layer = DynamicLayer.__new__(DynamicLayer)
+    layer.__dict__.update(state)
+    return layer
