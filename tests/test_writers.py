@@ -1097,3 +1097,86 @@ def test_index_commits_of_writers_take_turns_on_commit(store_path):
             os.close(fd)
         with tierstore.open(store_path, readonly=True) as r:
             assert sorted(r.keys()) == ["a1", "b1"]
+
+
+def test_a_rollover_during_a_syncs_last_step_never_hides_another_writers_put(store_path):
+    """sync() ended with ``durable = max(durable, pos)`` outside any lock: a rollover on another
+    thread between the read and the write left ``durable`` older than ``durable_lsn``'s record,
+    the commit read other writers' records only up to that older position, and the applied
+    position moved past another writer's acknowledged put -- lost from the index for good (a
+    review, 2026-12-03, by pausing the thread there).  The pair changes under one lock now."""
+    import builtins
+    import threading
+
+    from tierstore.engine import log as logmod
+    from tierstore.format import record as rec
+
+    opts = {"durability": "sync", "index_commit_ms": 100_000, "segment_bytes": "1MiB"}
+    with tierstore.open(store_path, **opts) as a, _second_engine_of_this_process(), \
+            tierstore.open(store_path, **opts) as b:
+        a.put("a0", Blob(b"x"))
+        b.put("b0", Blob(b"y"))
+        be = b._engine
+        computed, go = threading.Event(), threading.Event()
+        real_max, syncing = builtins.max, []
+
+        def pausing_max(*args, **kw):
+            r = real_max(*args, **kw)
+            if syncing and threading.current_thread() is syncing[0] and isinstance(r, tuple):
+                computed.set()
+                go.wait(10)  # (a thread switch right here, before the result is stored)
+            return r
+
+        logmod.max = pausing_max
+        try:
+            t = threading.Thread(target=be.log.sync)
+            syncing.append(t)
+            t.start()
+            assert computed.wait(10)
+            a.put("a1", Blob(b"ACKED"))  # another writer's acknowledged put
+            be.append(rec.encode_delete(b"default", b"zz", 0))  # b's own record after it
+            roll = threading.Thread(target=be.log.seal_if, args=(0,))  # a rollover in b
+            roll.start()
+            roll.join(0.3)
+            go.set()
+            t.join(10)
+            roll.join(10)
+        finally:
+            logmod.max = real_max
+        be.commit(force=True, sync=False)
+        a._engine.commit(force=True, sync=False)
+    with tierstore.open(store_path) as s:
+        assert not s.recovery.get("rebuilt_index")
+        assert s.get("a1").data == b"ACKED"
+
+
+@pytest.mark.parametrize("held", ["COMMIT", "APPEND"])
+def test_a_forked_child_does_not_keep_a_killed_parents_locks(store_path, held):
+    """A flock belongs to the open file, which a fork()ed child shares: a writer killed in its
+    commit turn (or mid-append) whose child -- a worker that never touches the store -- lives
+    on left COMMIT (APPEND) locked, and every other writer's commits and appends hung without
+    a word (a review, 2026-12-03).  The child closes its copies of the descriptors at fork."""
+    import threading
+
+    script = (f"import os, signal, sys, time\nsys.path.insert(0, {SRC!r})\nimport tierstore\n"
+              "s = tierstore.open(sys.argv[1])\ns.put('p', tierstore.Blob(b'x'))\n"
+              "if os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+              "if sys.argv[2] == 'COMMIT':\n    turn = s._engine._turn.turn()\n    turn.__enter__()\n"
+              "else:\n    s._engine._append.acquire()\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    subprocess.run([sys.executable, "-c", script, store_path, held], timeout=60)
+    s = tierstore.open(store_path, lock_timeout=5)
+    done = threading.Event()
+
+    def work():
+        s.put("q", Blob(b"y"))
+        s.flush()
+        done.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    try:
+        assert done.wait(20), f"a writer hung on {held} a dead writer's child kept locked"
+    finally:
+        if done.is_set():
+            s.close()
+        subprocess.run(["pkill", "-f", "time.sleep\\(30\\)"], check=False)

@@ -103,6 +103,7 @@ def _forked() -> None:
     global _WRITERS_LOCK
     for engine in list(_ENGINES):
         engine.inherited = True
+        engine.let_go_of_locks()
     _WRITERS.clear()
     _OPENING.clear()
     _WRITERS_LOCK = threading.Lock()  # another thread of the parent may have held it
@@ -224,6 +225,7 @@ class Engine:
         self.write_lock: Any = threading.RLock()  # the append lock once opened writable
         self._append: AppendLock | None = None
         self._turn: CommitTurn | None = None  # beside other writers: the index commits' turn (COMMIT)
+        self._hear_all = 0  # listeners that must hear of every other process's record (subscribe)
         self.alone = True  # no other process had the store open for writing when this one opened
         self._entered_at: tuple[int, int, int] | None = None  # the log's end when the append lock was taken
         self._marked = False  # APPEND says "writing" (this process wrote under the append lock it holds)
@@ -530,6 +532,21 @@ class Engine:
 
     # -- closing ----------------------------------------------------------------------------
 
+    def let_go_of_locks(self) -> None:
+        """In a forked child: close the inherited descriptors of the store's coordination files.
+        A ``flock`` belongs to the open file, which parent and child share: the parent's locks
+        stay as long as the parent holds them, but a child that outlives a parent killed
+        mid-commit no longer keeps COMMIT (or APPEND, LOCK) locked for every other writer."""
+        for holder in (self._turn, self._append):
+            if holder is not None and holder.fd >= 0:
+                fd, holder.fd = holder.fd, -1
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self._lock_fd >= 0:
+            fd, self._lock_fd = self._lock_fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def close(self) -> None:
         """Make every write durable and visible; the last of the handles sharing this engine
         (``open_engine``) also releases everything.  Each handle that opened the engine closes
@@ -631,9 +648,15 @@ class Engine:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def subscribe(self, listener: WriteListener) -> None:
+    def subscribe(self, listener: WriteListener, *, every_record: bool = False) -> None:
         """Call ``listener((namespace, key), header or None)`` for every record appended from now
-        on, under the append lock, in LSN order (the cache tiers drop stale copies this way)."""
+        on, under the append lock, in LSN order (the cache tiers drop stale copies this way).
+        Other processes' records reach it as the index commits read them: by default only those
+        this process's commits read (up to its own last sync, in turn with the others: SPEC.md
+        §7.8); ``every_record``: every one (an SSD budget's policy), each commit then reading
+        them all, as every writer beside it does."""
+        if every_record:
+            self._hear_all += 1
         log = self.log
         if log is None:
             self._listeners = [*self._listeners, listener]
@@ -641,9 +664,11 @@ class Engine:
         with log.append_lock:  # a new list: an append in flight keeps iterating the old one
             self._listeners = [*self._listeners, listener]
 
-    def unsubscribe(self, listener: WriteListener) -> None:
-        """Stop calling ``listener`` (a handle sharing this engine closed).  Bound methods compare
-        equal, not identical, so this compares with ``==``."""
+    def unsubscribe(self, listener: WriteListener, *, every_record: bool = False) -> None:
+        """Stop calling ``listener`` (a handle sharing this engine closed; ``every_record`` as it
+        subscribed).  Bound methods compare equal, not identical, so this compares with ``==``."""
+        if every_record:
+            self._hear_all -= 1
         log = self.log
         if log is None:
             self._listeners = [x for x in self._listeners if x != listener]
@@ -1049,8 +1074,10 @@ class Engine:
                 # memtable: read under the lock, the limit never names part of a group not yet pending)
                 if self.durability == "none":
                     limit, upto = log.written_lsn, None
-                else:  # (and a position at or past where the record at the limit ends)
+                else:  # (and where the record at the limit ends)
                     limit, upto = log.durable_point()
+                if self._hear_all:  # a listener hears of every record: read them all, not in turn
+                    upto = None
             with self._commit_turn():
                 if self._append is not None:  # other processes' records below the limit: read them first
                     self._see_for_commit(limit, upto)
@@ -1063,7 +1090,8 @@ class Engine:
         of them applied, and reads only the rest.  Not while this thread holds the append lock
         (the turn's holder may be waiting for it): the commit then reads what it needs alone, as
         without the turn."""
-        if self._turn is None or self._turn.fd < 0 or (self._append is not None and self._append.held_here()):
+        if self._turn is None or self._turn.fd < 0 or self._hear_all or (
+                self._append is not None and self._append.held_here()):
             return contextlib.nullcontext()
         return self._turn.turn()
 

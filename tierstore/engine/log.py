@@ -69,6 +69,7 @@ class Log:
         # learn from it that a writer that dies now may leave a torn record (SPEC.md §7.8)
         self.before_write: Callable[[], None] = lambda: None
         self._sync_lock = threading.Lock()
+        self._durable_lock = threading.Lock()  # durable and durable_lsn change together (durable_point)
         self.active = active
         self.tail = tail  # end of the log, buffered bytes included
         self.grown = 0  # bytes this writer added to the log's files (records, padding, segment headers)
@@ -86,7 +87,7 @@ class Log:
         self.written = (active, tail)  # the OS holds every byte before this position
         self.written_lsn = next_lsn - 1
         self.durable = (active, tail)  # every byte before this position is synced
-        self.durable_lsn = next_lsn - 1  # (moved after durable: see durable_point)
+        self.durable_lsn = next_lsn - 1  # (changed with durable, under _durable_lock)
         # the end of the records other writer processes appended, as last adopted (SPEC.md §7.8):
         # a take-back after a failed write never cuts below it
         self._floor, self._floor_lsn = (active, tail), next_lsn - 1
@@ -544,8 +545,9 @@ class Log:
         # before they are durable -- and the committer applies up to durable_lsn; that sync's end
         # moves durable on)
         if self.sync_enabled and not self._sealed_in_flight:
-            self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)  # (before durable_lsn: see durable_point)
-            self.durable_lsn = self.next_lsn - 1
+            with self._durable_lock:
+                self.durable = (new_id, fmt.SEGMENT_HEADER_SIZE)
+                self.durable_lsn = self.next_lsn - 1
             self.unsynced_bytes = 0
             self.oldest_unsynced = None
         self.fd, self.active, self.tail = fd, new_id, fmt.SEGMENT_HEADER_SIZE
@@ -625,16 +627,16 @@ class Log:
                         self.io.close(old)
                     except OSError:
                         pass
-            self.durable = max(self.durable, pos)  # (before durable_lsn: see durable_point)
-            self.durable_lsn = max(self.durable_lsn, lsn)
+            with self._durable_lock:  # (a rollover on another thread moves both meanwhile)
+                self.durable = max(self.durable, pos)
+                self.durable_lsn = max(self.durable_lsn, lsn)
 
     def durable_point(self) -> tuple[int, tuple[int, int]]:
-        """The last durable LSN and a position every durable byte lies before, read without a
-        lock: the LSN first -- ``sync`` and a rollover move ``durable`` before ``durable_lsn``, so
-        the position read after the LSN is never before the end of that LSN's record (a later
-        one only makes a reader of the log up to it read a little more)."""
-        lsn = self.durable_lsn
-        return lsn, self.durable
+        """The last durable LSN and the position where its record ends (every durable byte lies
+        before it), read together: a reader of the log up to that position reads every record
+        up to that LSN."""
+        with self._durable_lock:
+            return self.durable_lsn, self.durable
 
     def _sync_fits(self) -> bool:
         """Whether a SYNC record fits in the active segment (caller holds append_lock)."""

@@ -249,7 +249,7 @@ class Capacity:
         self._background_latency: deque[float] = deque(maxlen=4096)
         self._known: set[Hashable] = set()  # the objects the policy holds
         self._local = threading.local()  # .own: keys this thread is appending for the handle (own_puts)
-        engine.subscribe(self._on_write)  # other handles' and other processes' records too
+        engine.subscribe(self._on_write, every_record=True)  # other handles' and other processes' records too
         self._seed()
 
     # -- what the policy is told ----------------------------------------------------------------
@@ -696,7 +696,7 @@ class Capacity:
 
     def close(self) -> None:
         """Stop the eviction thread (an eviction under way finishes first)."""
-        self.engine.unsubscribe(self._on_write)
+        self.engine.unsubscribe(self._on_write, every_record=True)
         with self._cond:
             self._stopped = True
             self._cond.notify()
