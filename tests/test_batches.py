@@ -990,3 +990,17 @@ def test_gpu_destinations_that_are_chunk_views_of_one_cache_are_not_taken_for_sh
         out[3] = out[1]  # two keys into the same views
         with pytest.raises(InvalidObject, match="share memory"):
             s.get_many([f"c{i}" for i in range(4)], out=out)
+
+
+def test_a_memmap_destination_whose_k_and_v_interleave_is_not_taken_for_shared(tmp_path):
+    """np.memmap pieces (an ndarray subclass) were compared by byte range alone once GPU pieces
+    got layouts of their own: K and V interleaved in one mapped buffer were refused as sharing
+    memory (a review, 2026-12-03).  Only GPU pieces go by range; host ones are compared exactly."""
+    kv = np.random.default_rng(0).standard_normal((1, 2, 2, 4, 8)).astype(np.float32)
+    with tierstore.open(str(tmp_path / "s")) as s:
+        s.put("a", KVCache(kv))
+        buf = np.memmap(str(tmp_path / "mm"), dtype=np.float32, mode="w+", shape=(1, 2, 4, 2, 8))
+        s.get("a", out=[(buf[0, :, :, 0, :], buf[0, :, :, 1, :])])
+        assert np.array_equal(buf[0, :, :, 0, :], kv[0, 0]) and np.array_equal(buf[0, :, :, 1, :], kv[0, 1])
+        with pytest.raises(InvalidObject, match="share memory"):  # (the same piece twice still is)
+            s.get("a", out=[(buf[0, :, :, 0, :], buf[0, :, :, 0, :])])

@@ -678,3 +678,35 @@ def test_generate_under_assisted_decoding_loads_and_saves_nothing(store_path, ca
         assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
                                                attention_mask=torch.ones_like(ids)))
         assert store.keys(namespace="transformers") == [] and any("assisted" in m for m in caplog.messages)
+
+
+def test_a_compaction_during_a_load_is_not_taken_for_a_replaced_chunk(store_path, monkeypatch, caplog):
+    """The load's check that no chunk was replaced while it read compared LSNs, and a
+    compaction copies a record forward under a new LSN: a load racing one was cut short (a
+    review, 2026-12-03).  It compares the chunks' content (their extents' checksums) now."""
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path, segment_bytes="1MiB") as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        for i in range(20):  # dead records beside the chunks: compaction copies the chunks forward
+            store.put(f"f{i}", tierstore.Blob(bytes(50_000)), namespace="other")
+            store.delete(f"f{i}", namespace="other")
+        first = pc.hashes(ids[0])[0]
+        before = store.info(first, namespace="transformers").lsn
+        real, compacted = store.get_many, []
+
+        def compacting_first(keys, **kw):
+            if not compacted:
+                compacted.append(store.compact(min_dead_ratio=0.0))
+            return real(keys, **kw)
+
+        monkeypatch.setattr(store, "get_many", compacting_first)
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids)
+            assert n == 64
+            behind, m = pc.load(ids, background=True)
+            rest = model(ids[:, m:], **{pc.cache_argument: behind}).logits
+        assert store.info(first, namespace="transformers").lsn != before  # (copied forward)
+        assert torch.equal(rest, model(ids[:, n:], **{pc.cache_argument: cache}).logits)
+        assert not any("replaced" in m for m in caplog.messages)

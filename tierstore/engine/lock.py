@@ -203,9 +203,9 @@ class AppendLock:
         os.pwrite(self.fd, data, 0)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            self.io.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0:  # (-1 first: a fork meanwhile must not close a number reused by another file)
+            fd, self.fd = self.fd, -1
+            self.io.close(fd)
 
 
 class CommitTurn:
@@ -229,9 +229,9 @@ class CommitTurn:
             self.io.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            self.io.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0:  # (-1 first: a fork meanwhile must not close a number reused by another file)
+            fd, self.fd = self.fd, -1
+            self.io.close(fd)
 
 
 def claim(io: PosixIO, root: str, name: str, busy: str) -> int:

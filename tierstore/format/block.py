@@ -560,7 +560,8 @@ def _first_shared(spans: list[tuple[int, int, Any, Any]],
                 break
             if apart is not None and not apart(tag, tag2):
                 continue
-            if type(view) is not np.ndarray or type(view2) is not np.ndarray or _shares(view, view2):
+            if view is None or view2 is None or isinstance(view, _DeviceLayout) or isinstance(view2, _DeviceLayout) \
+                    or _shares(view, view2):
                 return tag, tag2  # (a GPU piece: by its byte range)
     return None
 

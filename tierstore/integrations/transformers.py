@@ -265,16 +265,17 @@ class PrefixCache:
                 layer.update(k, v)
         return cache, n
 
-    def _stored_chunks(self, ids: torch.Tensor) -> tuple[list[bytes], int, list[int] | None]:
+    def _stored_chunks(self, ids: torch.Tensor) -> tuple[list[bytes], int, list[Any] | None]:
         """The keys of the stored chunks ``load`` may read for one row, their tokens, and
-        (where lossless KV is expected) the LSNs of the versions found lossless: ``match_prefix``,
-        ended before the first lossy chunk."""
+        (where lossless KV is expected) the versions found lossless, by content (their extents'
+        checksums: a compaction's copy is the same version): ``match_prefix``, ended before the
+        first lossy chunk."""
         chunks = self._matched(ids)
         tc = self.chunk_tokens
         n = len(chunks) * tc
         if not self.lossless:
             return chunks, n, None
-        versions: list[int] = []
+        versions: list[Any] = []
         # lossy chunks under lossless keys (a store whose default codec for KV is lossy,
         # open(codecs=...)): the prefix ends before the first
         for i, h in enumerate(chunks):
@@ -292,17 +293,17 @@ class PrefixCache:
                                  "KV: the prefix ends there (the store's default codec for KV, "
                                  "open(codecs=...), made it lossy)", i)
                 return chunks[:i], i * tc, versions
-            versions.append(info.lsn)
+            versions.append(info.extent_checksums)
         return chunks, n, versions
 
-    def _replaced(self, chunks: list[bytes], versions: list[int] | None) -> int | None:
-        """The first of ``chunks`` whose version is no longer the one ``_stored_chunks`` found
+    def _replaced(self, chunks: list[bytes], versions: list[Any] | None) -> int | None:
+        """The first of ``chunks`` whose content is no longer the one ``_stored_chunks`` found
         lossless (replaced meanwhile: the read may have taken the new one), or None."""
         if versions is None:
             return None
         for i, h in enumerate(chunks):
             try:
-                if self.store.info(h, namespace=self.namespace).lsn != versions[i]:
+                if self.store.info(h, namespace=self.namespace).extent_checksums != versions[i]:
                     return i
             except TierstoreError:
                 return i
@@ -352,7 +353,7 @@ class PrefixCache:
         return i
 
     def _arriving(self, chunks: list[bytes], dest: list[tuple[torch.Tensor, torch.Tensor]],
-                  versions: list[int] | None) -> DynamicCache | None:
+                  versions: list[Any] | None) -> DynamicCache | None:
         """A DynamicCache over ``dest`` whose layers a thread reads, in layer order, from
         ``chunks`` (load(background=True)); None where the model's cache layers are not plain
         ``DynamicLayer``s, one per stored layer."""

@@ -250,7 +250,11 @@ class Capacity:
         self._known: set[Hashable] = set()  # the objects the policy holds
         self._local = threading.local()  # .own: keys this thread is appending for the handle (own_puts)
         engine.subscribe(self._on_write, every_record=True)  # other handles' and other processes' records too
-        self._seed()
+        try:
+            self._seed()
+        except BaseException:  # (no handle is made to close it: the subscription goes now)
+            engine.unsubscribe(self._on_write, every_record=True)
+            raise
 
     # -- what the policy is told ----------------------------------------------------------------
 
