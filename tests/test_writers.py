@@ -1150,19 +1150,21 @@ def test_a_rollover_during_a_syncs_last_step_never_hides_another_writers_put(sto
         assert s.get("a1").data == b"ACKED"
 
 
-@pytest.mark.parametrize("held", ["COMMIT", "APPEND"])
+@pytest.mark.parametrize("held", ["COMMIT", "APPEND", "COMPACT"])
 def test_a_forked_child_does_not_keep_a_killed_parents_locks(store_path, held):
     """A flock belongs to the open file, which a fork()ed child shares: a writer killed in its
-    commit turn (or mid-append) whose child -- a worker that never touches the store -- lives
-    on left COMMIT (APPEND) locked, and every other writer's commits and appends hung without
-    a word (a review, 2026-12-03).  The child closes its copies of the descriptors at fork."""
+    commit turn (or mid-append, mid-compaction) whose child -- a worker that never touches
+    the store -- lives on left COMMIT (APPEND, COMPACT) locked, and every other writer's
+    commits (appends, compactions) hung without a word (reviews, 2026-12-03).  The child
+    closes its copies of the descriptors at fork."""
     import threading
 
     script = (f"import os, signal, sys, time\nsys.path.insert(0, {SRC!r})\nimport tierstore\n"
               "s = tierstore.open(sys.argv[1])\ns.put('p', tierstore.Blob(b'x'))\n"
+              "if sys.argv[2] == 'COMPACT':\n    s._engine.compaction_lock()  # (a fork while compacting)\n"
               "if os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
               "if sys.argv[2] == 'COMMIT':\n    turn = s._engine._turn.turn()\n    turn.__enter__()\n"
-              "else:\n    s._engine._append.acquire()\n"
+              "elif sys.argv[2] == 'APPEND':\n    s._engine._append.acquire()\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
     subprocess.run([sys.executable, "-c", script, store_path, held], timeout=60)
     s = tierstore.open(store_path, lock_timeout=5)
@@ -1171,6 +1173,8 @@ def test_a_forked_child_does_not_keep_a_killed_parents_locks(store_path, held):
     def work():
         s.put("q", Blob(b"y"))
         s.flush()
+        if held == "COMPACT":
+            s.compact()
         done.set()
 
     threading.Thread(target=work, daemon=True).start()

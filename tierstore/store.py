@@ -142,9 +142,13 @@ _REMOTE_LOCK = threading.Lock()
 
 
 def _forked() -> None:
-    """In the child of a ``fork()``: the parent's remote handles are not the child's (their
-    descriptors are left open: closing a copy never releases the parent's lock)."""
+    """In the child of a ``fork()``: the parent's remote handles are not the child's.  Its
+    copies of their REMOTE.lock descriptors are closed (closing a copy never releases the
+    parent's lock, and a child that outlives its parent would keep it)."""
     global _REMOTE_LOCK
+    for fd in list(_REMOTE_ENGINES.values()):
+        with contextlib.suppress(OSError):
+            os.close(fd)
     _REMOTE_ENGINES.clear()
     _REMOTE_LOCK = threading.Lock()
 

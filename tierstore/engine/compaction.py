@@ -65,7 +65,7 @@ def compact(engine: Engine, *, min_dead_ratio: float, progress: Callable[[int], 
     try:
         return _compact(engine, min_dead_ratio, progress, batch_bytes)
     finally:
-        engine.io.close(lock)
+        engine.let_go(lock)
 
 
 def _compact(engine: Engine, min_dead_ratio: float, progress: Callable[[int], None] | None,
@@ -206,7 +206,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             done += victims
         return {"victims": done, **counts, "seconds": time.perf_counter() - t0}
     finally:
-        engine.io.close(lock)
+        engine.let_go(lock)
 
 
 def _live_bytes(engine: Engine, seg: int, stats: dict[int, tuple[int, int]]) -> int:

@@ -226,6 +226,7 @@ class Engine:
         self._append: AppendLock | None = None
         self._turn: CommitTurn | None = None  # beside other writers: the index commits' turn (COMMIT)
         self._hear_all = 0  # listeners that must hear of every other process's record (subscribe)
+        self._held_fds: set[int] = set()  # compaction locks held now (compaction_lock)
         self.alone = True  # no other process had the store open for writing when this one opened
         self._entered_at: tuple[int, int, int] | None = None  # the log's end when the append lock was taken
         self._marked = False  # APPEND says "writing" (this process wrote under the append lock it holds)
@@ -536,7 +537,8 @@ class Engine:
         """In a forked child: close the inherited descriptors of the store's coordination files.
         A ``flock`` belongs to the open file, which parent and child share: the parent's locks
         stay as long as the parent holds them, but a child that outlives a parent killed
-        mid-commit no longer keeps COMMIT (or APPEND, LOCK) locked for every other writer."""
+        mid-commit no longer keeps COMMIT (or APPEND, LOCK, COMPACT) locked for every other
+        writer."""
         for holder in (self._turn, self._append):
             if holder is not None and holder.fd >= 0:
                 fd, holder.fd = holder.fd, -1
@@ -544,6 +546,10 @@ class Engine:
                     os.close(fd)
         if self._lock_fd >= 0:
             fd, self._lock_fd = self._lock_fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for fd in list(self._held_fds):  # a compaction in progress (COMPACT)
+            self._held_fds.discard(fd)
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -974,8 +980,15 @@ class Engine:
 
     def compaction_lock(self) -> int:
         """Take the compaction lock (one compaction at a time across processes); returns the fd
-        to close when done."""
-        return compaction_lock(self.io, self.path)
+        to give to ``let_go`` when done."""
+        fd = compaction_lock(self.io, self.path)
+        self._held_fds.add(fd)  # (a forked child closes its copy: let_go_of_locks)
+        return fd
+
+    def let_go(self, fd: int) -> None:
+        """Release a lock ``compaction_lock`` took."""
+        self._held_fds.discard(fd)  # (first: a fork meanwhile must not close a reused number)
+        self.io.close(fd)
 
     def _on_discard(self, first_lsn: int) -> None:
         """The log took back records from ``first_lsn`` on (a failed write): forget them."""
