@@ -556,11 +556,20 @@ def test_a_chunk_found_damaged_by_a_background_load_raises_on_use_and_generate_r
     _flip_chunk_byte(store_path, bad)
     with tierstore.open(store_path) as store, torch.no_grad():
         pc = PrefixCache(store, model, chunk_tokens=16)
-        cache, n = pc.load(ids, background=True)
-        assert n == 96  # the index's answer: the damage is found while reading the last layer
-        with pytest.raises(tierstore.CorruptionError) as e:
-            model(ids[:, n:], **{pc.cache_argument: cache})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids, background=True)
+            assert n == 96  # the index's answer: the damage is found while reading the last layer
+            with pytest.raises(tierstore.CorruptionError) as e:
+                model(ids[:, n:], **{pc.cache_argument: cache})
         assert e.value.key == bad
+        # a direct load recomputes nothing: its warning says where the read stopped
+        (warned,) = [r.message for r in caplog.records if "damaged" in r.message]
+        assert "the background load stops at token 32" in warned and "recomputing" not in warned
+        with pytest.raises(tierstore.CorruptionError) as again:  # each use its own error, caused by the read's
+            _ = cache.layers[-1].keys
+        assert again.value is not e.value and again.value.key == bad
+        assert again.value.__cause__ is e.value.__cause__ is not None
         assert pc.cached_tokens(ids) == 32  # deleted: the next load is the shorter prefix
         assert pc.load(ids)[1] == 32
         pc.generate(ids, max_new_tokens=1, do_sample=False)  # stored again

@@ -16,6 +16,7 @@ It uses only tierstore's public API and never touches a store's internals.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import inspect
@@ -210,9 +211,9 @@ class PrefixCache:
         forward pass over the cache computes layer i while layer i+1 is read (each layer's
         ``keys`` / ``values`` wait for its data on first use).  The length is then the
         index's: a chunk found damaged (or deleted) during the read cannot shorten it, so
-        using that layer raises the TierstoreError that stopped the read (the damaged chunk
-        is deleted, as here) -- load again, without ``background``, for the shorter prefix
-        (``generate`` does).  Never wrong KV either way."""
+        using that layer raises the TierstoreError that stopped the read (a copy per use,
+        caused by it; the damaged chunk is deleted, as here) -- load again, without
+        ``background``, for the shorter prefix (``generate`` does).  Never wrong KV either way."""
         ids = self._rows(input_ids)
         if ids.shape[0] != 1:
             raise InvalidObject("load takes one row of token ids (a DynamicCache holds one prefix length)",
@@ -330,10 +331,11 @@ class PrefixCache:
         per_layer = [(dest[li][0][0].split(tc, dim=1), dest[li][1][0].split(tc, dim=1)) for li in layers]
         return [[(ks[i], vs[i]) for ks, vs in per_layer] for i in range(chunks)]
 
-    def _failed(self, e: Exception, chunks: list[bytes]) -> int:
+    def _failed(self, e: Exception, chunks: list[bytes], *, background: bool = False) -> int:
         """A read of ``chunks`` that raised ``e``: warn (once per chunk), delete the chunk if it
         is damaged and the store writable (the next ``save`` stores it again), and return the
-        index of the chunk that failed (0 when ``e`` names none): the prefix ends there."""
+        index of the chunk that failed (0 when ``e`` names none): the prefix ends there.
+        (``background``: a background load, which does not recompute: it stops there.)"""
         i = chunks.index(e.key) if isinstance(e, TierstoreError) and e.key in chunks else 0
         why = "is damaged" if isinstance(e, CorruptionError) else \
             "does not fit this model" if not isinstance(e, TierstoreError) or isinstance(e, InvalidObject) \
@@ -345,9 +347,9 @@ class PrefixCache:
             except TierstoreError as gone:  # (it stays: warned about once)
                 _log.debug("tierstore: could not delete a damaged chunk: %s", gone)
         if chunks[i] not in self._warned:
-            _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; recomputing from "
-                         "token %d", i, chunks[i].hex()[:16], why, getattr(e, "message", e),
-                         ", deleted" if removed else "", i * self.chunk_tokens)
+            _log.warning("tierstore: chunk %d (key %s...) of a stored prefix %s (%s)%s; %s token %d", i,
+                         chunks[i].hex()[:16], why, getattr(e, "message", e), ", deleted" if removed else "",
+                         "the background load stops at" if background else "recomputing from", i * self.chunk_tokens)
             if not removed and len(self._warned) < 10_000:
                 self._warned.add(chunks[i])
         return i
@@ -363,14 +365,14 @@ class PrefixCache:
                 objs = self.store.get_many(chunks, namespace=self.namespace, layers=[li],
                                            out=self._views(dest, len(chunks), [li]))
             except (TierstoreError, AttributeError, TypeError, ValueError) as e:
-                i = self._failed(e, chunks)
+                i = self._failed(e, chunks, background=True)
                 if isinstance(e, TierstoreError):
                     raise
                 raise InvalidObject(f"stored chunk {i} of the prefix does not fit this model: {e}",
                                     key=chunks[i], namespace=self.namespace) from e
             gone = next((i for i, obj in enumerate(objs) if obj is None), None)
             if gone is not None:  # deleted or evicted since match_prefix
-                _log.warning("tierstore: chunk %d of a stored prefix is gone; recomputing from token %d",
+                _log.warning("tierstore: chunk %d of a stored prefix is gone; the background load stops at token %d",
                              gone, gone * self.chunk_tokens)
                 raise NotFound("a chunk of the stored prefix was deleted while it was being loaded",
                                key=chunks[gone], namespace=self.namespace)
@@ -562,7 +564,13 @@ class _Arrival:
                 self._cond.wait()
             if self._done <= i:
                 assert self._error is not None
-                raise self._error
+                # each waiter its own copy, caused by the original (which keeps the reader thread's
+                # traceback): one object raised again and again would pile every raise onto it
+                try:
+                    err = copy.copy(self._error)
+                except TypeError:  # (an exception that cannot be rebuilt from its args)
+                    raise self._error from None
+                raise err.with_traceback(None) from self._error
 
 
 class _ArrivingLayer(DynamicLayer):
