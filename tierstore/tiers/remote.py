@@ -777,15 +777,18 @@ class RemoteTier:
         (state, reader over them; None for a tombstone), or None for a miss (counted).
 
         One ``GETRANGE`` of the value's start (the envelope and the header, and for a whole
-        value its first ``FETCH_PIECE`` bytes), then, when more is needed, one ``MULTI`` of the
-        envelope again, ``STRLEN`` and ``GETRANGE`` pieces of at most ``FETCH_PIECE`` bytes (whole
-        extents where they fit).  The transaction reads one version; if its envelope is not the
-        first read's, another node replaced the value in between and the fetch starts again (a
-        replaced value is neither mixed with the old one nor reported as damaged)."""
+        value its first ``FETCH_PIECE`` bytes), then, when more is needed, one pipeline of the
+        envelope, ``STRLEN``, ``GETRANGE`` pieces of at most ``FETCH_PIECE`` bytes (whole extents
+        where they fit) and the envelope again.  A value is swapped in whole and versions only
+        grow, so when both envelopes are the first read's, every piece is of that version;
+        otherwise another node replaced the value in between and the fetch starts again (a
+        replaced value is neither mixed with the old one nor reported as damaged).  (Not a
+        ``MULTI``: redis-py's cluster transactions do not follow a slot's ASK or MOVED
+        redirects, a pipeline does.)"""
         name = remote_key(ns, k)
         env_size = fmt.REMOTE_ENVELOPE.size
         first = FETCH_PIECE if wanted is None else env_size + HEADER_GUESS
-        for _ in range(FETCH_TRIES):
+        for _ in range(FETCH_TRIES + 1):  # (one more for a header longer than the first read)
             head = self._call(lambda first=first: self.client.getrange(name, 0, first - 1))
             if not head:
                 self.count("misses")
@@ -793,9 +796,11 @@ class RemoteTier:
             self.count("bytes_in", len(head))
             try:
                 env = parse_envelope(head)
-                self.clock.seen(env.version.stamp)
                 if env.tombstone:
                     check_fetched(ns, k, head, full=False)  # (a tombstone with a body is damaged)
+                    self.clock.seen(env.version.stamp)
+                    if wanted is None:
+                        self._damaged.pop(name, None)  # (sound now: deleted)
                     self.count("misses")
                     return env, None
                 hdr_len = rec.parse_fixed(memoryview(head)[env_size:]).header_len  # bounds checked (SPEC.md §4.4)
@@ -819,6 +824,7 @@ class RemoteTier:
                 self.bad_value(name, e.message, head)
                 self.count("misses")
                 return None
+            self.clock.seen(env.version.stamp)  # (a value that passed its checks)
             if wanted is None:
                 self._damaged.pop(name, None)  # (sound now: replaced, or re-sent after the server lost it)
             if want:  # a header alone (``info``) is not a hit
@@ -831,8 +837,9 @@ class RemoteTier:
               whole: bool) -> dict[int, Any] | None:
         """The bytes of extents ``want`` of the value whose first bytes are ``head`` (``complete``:
         all of it): a memoryview (or ``rec.Pieces`` across pieces) per extent, of the length read
-        (the caller checks it); None if the value was replaced since ``head`` was read.  With
-        ``whole``, the value must be the envelope and record exactly (else CorruptionError)."""
+        (the caller checks it); None if the value was replaced since ``head`` was read (an
+        envelope read before or after the pieces is not ``head``'s).  With ``whole``, the value
+        must be the envelope and record exactly (else CorruptionError)."""
         env_size = fmt.REMOTE_ENVELOPE.size
         spans = [(env_size + hdr.offsets[i], env_size + hdr.offsets[i] + hdr.extent_lengths[i]) for i in want]
         end = env_size + hdr.record_len
@@ -840,16 +847,17 @@ class RemoteTier:
         bufs: list[tuple[int, Any]] = [(0, memoryview(head))]
         if reqs or (whole and not complete):  # (STRLEN: is there more than the record?)
             def run() -> list[Any]:
-                pipe = self.client.pipeline(transaction=True)  # one version: MULTI ... EXEC
+                pipe = self.client.pipeline(transaction=False)
                 pipe.getrange(name, 0, env_size - 1)
                 pipe.strlen(name)
                 for lo, hi in reqs:
                     pipe.getrange(name, lo, hi - 1)
+                pipe.getrange(name, 0, env_size - 1)
                 return pipe.execute()
 
-            again, size, *parts = self._call(run)
-            self.count("bytes_in", sum(len(p) for p in parts))
-            if again != head[:env_size]:
+            before, size, *parts, after = self._call(run)
+            self.count("bytes_in", len(before) + len(after) + sum(len(p) for p in parts))
+            if before != head[:env_size] or after != before:
                 return None
             if whole and size != end:
                 raise CorruptionError(f"remote value truncated or padded: {size - env_size} record bytes, "
