@@ -83,3 +83,23 @@ def test_numpy_implementation_round_trips_without_numba():
     assert used == len(data) and np.array_equal(sym, symbols)
     with pytest.raises(CorruptionError):
         rans.decode(data[:-2], freqs, 5000, compiled=False)
+
+
+@needs_numba
+@settings(max_examples=120, deadline=None)
+@given(heads=st.integers(1, 4), tokens=st.integers(1, 40), dims=st.integers(1, 16), seed=st.integers(0, 2**32 - 1),
+       scale=st.sampled_from([1e-7, 1e-3, 1.0, 300.0, 3e4]), bins=st.sampled_from(["64/32", "32/26", "12/12", "256/4"]))
+def test_kvq_ans_symbols_from_the_compiled_loops_are_numpys(heads, tokens, dims, seed, scale, bins):
+    """kvq-ans's K and V symbols and their counts, one compiled pass each (codecs/kvq.py), against
+    numpy's minmax_codes / log_int8: all-zero heads, constant channels, zero tokens, ties."""
+    from tierstore.codecs import kvq
+
+    rng = np.random.default_rng(seed)
+    x = np.clip(rng.standard_normal((2, heads, tokens, dims)) * scale, -65504, 65504)
+    x[:, 0, : tokens // 2] = 0  # zero tokens (V: absmax 0) and zero stretches of channels
+    x[0, -1, :, 0] = x[0, -1, 0, 0]  # a constant K channel (step 0)
+    x[1, -1, -1] = np.round(x[1, -1, -1])  # integers: ties after scaling are likelier
+    x = x.astype(np.float16).astype(np.float32)
+    params = codecs.parse(f"kvq-ans:bins={bins}", "kv").params
+    ext = codecs.Extent("kv", x.shape, "float16", int(rng.integers(3)))
+    assert kvq.encode(x, ext, params, compiled=True) == kvq.encode(x, ext, params, compiled=False)

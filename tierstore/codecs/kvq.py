@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import CorruptionError
 from . import rans
 from .base import Extent
-from .quant import kv_split, log_int8, log_scale, minmax_codes
+from .quant import kv_split, log_int8, log_scale, log_scales, minmax_codes, minmax_scales
 
 
 def kvq_bins(params: dict[str, Any], layer: int) -> int:
@@ -25,21 +25,82 @@ def kvq_bins(params: dict[str, Any], layer: int) -> int:
     return bins[0] if layer < shallow else bins[1]
 
 
-def encode(x: np.ndarray, ext: Extent, params: dict[str, Any]) -> bytes:
+def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool | None = None) -> bytes:
     """kvq-ans: K per channel (asymmetric, B levels), V per token (symmetric, B - 1 levels,
-    one-byte log scales), each half entropy-coded with its own frequency table (rANS)."""
+    one-byte log scales), each half entropy-coded with its own frequency table (rANS).
+    ``compiled``: the symbols from the numba loops below (True) or numpy (False); by default
+    as ``rans.COMPILED``.  Both give the same bytes."""
     b = kvq_bins(params, ext.index)
     k, v = kv_split(x)
     _, h, t, d = ext.shape
-    lo, st, ck = minmax_codes(k, 8, t, axis=1, levels=b - 1)  # K: one group = all tokens of a channel
-    m = b // 2 - 1
-    cv, qv = log_int8(v, axis=2, m=m)
-    sk = ck.reshape(-1).astype(np.int64)
-    sv = qv.reshape(-1).astype(np.int64) + m
-    fk = rans.normalize(np.bincount(sk, minlength=b))
-    fv = rans.normalize(np.bincount(sv, minlength=b))
+    m = b // 2 - 1  # (b <= 256: m <= 127, V's codes are int8)
+    if (rans.COMPILED if compiled is None else compiled) and _KERNELS is not None:
+        lo, st = minmax_scales(k, t, axis=1, levels=b - 1)  # K: one group = all tokens of a channel
+        cv, sv_scale, a = log_scales(v, axis=2, m=m)
+        sk, sv = np.empty(h * t * d, np.uint8), np.empty(h * t * d, np.uint8)
+        ck_counts, cv_counts = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        _KERNELS[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32), b - 1, sk, ck_counts)
+        _KERNELS[1](v, sv_scale[..., 0], a[..., 0], m, sv, cv_counts)
+    else:
+        lo, st, ck = minmax_codes(k, 8, t, axis=1, levels=b - 1)
+        cv, qv = log_int8(v, axis=2, m=m)
+        sk = ck.reshape(-1)  # uint8 codes in [0, b - 1]
+        sv = qv.reshape(-1).view(np.uint8) + np.uint8(m)  # int8 codes in [-m, m] -> [0, 2m] (mod 256: exact)
+        ck_counts, cv_counts = np.bincount(sk, minlength=b), np.bincount(sv, minlength=b)
+    fk, fv = rans.normalize(ck_counts), rans.normalize(cv_counts)
     return b"".join([np.stack([lo[..., 0], st[..., 0]], -1).astype("<f2").tobytes(), cv.tobytes(),
                      fk.astype("<u2").tobytes(), fv.astype("<u2").tobytes(), rans.encode(sk, fk), rans.encode(sv, fv)])
+
+
+def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: int, out: np.ndarray,
+               counts: np.ndarray) -> None:
+    """K's symbols (compiled by numba): ``minmax_codes`` with one group per channel, in one
+    pass -- rint((x - lo) / step) in float32, clipped to [0, levels], 0 where the step is 0
+    -- written in C order with their counts."""
+    heads, tokens, dims = k.shape
+    for hh in range(heads):
+        for tt in range(tokens):
+            base = (hh * tokens + tt) * dims
+            for dd in range(dims):
+                st = step[hh, dd]
+                q = 0
+                if st > 0:
+                    r = np.rint((k[hh, tt, dd] - lo[hh, dd]) / st)
+                    q = 0 if r < 0 else levels if r > levels else int(r)
+                out[base + dd] = q
+                counts[q] += 1
+
+
+def _v_symbols(v: np.ndarray, scale: np.ndarray, absmax: np.ndarray, m: int, out: np.ndarray,
+               counts: np.ndarray) -> None:
+    """V's symbols (compiled by numba): ``log_int8``'s codes in one pass -- rint(x / s) in
+    float32, clipped to [-m, m], 0 where the token's absmax is 0 -- plus m, with their counts."""
+    heads, tokens, dims = v.shape
+    for hh in range(heads):
+        for tt in range(tokens):
+            base = (hh * tokens + tt) * dims
+            sc = scale[hh, tt]
+            live = absmax[hh, tt] > 0
+            for dd in range(dims):
+                q = 0
+                if live:
+                    r = np.rint(v[hh, tt, dd] / sc)
+                    q = -m if r < -m else m if r > m else int(r)
+                out[base + dd] = q + m
+                counts[q + m] += 1
+
+
+def _compile() -> tuple[Any, Any] | None:
+    """The symbol loops compiled with numba, where rANS's are (``rans.COMPILED``), else None."""
+    if not rans.COMPILED or "_trace_branch" in _k_symbols.__code__.co_names:
+        return None  # (numpy asked for, numba missing, or the code instrumented by a fuzzer)
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    return jit(_k_symbols), jit(_v_symbols)
+
+
+_KERNELS = _compile()
 
 
 def parts(data: Any, ext: Extent, params: dict[str, Any]) -> list[tuple[Any, ...]]:

@@ -42,15 +42,21 @@ def log_scale(c: np.ndarray, m: int = 127) -> np.ndarray:
 def log_int8(x: np.ndarray, axis: int, m: int = 127) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric quantisation to [-m, m] over ``axis`` with one-byte log-scale codes: the
     smallest c with m * s(c) >= absmax, s(c) = 2^((c-180)/8) * 127 / m (absmax 0: c = 0)."""
+    c, s, a = log_scales(x, axis, m)
+    q = np.rint(np.divide(x, s, out=np.zeros_like(x), where=a > 0))
+    return c, np.clip(q, -m, m).astype(np.int8 if m <= 127 else np.int16)
+
+
+def log_scales(x: np.ndarray, axis: int, m: int = 127) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``log_int8``'s scales: the one-byte codes c, the float32 scales s(c) and the absmax a
+    over ``axis`` (keepdims); a value's code is rint(x / s) clipped to [-m, m], 0 where a = 0."""
     a = np.abs(x).max(axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):
         c = np.ceil(np.log2(a / np.float32(127)) * 8) + LOG_SCALE_BIAS
     c = np.where(a > 0, np.clip(c, 0, 255), 0).astype(np.uint8)
     low = (log_scale(c, m) * m < a) & (c < 255)  # float rounding at a code boundary: one code up
     c[low] += 1
-    s = log_scale(c, m)
-    q = np.rint(np.divide(x, s, out=np.zeros_like(x), where=a > 0))
-    return c, np.clip(q, -m, m).astype(np.int8 if m <= 127 else np.int16)
+    return c, log_scale(c, m), a
 
 
 def groups(n: int, g: int) -> int:
@@ -60,8 +66,26 @@ def groups(n: int, g: int) -> int:
 def minmax_codes(x: np.ndarray, bits: int, group: int, axis: int,
                   levels: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric quantisation in groups of ``group`` along ``axis`` (KIVI): per group a float16
-    minimum (rounded down) and step (rounded up), codes in [0, levels] (levels = 2^bits - 1)."""
+    minimum (rounded down) and step (rounded up), codes in [0, levels] (levels = 2^bits - 1):
+    rint((x - lo) / step) clipped, 0 where the step is 0."""
     levels = (1 << bits) - 1 if levels is None else levels
+    n = x.shape[axis]
+    xg, lo, step = _minmax_groups(x, group, axis, levels)
+    lo_f, step_f = lo.astype(np.float32)[..., None], step.astype(np.float32)[..., None]
+    q = np.rint(np.divide(xg - lo_f, step_f, out=np.zeros_like(xg), where=step_f > 0))
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(*xg.shape[:-2], -1)[..., :n]
+    return lo, step, np.moveaxis(q, -1, axis)
+
+
+def minmax_scales(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``minmax_codes``'s float16 minima and steps alone (shaped as it returns them)."""
+    _, lo, step = _minmax_groups(x, group, axis, levels)
+    return lo, step
+
+
+def _minmax_groups(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x`` with ``axis`` moved last and cut in groups (the last one padded), and each group's
+    float16 minimum (rounded down) and step (rounded up)."""
     n = x.shape[axis]
     pad = groups(n, group) * group - n
     xm = np.moveaxis(x, axis, -1)
@@ -74,10 +98,7 @@ def minmax_codes(x: np.ndarray, bits: int, group: int, axis: int,
     lo[too_high] = np.nextafter(lo[too_high], np.float16(-np.inf))
     lo_f = lo.astype(np.float32)
     step = f16_up((xg.max(axis=-1) - lo_f) / np.float32(levels))
-    step_f = step.astype(np.float32)[..., None]
-    q = np.rint(np.divide(xg - lo_f[..., None], step_f, out=np.zeros_like(xg), where=step_f > 0))
-    q = np.clip(q, 0, levels).astype(np.uint8).reshape(*xm.shape[:-1], -1)[..., :n]
-    return lo, step, np.moveaxis(q, -1, axis)
+    return xg, lo, step
 
 
 def minmax_decode(lo: np.ndarray, step: np.ndarray, q: np.ndarray, group: int, axis: int) -> np.ndarray:

@@ -51,24 +51,31 @@ def pad_symbol(freqs: np.ndarray) -> int:
     return int(np.argmax(freqs))
 
 
-def _encode_loops(sym: np.ndarray, lanes: int, steps: int, f: np.ndarray, cum: np.ndarray, x: np.ndarray,
-                  words: np.ndarray) -> int:
+_U32 = np.uint32  # (the encoder's loop runs in 32-bit integers: a 32-bit division costs less)
+
+
+def _encode_loops(sym: np.ndarray, n: int, pad: int, lanes: int, steps: int, f: np.ndarray, cum: np.ndarray,
+                  x: np.ndarray, words: np.ndarray) -> int:
     """The encoder one symbol at a time (compiled by numba): the same arithmetic as the numpy
-    steps below, lanes visited in reverse so that ``words[:n]`` reversed is the stream."""
-    n = 0
+    steps below, lanes visited in reverse; symbols past ``n`` are ``pad``.  ``f``, ``cum`` and
+    the states ``x`` are uint32 (x < f * 2^20 <= 2^32 is tested as x >> 20 >= f, which cannot
+    overflow).  The words are written from the end of ``words`` backwards, so that its last k
+    (k returned) are the stream in order."""
+    k = 0
+    cap = words.shape[0]
     for i in range(steps - 1, -1, -1):
         base = i * lanes
         for j in range(lanes - 1, -1, -1):
-            s = sym[base + j]
+            s = sym[base + j] if base + j < n else pad
             fs = f[s]
             xj = x[j]
-            if xj >= (fs << 20):
-                words[n] = xj & 0xFFFF
-                n += 1
-                xj >>= 16
+            if (xj >> _U32(20)) >= fs:
+                k += 1
+                words[cap - k] = xj & _U32(0xFFFF)
+                xj >>= _U32(16)
             q = xj // fs  # (one division: the remainder is xj - q * fs)
-            x[j] = (q << 12) + (xj - q * fs) + cum[s]
-    return n
+            x[j] = (q << _U32(12)) + (xj - q * fs) + cum[s]
+    return k
 
 
 def _decode_loops(x: np.ndarray, words: np.ndarray, f: np.ndarray, cum: np.ndarray, slot_sym: np.ndarray,
@@ -116,16 +123,16 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
     n = len(symbols)
     lanes = lanes_for(n)
     steps = -(-n // lanes)
+    if (COMPILED if compiled is None else compiled) and _KERNELS is not None:
+        x32 = np.full(lanes, STATE_LOW, dtype=np.uint32)
+        buf = np.empty(steps * lanes, dtype=np.uint16)  # (at most one word per symbol)
+        f32 = freqs.astype(np.uint32)
+        cum32 = np.concatenate([[0], np.cumsum(f32)[:-1]]).astype(np.uint32)
+        k = _KERNELS[0](np.ascontiguousarray(symbols), n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
+        return b"".join([x32.astype("<u4", copy=False).tobytes(), np.uint32(k).astype("<u4").tobytes(),
+                         buf[len(buf) - k:].astype("<u2", copy=False).tobytes()])
     sym = np.full(steps * lanes, pad_symbol(freqs), dtype=np.int64)
     sym[:n] = symbols
-    if (COMPILED if compiled is None else compiled) and _KERNELS is not None:
-        x64 = np.full(lanes, STATE_LOW, dtype=np.int64)
-        buf = np.empty(steps * lanes, dtype=np.int64)
-        f64 = freqs.astype(np.int64)
-        cum64 = np.concatenate([[0], np.cumsum(f64)[:-1]]).astype(np.int64)
-        k = _KERNELS[0](sym, lanes, steps, f64, cum64, x64, buf)
-        return b"".join([x64.astype("<u4").tobytes(), np.uint32(k).astype("<u4").tobytes(),
-                         buf[:k][::-1].astype("<u2").tobytes()])
     sym = sym.reshape(steps, lanes)
     f_all = freqs.astype(np.uint64)
     cum = np.concatenate([[0], np.cumsum(f_all)[:-1]]).astype(np.uint64)
