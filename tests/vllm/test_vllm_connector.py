@@ -487,6 +487,28 @@ def test_a_damaged_chunk_is_deleted_recomputed_and_saved_again(tmp_path):
         assert again.lsn > victim.lsn and s.get(victim.key, namespace="vllm") is not None
 
 
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_chunk_whose_load_failed_is_not_matched_again(tmp_path, readonly):
+    """A consumer over a read-only store cannot delete a damaged chunk (a cold review): the
+    scheduler stops matching a chunk whose load failed, so only the first request with that
+    prefix fails (kv_load_failure_policy "fail"), the later ones compute it.  The twin: a
+    writable consumer deletes it."""
+    store = tmp_path / "kv"
+    a = list(range(500, 600))
+    serve(tmp_path, store, [a])
+    damage_second_chunk(store)
+    extra = {"store_options": {"readonly": True}} if readonly else None
+    e = Engine(tmp_path, store, role="kv_consumer", extra=extra, prefix_caching=False)
+    for i in range(4):  # four requests, one after another, sharing the damaged prefix
+        e.add(f"r{i}", a + [i])
+        e.run()
+    e.close()
+    assert e.worker.counters["load_errors"] == 1
+    status = [e.reqs[f"r{i}"].status.name for i in range(4)]
+    assert status[0] == "FINISHED_ERROR" and "FINISHED_ERROR" not in status[1:]
+    assert e.worker.counters["chunks_loaded"] >= 3  # (the first chunk still loads for the later ones)
+
+
 def test_a_one_chunk_prompt_is_saved(tmp_path):
     store = tmp_path / "kv"
     e = Engine(tmp_path, store)
@@ -628,16 +650,18 @@ def test_a_failed_load_keeps_the_saves_of_unrelated_requests_of_its_step(tmp_pat
         assert all(s.contains_many(want, namespace="vllm"))
 
 
-def test_a_streaming_session_saves_the_chunks_of_its_later_input(tmp_path):
+@pytest.mark.parametrize("first", [40, 20])
+def test_a_streaming_session_saves_the_chunks_of_its_later_input(tmp_path, first):
     """vLLM appends a streaming session's next input to the same request's prompt, and asks the
     connector no match for it: the keys of the first input were kept, and nothing past it was
-    ever saved -- found by a cold review."""
+    ever saved -- found by a cold review; nor, by another, when the first input was shorter
+    than a chunk (no keys were made for it at all)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
     store = tmp_path / "kv"
     e = Engine(tmp_path, store)
-    e.add("s", list(range(100, 140)), max_tokens=3, resumable=True)
+    e.add("s", list(range(100, 100 + first)), max_tokens=3, resumable=True)
     sess = e.sched.requests["s"]
     for _ in range(10):
         if sess.status.name == "WAITING_FOR_STREAMING_REQ":
@@ -645,7 +669,7 @@ def test_a_streaming_session_saves_the_chunks_of_its_later_input(tmp_path):
         e.step()
     e.sched.add_request(Request("s", list(range(500, 560)), SamplingParams(max_tokens=3, ignore_eos=True), None,
                                 block_hasher=get_request_block_hasher(BLOCK, sha256), resumable=True))
-    assert len(sess.prompt_token_ids) // 32 == 3
+    assert len(sess.prompt_token_ids) // 32 == (3 if first == 40 else 2)
     for _ in range(10):
         if sess.status.name == "WAITING_FOR_STREAMING_REQ":
             break
@@ -655,7 +679,7 @@ def test_a_streaming_session_saves_the_chunks_of_its_later_input(tmp_path):
     want = Engine(tmp_path, store).sched.connector._keys_for(Request("x", full, SamplingParams(max_tokens=1),
                                                                       None))[0]
     with tierstore.open(store, readonly=True) as s:
-        assert s.contains_many(want, namespace="vllm") == [True, True, True]
+        assert s.contains_many(want, namespace="vllm") == [True] * len(want)
 
 
 def _worker_step(w, caches, meta):

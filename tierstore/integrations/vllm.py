@@ -166,6 +166,7 @@ _FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "
 # the keys of kv_connector_extra_config this connector reads (docs/integrations.md)
 EXTRA_KEYS = ("path", "chunk_tokens", "namespace", "codec", "durability", "model_id", "max_pending_bytes", "tp_rank",
               "pp_rank", "store_options")
+UNLOADABLE_MAX = 100_000  # chunks whose load failed that the scheduler remembers (not matched again)
 _PLAIN_CACHE = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32", "fp8_inc"})
 
 
@@ -271,6 +272,10 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._recent: deque[TierstoreConnectorMetadata] = deque(maxlen=self._in_flight)
         self._to_forget: list[list[bytes]] = []
+        # chunks (their keys on every worker) whose load failed: matched no more until saved again
+        # (a worker deletes a damaged entry, but one it cannot delete -- a read-only store -- would
+        # otherwise be matched, and fail its load, for every later request with that prefix)
+        self._unloadable: dict[tuple[bytes, ...], None] = {}
         # worker side
         self._tp_rank = 0
         self._worker = 0 if role == KVConnectorRole.SCHEDULER else self._worker_index(extra)
@@ -318,6 +323,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._epoch += 1
         self._salts = self._salts_of(self._epoch)
         self._hashes.clear()
+        self._unloadable.clear()
         return True
 
     @property
@@ -400,6 +406,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         if not keys or not usable or not self._loads:
             return 0, False
         matched = min(self._store.match_prefix(k[:usable], namespace=self._namespace) for k in keys)
+        if self._unloadable:  # the prefix ends before a chunk whose load failed
+            matched = next((c for c in range(matched) if tuple(k[c] for k in keys) in self._unloadable), matched)
         end = matched * self._chunk
         if end <= num_computed_tokens:
             return 0, False
@@ -407,7 +415,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if request.request_id in self._hashes:  # a streaming session's next input is asked no match: keys anew
+        # a streaming session's next input is asked no match: its keys anew (or first, when its
+        # first input was shorter than a chunk)
+        if request.request_id in self._hashes or len(request.prompt_token_ids or ()) >= self._chunk:
             self._keys_for(request)
         if num_external_tokens <= 0:
             self._planned.pop(request.request_id, None)
@@ -441,6 +451,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             chunk_keys = [k[c] for k in keys]
             if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per and tuple(chunk_keys) not in planned:
                 planned.add(tuple(chunk_keys))
+                self._unloadable.pop(tuple(chunk_keys), None)  # (saved anew: loadable again)
                 meta.saves.append(ChunkSave(req_id, chunk_keys, t.block_ids[c * per:(c + 1) * per],
                                             t.block_ids[:c * per]))
         t.next_chunk = done
@@ -483,7 +494,12 @@ class TierstoreConnector(KVConnectorBase_V1):
             return
         for meta in self._recent:
             self._to_forget += [sv.keys for sv in meta.saves if sv.reads(bad)]
-        owners = {ld.req_id for meta in self._recent for ld in meta.loads if not bad.isdisjoint(ld.block_ids)}
+        failed = [ld for meta in self._recent for ld in meta.loads if not bad.isdisjoint(ld.block_ids)]
+        for ld in failed:
+            self._unloadable[tuple(ld.keys)] = None
+        while len(self._unloadable) > UNLOADABLE_MAX:  # (the oldest go first)
+            del self._unloadable[next(iter(self._unloadable))]
+        owners = {ld.req_id for ld in failed}
         per = self._chunk // self._block_size
         for req_id, t in self._tracked.items():
             hit = [i for i, b in enumerate(t.block_ids) if b in bad]
