@@ -103,3 +103,37 @@ def test_kvq_ans_symbols_from_the_compiled_loops_are_numpys(heads, tokens, dims,
     params = codecs.parse(f"kvq-ans:bins={bins}", "kv").params
     ext = codecs.Extent("kv", x.shape, "float16", int(rng.integers(3)))
     assert kvq.encode(x, ext, params, compiled=True) == kvq.encode(x, ext, params, compiled=False)
+
+
+@needs_numba
+def test_without_a_writable_cache_directory_the_loops_still_compile(monkeypatch):
+    """A read-only package and home (a read-only container): numba cannot cache, and the import
+    must not fail for it (a cold review: it raised RuntimeError at import)."""
+    import numba
+
+    real = numba.njit
+
+    def njit(*args, cache=False, **kwargs):
+        if cache:
+            def refuse(fn):
+                raise RuntimeError(f"cannot cache function {fn.__name__!r}: no locator available for file")
+            return refuse
+        return real(*args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    monkeypatch.setattr(rans, "_KERNELS", rans.jit(rans._encode_loops, rans._decode_loops))
+    rng = np.random.default_rng(3)
+    freqs = rans.normalize(rng.integers(1, 50, size=16))
+    symbols = rng.choice(16, size=3000, p=freqs / freqs.sum())
+    data = rans.encode(symbols, freqs, compiled=True)
+    assert data == rans.encode(symbols, freqs, compiled=False)
+    assert np.array_equal(rans.decode(data, freqs, 3000, compiled=True)[0], symbols)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint32, np.int64, np.uint64])
+def test_symbols_of_any_integer_dtype_encode_alike(dtype):
+    rng = np.random.default_rng(4)
+    freqs = rans.normalize(rng.integers(1, 9, size=200))
+    symbols = rng.choice(200, size=1000, p=freqs / freqs.sum())
+    assert rans.encode(symbols.astype(dtype), freqs, compiled=True) == rans.encode(symbols, freqs, compiled=False)

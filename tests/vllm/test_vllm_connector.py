@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -507,6 +508,42 @@ def test_a_chunk_whose_load_failed_is_not_matched_again(tmp_path, readonly):
     status = [e.reqs[f"r{i}"].status.name for i in range(4)]
     assert status[0] == "FINISHED_ERROR" and "FINISHED_ERROR" not in status[1:]
     assert e.worker.counters["chunks_loaded"] >= 3  # (the first chunk still loads for the later ones)
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_consumer"])
+def test_a_chunk_whose_load_failed_once_for_a_passing_reason_is_matched_again(tmp_path, role, monkeypatch):
+    """An I/O error that passes (the entry is sound, not deleted): a role that saves matches it
+    again at once, a consumer once UNLOADABLE_S has passed -- not never (a cold review of the
+    rule above)."""
+    from tierstore.errors import StoreIOError
+    from tierstore.integrations import vllm as connector
+
+    store = tmp_path / "kv"
+    a = list(range(100, 200))
+    serve(tmp_path, store, [a])
+    with tierstore.open(store, readonly=True) as s:
+        victim = sorted((s.info(k, namespace="vllm") for k in s.keys(namespace="vllm")), key=lambda i: i.lsn)[1].key
+    monkeypatch.setattr(connector, "UNLOADABLE_S", 0.5)
+    e = Engine(tmp_path, store, role=role, policy="recompute", prefix_caching=False)
+    real_get, failed = e.worker._store.get, []
+
+    def failing_once(key, *args, **kwargs):
+        if not failed and key == victim:
+            failed.append(key)
+            raise StoreIOError("EIO (injected, once)")
+        return real_get(key, *args, **kwargs)
+
+    monkeypatch.setattr(e.worker._store, "get", failing_once)
+    loaded = []
+    for i in range(3):
+        if i == 2:
+            time.sleep(0.6)  # (past UNLOADABLE_S)
+        e.add(f"r{i}", a + [i])
+        loaded.append(e.step().scheduled_new_reqs[0].num_computed_tokens)
+        e.run()
+    e.close()
+    assert failed and e.errors == [] and e.worker.counters["load_errors"] == 1
+    assert loaded == ([96, 96, 96] if role == "kv_both" else [96, 32, 96])
 
 
 def test_a_one_chunk_prompt_is_saved(tmp_path):

@@ -94,10 +94,7 @@ def _compile() -> tuple[Any, Any] | None:
     """The symbol loops compiled with numba, where rANS's are (``rans.COMPILED``), else None."""
     if not rans.COMPILED or "_trace_branch" in _k_symbols.__code__.co_names:
         return None  # (numpy asked for, numba missing, or the code instrumented by a fuzzer)
-    import numba
-
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-    return jit(_k_symbols), jit(_v_symbols)
+    return rans.jit(_k_symbols, _v_symbols)  # type: ignore[return-value]
 
 
 _KERNELS = _compile()

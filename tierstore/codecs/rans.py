@@ -105,11 +105,22 @@ def _compile() -> tuple[Any, Any] | None:
     if os.environ.get("TIERSTORE_RANS") == "numpy" or "_trace_branch" in _decode_loops.__code__.co_names:
         return None  # asked for, or the code is instrumented by a fuzzer: numba cannot compile that
     try:
-        import numba
+        import numba  # noqa: F401
     except ImportError:
         return None
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-    return jit(_encode_loops), jit(_decode_loops)
+    return jit(_encode_loops, _decode_loops)  # type: ignore[return-value]
+
+
+def jit(*fns: Any) -> tuple[Any, ...]:
+    """``fns`` compiled by numba (installed), cached on disk where numba finds a writable place:
+    beside the package or under the user's cache; with neither (a read-only package and home,
+    e.g. a read-only container), compiled anew in each process instead of failing the import."""
+    import numba
+
+    try:
+        return tuple(numba.njit(cache=True, nogil=True, boundscheck=False)(f) for f in fns)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return tuple(numba.njit(cache=False, nogil=True, boundscheck=False)(f) for f in fns)
 
 
 _KERNELS = _compile()
@@ -128,7 +139,10 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
         buf = np.empty(steps * lanes, dtype=np.uint16)  # (at most one word per symbol)
         f32 = freqs.astype(np.uint32)
         cum32 = np.concatenate([[0], np.cumsum(f32)[:-1]]).astype(np.uint32)
-        k = _KERNELS[0](np.ascontiguousarray(symbols), n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
+        sym = np.ascontiguousarray(symbols)
+        if sym.dtype.kind not in "iu" or sym.dtype.itemsize > 4:  # (numba would mix uint64 and the pad as floats)
+            sym = sym.astype(np.int64)
+        k = _KERNELS[0](sym, n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
         return b"".join([x32.astype("<u4", copy=False).tobytes(), np.uint32(k).astype("<u4").tobytes(),
                          buf[len(buf) - k:].astype("<u2", copy=False).tobytes()])
     sym = np.full(steps * lanes, pad_symbol(freqs), dtype=np.int64)

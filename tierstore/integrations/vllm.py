@@ -58,6 +58,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -166,7 +167,8 @@ _FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "
 # the keys of kv_connector_extra_config this connector reads (docs/integrations.md)
 EXTRA_KEYS = ("path", "chunk_tokens", "namespace", "codec", "durability", "model_id", "max_pending_bytes", "tp_rank",
               "pp_rank", "store_options")
-UNLOADABLE_MAX = 100_000  # chunks whose load failed that the scheduler remembers (not matched again)
+UNLOADABLE_S = 300.0  # a consumer does not match a chunk whose load failed for this long (seconds)
+UNLOADABLE_MAX = 100_000  # such chunks remembered, at most (the oldest are forgotten first)
 _PLAIN_CACHE = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32", "fp8_inc"})
 
 
@@ -272,10 +274,12 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._recent: deque[TierstoreConnectorMetadata] = deque(maxlen=self._in_flight)
         self._to_forget: list[list[bytes]] = []
-        # chunks (their keys on every worker) whose load failed: matched no more until saved again
-        # (a worker deletes a damaged entry, but one it cannot delete -- a read-only store -- would
-        # otherwise be matched, and fail its load, for every later request with that prefix)
-        self._unloadable: dict[tuple[bytes, ...], None] = {}
+        # a consumer's chunks (their keys on every worker) whose load failed, and when: not matched
+        # for UNLOADABLE_S (a worker deletes a damaged entry, but over a read-only store it cannot,
+        # and the entry would be matched, and fail its load, for every later request with that
+        # prefix; a role that saves recomputes and saves it again, and an error that passes --
+        # an I/O error -- must not keep a sound chunk from matching for good)
+        self._unloadable: dict[tuple[bytes, ...], float] = {}
         # worker side
         self._tp_rank = 0
         self._worker = 0 if role == KVConnectorRole.SCHEDULER else self._worker_index(extra)
@@ -406,8 +410,10 @@ class TierstoreConnector(KVConnectorBase_V1):
         if not keys or not usable or not self._loads:
             return 0, False
         matched = min(self._store.match_prefix(k[:usable], namespace=self._namespace) for k in keys)
-        if self._unloadable:  # the prefix ends before a chunk whose load failed
-            matched = next((c for c in range(matched) if tuple(k[c] for k in keys) in self._unloadable), matched)
+        if self._unloadable:  # the prefix ends before a chunk whose load failed lately
+            now = time.monotonic()
+            matched = next((c for c in range(matched)
+                            if self._unloadable.get(tuple(k[c] for k in keys), now) > now), matched)
         end = matched * self._chunk
         if end <= num_computed_tokens:
             return 0, False
@@ -451,7 +457,6 @@ class TierstoreConnector(KVConnectorBase_V1):
             chunk_keys = [k[c] for k in keys]
             if not all(h[i] for h in have) and len(t.block_ids) >= (c + 1) * per and tuple(chunk_keys) not in planned:
                 planned.add(tuple(chunk_keys))
-                self._unloadable.pop(tuple(chunk_keys), None)  # (saved anew: loadable again)
                 meta.saves.append(ChunkSave(req_id, chunk_keys, t.block_ids[c * per:(c + 1) * per],
                                             t.block_ids[:c * per]))
         t.next_chunk = done
@@ -495,10 +500,13 @@ class TierstoreConnector(KVConnectorBase_V1):
         for meta in self._recent:
             self._to_forget += [sv.keys for sv in meta.saves if sv.reads(bad)]
         failed = [ld for meta in self._recent for ld in meta.loads if not bad.isdisjoint(ld.block_ids)]
-        for ld in failed:
-            self._unloadable[tuple(ld.keys)] = None
-        while len(self._unloadable) > UNLOADABLE_MAX:  # (the oldest go first)
-            del self._unloadable[next(iter(self._unloadable))]
+        if not self._saves:
+            until = time.monotonic() + UNLOADABLE_S
+            for ld in failed:
+                self._unloadable.pop(tuple(ld.keys), None)  # (re-inserted last: the oldest go first)
+                self._unloadable[tuple(ld.keys)] = until
+            while len(self._unloadable) > UNLOADABLE_MAX:
+                del self._unloadable[next(iter(self._unloadable))]
         owners = {ld.req_id for ld in failed}
         per = self._chunk // self._block_size
         for req_id, t in self._tracked.items():
