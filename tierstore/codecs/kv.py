@@ -17,6 +17,7 @@ from .base import Extent
 from .quant import (
     E4M3,
     absmax_int8,
+    e4m3_within,
     f16_up,
     group_param,
     groups,
@@ -44,7 +45,7 @@ def encode(cid: int, x: np.ndarray, params: dict[str, Any]) -> bytes:
         assert cid == fmt.CODEC_KV_FP8
         sv = f16_up(np.abs(v).max(axis=2, keepdims=True) / np.float32(448))
         yv = np.divide(v, sv.astype(np.float32), out=np.zeros_like(v), where=sv > 0)
-        return sv.astype("<f2").tobytes() + to_e4m3(yv).tobytes()
+        return sv.astype("<f2").tobytes() + e4m3_within(to_e4m3(yv), sv).tobytes()
     k, v = kv_split(x)
     if cid == fmt.CODEC_KV_INT8:
         sk, qk = absmax_int8(k, axis=1)  # K: per channel (head, dim), over the tokens
@@ -63,7 +64,7 @@ def encode(cid: int, x: np.ndarray, params: dict[str, Any]) -> bytes:
     yk = np.divide(k, sk.astype(np.float32), out=np.zeros_like(k), where=sk > 0)
     yv = np.divide(v, sv.astype(np.float32), out=np.zeros_like(v), where=sv > 0)
     return b"".join([sk.astype("<f2").tobytes(), sv.astype("<f2").tobytes(),
-                     to_e4m3(yk).tobytes(), to_e4m3(yv).tobytes()])
+                     e4m3_within(to_e4m3(yk), sk).tobytes(), e4m3_within(to_e4m3(yv), sv).tobytes()])
 
 
 def body_length(cid: int, ext: Extent, params: dict[str, Any]) -> int:

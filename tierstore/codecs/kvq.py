@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import CorruptionError
 from . import rans
 from .base import Extent
-from .quant import kv_split, log_int8, log_scale, log_scales, minmax_codes, minmax_scales
+from .quant import code_limit, kv_split, log_int8, log_scale, log_scales, minmax_codes, minmax_limit, minmax_scales
 
 
 def kvq_bins(params: dict[str, Any], layer: int) -> int:
@@ -39,8 +39,10 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
         cv, sv_scale, a = log_scales(v, axis=2, m=m)
         sk, sv = np.empty(h * t * d, np.uint8), np.empty(h * t * d, np.uint8)
         ck_counts, cv_counts = np.zeros(b, np.int64), np.zeros(b, np.int64)
-        _KERNELS[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32), b - 1, sk, ck_counts)
-        _KERNELS[1](v, sv_scale[..., 0], a[..., 0], m, sv, cv_counts)
+        _KERNELS[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32),
+                    minmax_limit(lo, st, b - 1)[..., 0].astype(np.int64), sk, ck_counts)
+        _KERNELS[1](v, sv_scale[..., 0], a[..., 0], code_limit(sv_scale, m)[..., 0].astype(np.int64), m, sv,
+                    cv_counts)
     else:
         lo, st, ck = minmax_codes(k, 8, t, axis=1, levels=b - 1)
         cv, qv = log_int8(v, axis=2, m=m)
@@ -52,11 +54,11 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
                      fk.astype("<u2").tobytes(), fv.astype("<u2").tobytes(), rans.encode(sk, fk), rans.encode(sv, fv)])
 
 
-def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: int, out: np.ndarray,
+def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, limit: np.ndarray, out: np.ndarray,
                counts: np.ndarray) -> None:
     """K's symbols (compiled by numba): ``minmax_codes`` with one group per channel, in one
-    pass -- rint((x - lo) / step) in float32, clipped to [0, levels], 0 where the step is 0
-    -- written in C order with their counts."""
+    pass -- rint((x - lo) / step) in float32, clipped to [0, limit] (``minmax_limit``), 0 where
+    the step is 0 -- written in C order with their counts."""
     heads, tokens, dims = k.shape
     for hh in range(heads):
         for tt in range(tokens):
@@ -66,26 +68,29 @@ def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: int, out
                 q = 0
                 if st > 0:
                     r = np.rint((k[hh, tt, dd] - lo[hh, dd]) / st)
-                    q = 0 if r < 0 else levels if r > levels else int(r)
+                    top = limit[hh, dd]
+                    q = 0 if r < 0 else top if r > top else int(r)
                 out[base + dd] = q
                 counts[q] += 1
 
 
-def _v_symbols(v: np.ndarray, scale: np.ndarray, absmax: np.ndarray, m: int, out: np.ndarray,
+def _v_symbols(v: np.ndarray, scale: np.ndarray, absmax: np.ndarray, limit: np.ndarray, m: int, out: np.ndarray,
                counts: np.ndarray) -> None:
     """V's symbols (compiled by numba): ``log_int8``'s codes in one pass -- rint(x / s) in
-    float32, clipped to [-m, m], 0 where the token's absmax is 0 -- plus m, with their counts."""
+    float32, clipped to +-limit (``code_limit``: m, but near float16's largest value), 0 where
+    the token's absmax is 0 -- plus m, with their counts."""
     heads, tokens, dims = v.shape
     for hh in range(heads):
         for tt in range(tokens):
             base = (hh * tokens + tt) * dims
             sc = scale[hh, tt]
+            top = limit[hh, tt]
             live = absmax[hh, tt] > 0
             for dd in range(dims):
                 q = 0
                 if live:
                     r = np.rint(v[hh, tt, dd] / sc)
-                    q = -m if r < -m else m if r > m else int(r)
+                    q = -top if r < -top else top if r > top else int(r)
                 out[base + dd] = q + m
                 counts[q + m] += 1
 

@@ -22,12 +22,28 @@ def f16_up(s: np.ndarray) -> np.ndarray:
     return h
 
 
+VALUE_MAX = np.float32(65504)  # a code never decodes past this (float16's largest; see below)
+
+
+def code_limit(s: np.ndarray, m: int) -> np.ndarray:
+    """Per scale ``s`` (float32), the largest code q <= m with q * s <= VALUE_MAX in binary32, as
+    the decoder computes it: scales are rounded up, so m * s can pass float16's largest value
+    (a value of 65504 came back as inf, or, past 66000, as a damaged extent)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s > 0, np.minimum(np.float32(m), np.floor(VALUE_MAX / s)), np.float32(m))
+    q = q.astype(np.float32)
+    q[q * s > VALUE_MAX] -= 1  # (the division may round up)
+    return q
+
+
 def absmax_int8(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 over ``axis``: float16 scales (absmax / 127, rounded up) and codes."""
+    """Symmetric int8 over ``axis``: float16 scales (absmax / 127, rounded up) and codes (within
+    ``code_limit``)."""
     s = f16_up(np.abs(x).max(axis=axis, keepdims=True) / np.float32(127))
     sf = s.astype(np.float32)
     q = np.rint(np.divide(x, sf, out=np.zeros_like(x), where=sf > 0))
-    return s, np.clip(q, -127, 127).astype(np.int8)
+    lim = code_limit(sf, 127)
+    return s, np.clip(q, -lim, lim).astype(np.int8)
 
 
 LOG_SCALE_BIAS = 180  # one-byte scales: s = 2^((c - 180) / 8), c in 0..255 (SPEC.md §6.3)
@@ -44,19 +60,33 @@ def log_int8(x: np.ndarray, axis: int, m: int = 127) -> tuple[np.ndarray, np.nda
     smallest c with m * s(c) >= absmax, s(c) = 2^((c-180)/8) * 127 / m (absmax 0: c = 0)."""
     c, s, a = log_scales(x, axis, m)
     q = np.rint(np.divide(x, s, out=np.zeros_like(x), where=a > 0))
-    return c, np.clip(q, -m, m).astype(np.int8 if m <= 127 else np.int16)
+    lim = code_limit(s, m)
+    return c, np.clip(q, -lim, lim).astype(np.int8 if m <= 127 else np.int16)
 
 
 def log_scales(x: np.ndarray, axis: int, m: int = 127) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``log_int8``'s scales: the one-byte codes c, the float32 scales s(c) and the absmax a
-    over ``axis`` (keepdims); a value's code is rint(x / s) clipped to [-m, m], 0 where a = 0."""
+    over ``axis`` (keepdims); a value's code is rint(x / s) clipped to +-``code_limit(s, m)``
+    (m but near float16's largest value), 0 where a = 0."""
     a = np.abs(x).max(axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):
         c = np.ceil(np.log2(a / np.float32(127)) * 8) + LOG_SCALE_BIAS
     c = np.where(a > 0, np.clip(c, 0, 255), 0).astype(np.uint8)
     low = (log_scale(c, m) * m < a) & (c < 255)  # float rounding at a code boundary: one code up
     c[low] += 1
-    return c, log_scale(c, m), a
+    s = log_scale(c, m)
+    # near float16's largest value, m * s(c) can pass it (s grows by 2^(1/8) a code): codes are
+    # then held to ``code_limit``, or the scale goes one code down (values past m * s(c - 1)
+    # clipped there), whichever decodes the token's largest value closer (few levels: a lower
+    # scale; many: one code less)
+    over = (s * np.float32(m) > VALUE_MAX) & (c > 0)
+    if over.any():
+        down = log_scale(c - 1, m)
+        kept = np.abs(a - code_limit(s, m) * s)
+        lowered = np.abs(a - np.minimum(np.float32(m), code_limit(down, m)) * down)
+        c[over & (lowered < kept)] -= 1
+        s = log_scale(c, m)
+    return c, s, a
 
 
 def groups(n: int, g: int) -> int:
@@ -73,7 +103,8 @@ def minmax_codes(x: np.ndarray, bits: int, group: int, axis: int,
     xg, lo, step = _minmax_groups(x, group, axis, levels)
     lo_f, step_f = lo.astype(np.float32)[..., None], step.astype(np.float32)[..., None]
     q = np.rint(np.divide(xg - lo_f, step_f, out=np.zeros_like(xg), where=step_f > 0))
-    q = np.clip(q, 0, levels).astype(np.uint8).reshape(*xg.shape[:-2], -1)[..., :n]
+    q = np.clip(q, 0, minmax_limit(lo, step, levels)[..., None]).astype(np.uint8)
+    q = q.reshape(*xg.shape[:-2], -1)[..., :n]
     return lo, step, np.moveaxis(q, -1, axis)
 
 
@@ -81,6 +112,17 @@ def minmax_scales(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np
     """``minmax_codes``'s float16 minima and steps alone (shaped as it returns them)."""
     _, lo, step = _minmax_groups(x, group, axis, levels)
     return lo, step
+
+
+def minmax_limit(lo: np.ndarray, step: np.ndarray, levels: int) -> np.ndarray:
+    """Per group, the largest code c <= levels with lo + c * step <= VALUE_MAX in binary32, as
+    the decoder computes it (the step is rounded up: ``code_limit``)."""
+    lo_f, st = lo.astype(np.float32), step.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.where(st > 0, np.minimum(np.float32(levels), np.floor((VALUE_MAX - lo_f) / st)), np.float32(levels))
+    c = c.astype(np.float32)
+    c[lo_f + c * st > VALUE_MAX] -= 1
+    return c
 
 
 def _minmax_groups(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,6 +194,16 @@ def to_e4m3(y: np.ndarray) -> np.ndarray:
     mant = np.where(normal, np.rint((m * 2 - 1) * 8), np.rint(q / np.float32(2.0 ** -9)))
     bits = (e_field.astype(np.uint8) << 3) | mant.astype(np.uint8)
     return bits | (np.signbit(y) & (q > 0)).astype(np.uint8) << 7
+
+
+def e4m3_within(bits: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """e4m3 codes whose value times the scale ``s`` (binary32, as decoded) passes VALUE_MAX, one
+    step smaller in magnitude (the scale is rounded up; the codes round to nearest)."""
+    over = np.abs(E4M3[bits] * s.astype(np.float32)) > VALUE_MAX
+    if over.any():
+        bits = bits.copy()
+        bits[over] -= 1  # (the low 7 bits order the magnitudes; an overflowing code is not 0)
+    return bits
 
 
 def kv_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
