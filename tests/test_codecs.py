@@ -155,6 +155,30 @@ def test_values_near_float16s_largest_decode_finite_and_close(spec, dtype, seed,
         assert (np.abs(y - x)[big] <= 0.1 * np.abs(x)[big]).all(), (x[big], y[big])
 
 
+@pytest.mark.parametrize("spec", ["int2", "int2:group=8", "kvq-ans:bins=4/4", "kvq-ans:bins=8/8", "kvq-ans:bins=12/12"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_coarse_group_holding_the_largest_value_keeps_its_bound_below_it(spec, dtype):
+    """With few levels the step is large: holding the top code in (a first version of the fix
+    above) moved values far below 65504 by a whole step, past the declared half step (a cold
+    review).  The step is lowered instead."""
+    x = np.zeros((2, 1, 4, 4))
+    x[:, 0, :, 0] = [-65504.0, 65504.0, 50000.0, 59000.0]  # K: one channel; V: one token
+    x[:, 0, 0, :] = [-65504.0, 65504.0, 50000.0, 59000.0]
+    raw = stored(x, dtype)
+    x = values(raw, dtype, x.shape)
+    choice = codecs.parse(spec, "kv")
+    ext = Extent("kv", x.shape, dtype, 0)
+    y = values(codecs.decode(choice.codec, codecs.encode(choice.codec, raw, ext, choice.params), ext,
+                             choice.params), dtype, x.shape)
+    bins = 4 if spec.startswith("int2") else int(spec.split("=")[1].split("/")[0])
+    half = np.empty(x.shape)
+    half[0] = (65504 + 65504) / (bins - 1) / 2  # K (and int2's V): half the group's step
+    half[1] = half[0] if spec.startswith("int2") else 1.0906 * 65504 / (bins // 2 - 1) / 2  # kvq-ans V: sv / 2
+    mid = (np.abs(x) < 60000) & (x != 0)
+    assert np.isfinite(y).all() and np.abs(y).max() <= 65504
+    assert (np.abs(y - x)[mid] <= half[mid] * 1.01).all(), (x[mid], y[mid])
+
+
 @st.composite
 def vector_rows(draw):
     rows, dim = draw(st.integers(1, 50)), draw(st.integers(1, 70))

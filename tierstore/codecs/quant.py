@@ -116,7 +116,8 @@ def minmax_scales(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np
 
 def minmax_limit(lo: np.ndarray, step: np.ndarray, levels: int) -> np.ndarray:
     """Per group, the largest code c <= levels with lo + c * step <= VALUE_MAX in binary32, as
-    the decoder computes it (the step is rounded up: ``code_limit``)."""
+    the decoder computes it (``_minmax_groups`` already keeps the step so that this is
+    ``levels``: a safety net, which the compiled kvq-ans loop takes as its limits)."""
     lo_f, st = lo.astype(np.float32), step.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         c = np.where(st > 0, np.minimum(np.float32(levels), np.floor((VALUE_MAX - lo_f) / st)), np.float32(levels))
@@ -140,6 +141,15 @@ def _minmax_groups(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[n
     lo[too_high] = np.nextafter(lo[too_high], np.float16(-np.inf))
     lo_f = lo.astype(np.float32)
     step = f16_up((xg.max(axis=-1) - lo_f) / np.float32(levels))
+    # near float16's largest value the rounded-up step can carry the top code past it: the step
+    # is then the largest float16 whose top code stays within (at most one float16 unit below
+    # the exact step: a top value moves by `levels` such units, not by a step)
+    over = lo_f + np.float32(levels) * step.astype(np.float32) > VALUE_MAX
+    if over.any():
+        fit = ((VALUE_MAX - lo_f[over]) / np.float32(levels)).astype(np.float16)
+        high = lo_f[over] + np.float32(levels) * fit.astype(np.float32) > VALUE_MAX
+        fit[high] = np.nextafter(fit[high], np.float16(0))
+        step[over] = fit
     return xg, lo, step
 
 
