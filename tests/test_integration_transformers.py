@@ -250,6 +250,9 @@ def test_refuses_sliding_window_models_and_bad_arguments(store_path):
             PrefixCache(store, _model(), session="a/b")
         with pytest.raises(InvalidObject, match="namespace"):
             PrefixCache(store, _model(), session="ok", namespace="")
+        for bad in ("", "a/b", "x" * 300):  # without a session too (a new user found them refused only at generate)
+            with pytest.raises(InvalidObject, match="namespace"):
+                PrefixCache(store, _model(), namespace=bad)
         with pytest.raises(InvalidObject, match="integer token ids"):
             pc.load(torch.rand(1, 20))
         with pytest.raises(InvalidObject, match="DynamicCache"):
@@ -582,6 +585,34 @@ def test_a_chunk_found_damaged_by_a_background_load_raises_on_use_and_generate_r
             assert torch.equal(pc.generate(ids, max_new_tokens=16, do_sample=False), _greedy(model, ids, 16))
         assert sum("damaged" in r.message for r in caplog.records) == 1
         assert pc.cached_tokens(ids) == 96  # stored again by that generate
+
+
+def test_a_chunk_deleted_between_two_layers_of_a_background_load_is_not_found_not_replaced(store_path, monkeypatch,
+                                                                                         caplog):
+    """A delete landing just after a layer's read (a new user's script): the layer's check saw the
+    chunk gone and called it "replaced" (a plain TierstoreError); it is NotFound, and the warning
+    says where the read stopped."""
+    model = _model("llama")
+    ids = _ids(70)
+    with tierstore.open(store_path) as store, torch.no_grad():
+        pc = PrefixCache(store, model, chunk_tokens=16)
+        pc.generate(ids, max_new_tokens=1, do_sample=False)
+        victim = pc.hashes(ids[0])[2]
+        real = store.get_many
+
+        def deleting_after_layer_0(keys, **kw):
+            out = real(keys, **kw)
+            if kw.get("layers") == [0]:
+                store.delete(victim, namespace="transformers")
+            return out
+
+        monkeypatch.setattr(store, "get_many", deleting_after_layer_0)
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            cache, n = pc.load(ids, background=True)
+            with pytest.raises(tierstore.NotFound) as e:
+                model(ids[:, n:], **{pc.cache_argument: cache})
+        assert e.value.key == victim
+        assert any("chunk 2" in m and "is gone" in m and "stops at token 32" in m for m in caplog.messages)
 
 
 def test_a_chunk_deleted_during_a_background_load_is_recomputed_by_generate(store_path, monkeypatch, caplog):

@@ -145,8 +145,9 @@ class PrefixCache:
             raise InvalidObject(f"overlap_load must be True or False, got {overlap_load!r}")
         _full_attention_only(model.config)
         choice = codecs.parse(codec, "kv") if codec is not None else None  # refused now, not after a generation
+        store.match_prefix([], namespace=namespace)  # checks the namespace's name (and a tenant's access) now
         if session is not None:
-            store.session_keys(session, namespace=namespace)  # checks the session's and namespace's names
+            store.session_keys(session, namespace=namespace)  # checks the session's name
         # a read-only store, or a tenant's handle (store.namespace(...)) over another namespace it
         # may only read: load and generate, save nothing, delete nothing
         self.writable = not store.readonly and (not isinstance(store, NamespaceHandle) or store.name == namespace)
@@ -249,9 +250,9 @@ class PrefixCache:
                              got, got * tc)
             changed = self._replaced(chunks[:got], versions)
             if changed is not None:  # (the version read may not be the one found lossless)
-                _log.warning("tierstore: chunk %d of a stored prefix was replaced while it was read; recomputing "
-                             "from token %d", changed, changed * tc)
-                got = changed
+                got = changed[0]
+                _log.warning("tierstore: chunk %d of a stored prefix %s while it was read; recomputing from token %d",
+                             got, "is gone" if changed[1] else "was replaced", got * tc)
             break
         cache = DynamicCache(config=self.model.config)
         if not got:
@@ -297,17 +298,20 @@ class PrefixCache:
             versions.append(info.extent_checksums)
         return chunks, n, versions
 
-    def _replaced(self, chunks: list[bytes], versions: list[Any] | None) -> int | None:
+    def _replaced(self, chunks: list[bytes], versions: list[Any] | None) -> tuple[int, bool] | None:
         """The first of ``chunks`` whose content is no longer the one ``_stored_chunks`` found
-        lossless (replaced meanwhile: the read may have taken the new one), or None."""
+        lossless (replaced meanwhile: the read may have taken the new one), and whether it is
+        gone (deleted) rather than replaced; or None."""
         if versions is None:
             return None
         for i, h in enumerate(chunks):
             try:
                 if self.store.info(h, namespace=self.namespace).extent_checksums != versions[i]:
-                    return i
+                    return i, False
+            except NotFound:
+                return i, True
             except TierstoreError:
-                return i
+                return i, False
         return None
 
     def _destination(self, first: bytes, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -378,9 +382,14 @@ class PrefixCache:
                                key=chunks[gone], namespace=self.namespace)
             changed = self._replaced(chunks, versions)  # (each layer is read in a snapshot of its own)
             if changed is not None:
-                _log.warning("tierstore: chunk %d of a stored prefix was replaced while it was loaded", changed)
+                i, deleted = changed
+                _log.warning("tierstore: chunk %d of a stored prefix %s while it was loaded; the background load "
+                             "stops at token %d", i, "is gone" if deleted else "was replaced", i * self.chunk_tokens)
+                if deleted:
+                    raise NotFound("a chunk of the stored prefix was deleted while it was being loaded",
+                                   key=chunks[i], namespace=self.namespace, hint="load it again")
                 raise TierstoreError("a chunk of the stored prefix was replaced while it was being loaded (its "
-                                     "layers could come from two versions)", key=chunks[changed],
+                                     "layers could come from two versions)", key=chunks[i],
                                      namespace=self.namespace, hint="load it again")
 
         cache = DynamicCache(config=self.model.config)
