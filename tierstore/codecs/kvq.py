@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import CorruptionError
 from . import rans
 from .base import Extent
-from .quant import code_limit, kv_split, log_int8, log_scale, log_scales, minmax_codes, minmax_limit, minmax_scales
+from .quant import code_limit, kv_split, log_int8, log_scale, log_scales, minmax_codes, minmax_scales
 
 
 def kvq_bins(params: dict[str, Any], layer: int) -> int:
@@ -40,7 +40,7 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
         sk, sv = np.empty(h * t * d, np.uint8), np.empty(h * t * d, np.uint8)
         ck_counts, cv_counts = np.zeros(b, np.int64), np.zeros(b, np.int64)
         _KERNELS[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32),
-                    minmax_limit(lo, st, b - 1)[..., 0].astype(np.int64), sk, ck_counts)
+                    b - 1, sk, ck_counts)
         _KERNELS[1](v, sv_scale[..., 0], a[..., 0], code_limit(sv_scale, m)[..., 0].astype(np.int64), m, sv,
                     cv_counts)
     else:
@@ -54,11 +54,11 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
                      fk.astype("<u2").tobytes(), fv.astype("<u2").tobytes(), rans.encode(sk, fk), rans.encode(sv, fv)])
 
 
-def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, limit: np.ndarray, out: np.ndarray,
+def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: int, out: np.ndarray,
                counts: np.ndarray) -> None:
     """K's symbols (compiled by numba): ``minmax_codes`` with one group per channel, in one
-    pass -- rint((x - lo) / step) in float32, clipped to [0, limit] (``minmax_limit``), 0 where
-    the step is 0 -- written in C order with their counts."""
+    pass -- rint((x - lo) / step) in float32, clipped to [0, levels], 0 where the step is 0 --
+    written in C order with their counts."""
     heads, tokens, dims = k.shape
     for hh in range(heads):
         for tt in range(tokens):
@@ -68,8 +68,7 @@ def _k_symbols(k: np.ndarray, lo: np.ndarray, step: np.ndarray, limit: np.ndarra
                 q = 0
                 if st > 0:
                     r = np.rint((k[hh, tt, dd] - lo[hh, dd]) / st)
-                    top = limit[hh, dd]
-                    q = 0 if r < 0 else top if r > top else int(r)
+                    q = 0 if r < 0 else levels if r > levels else int(r)
                 out[base + dd] = q
                 counts[q] += 1
 

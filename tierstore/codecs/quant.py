@@ -103,7 +103,7 @@ def minmax_codes(x: np.ndarray, bits: int, group: int, axis: int,
     xg, lo, step = _minmax_groups(x, group, axis, levels)
     lo_f, step_f = lo.astype(np.float32)[..., None], step.astype(np.float32)[..., None]
     q = np.rint(np.divide(xg - lo_f, step_f, out=np.zeros_like(xg), where=step_f > 0))
-    q = np.clip(q, 0, minmax_limit(lo, step, levels)[..., None]).astype(np.uint8)
+    q = np.clip(q, 0, levels).astype(np.uint8)  # (the step keeps lo + levels * step <= VALUE_MAX)
     q = q.reshape(*xg.shape[:-2], -1)[..., :n]
     return lo, step, np.moveaxis(q, -1, axis)
 
@@ -112,18 +112,6 @@ def minmax_scales(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np
     """``minmax_codes``'s float16 minima and steps alone (shaped as it returns them)."""
     _, lo, step = _minmax_groups(x, group, axis, levels)
     return lo, step
-
-
-def minmax_limit(lo: np.ndarray, step: np.ndarray, levels: int) -> np.ndarray:
-    """Per group, the largest code c <= levels with lo + c * step <= VALUE_MAX in binary32, as
-    the decoder computes it (``_minmax_groups`` already keeps the step so that this is
-    ``levels``: a safety net, which the compiled kvq-ans loop takes as its limits)."""
-    lo_f, st = lo.astype(np.float32), step.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        c = np.where(st > 0, np.minimum(np.float32(levels), np.floor((VALUE_MAX - lo_f) / st)), np.float32(levels))
-    c = c.astype(np.float32)
-    c[lo_f + c * st > VALUE_MAX] -= 1
-    return c
 
 
 def _minmax_groups(x: np.ndarray, group: int, axis: int, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
