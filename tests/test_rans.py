@@ -6,6 +6,9 @@ golden case (their bytes are fixed by the format: tests/test_golden.py reads the
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -121,7 +124,7 @@ def test_without_a_writable_cache_directory_the_loops_still_compile(monkeypatch)
         return real(*args, cache=cache, **kwargs)
 
     monkeypatch.setattr(numba, "njit", njit)
-    monkeypatch.setattr(rans, "_KERNELS", rans.jit(rans._encode_loops, rans._decode_loops))
+    monkeypatch.setattr(rans, "_KERNELS", rans.Lazy(rans._encode_loops, rans._decode_loops))  # compiled below
     rng = np.random.default_rng(3)
     freqs = rans.normalize(rng.integers(1, 50, size=16))
     symbols = rng.choice(16, size=3000, p=freqs / freqs.sum())
@@ -137,3 +140,13 @@ def test_symbols_of_any_integer_dtype_encode_alike(dtype):
     freqs = rans.normalize(rng.integers(1, 9, size=200))
     symbols = rng.choice(200, size=1000, p=freqs / freqs.sum())
     assert rans.encode(symbols.astype(dtype), freqs, compiled=True) == rans.encode(symbols, freqs, compiled=False)
+
+
+def test_importing_tierstore_does_not_import_numba():
+    """numba is imported at the first compiled call: its import (~0.1 s and ~30,000 objects the
+    garbage collector then scans) is not paid by every process and command that imports tierstore."""
+    code = ("import sys, tierstore, tierstore.codecs.kvq; assert 'numba' not in sys.modules; "
+            "import numpy as np; from tierstore.codecs import rans; f = rans.normalize(np.ones(4)); "
+            "rans.encode(np.arange(4).repeat(100), f); print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(rans.COMPILED)

@@ -34,14 +34,15 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
     k, v = kv_split(x)
     _, h, t, d = ext.shape
     m = b // 2 - 1  # (b <= 256: m <= 127, V's codes are int8)
-    if (rans.COMPILED if compiled is None else compiled) and _KERNELS is not None:
+    if (rans.COMPILED if compiled is None else compiled) and rans.AVAILABLE and not _TRACED:
+        kernels = _KERNELS.get()
         lo, st = minmax_scales(k, t, axis=1, levels=b - 1)  # K: one group = all tokens of a channel
         cv, sv_scale, a = log_scales(v, axis=2, m=m)
         sk, sv = np.empty(h * t * d, np.uint8), np.empty(h * t * d, np.uint8)
         ck_counts, cv_counts = np.zeros(b, np.int64), np.zeros(b, np.int64)
-        _KERNELS[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32),
+        kernels[0](k, lo[..., 0].astype(np.float32), st[..., 0].astype(np.float32),
                     b - 1, sk, ck_counts)
-        _KERNELS[1](v, sv_scale[..., 0], a[..., 0], code_limit(sv_scale, m)[..., 0].astype(np.int64), m, sv,
+        kernels[1](v, sv_scale[..., 0], a[..., 0], code_limit(sv_scale, m)[..., 0].astype(np.int64), m, sv,
                     cv_counts)
     else:
         lo, st, ck = minmax_codes(k, 8, t, axis=1, levels=b - 1)
@@ -94,14 +95,8 @@ def _v_symbols(v: np.ndarray, scale: np.ndarray, absmax: np.ndarray, limit: np.n
                 counts[q + m] += 1
 
 
-def _compile() -> tuple[Any, Any] | None:
-    """The symbol loops compiled with numba, where rANS's are (``rans.COMPILED``), else None."""
-    if not rans.COMPILED or "_trace_branch" in _k_symbols.__code__.co_names:
-        return None  # (numpy asked for, numba missing, or the code instrumented by a fuzzer)
-    return rans.jit(_k_symbols, _v_symbols)  # type: ignore[return-value]
-
-
-_KERNELS = _compile()
+_KERNELS = rans.Lazy(_k_symbols, _v_symbols)  # (compiled at the first use, as rANS's loops)
+_TRACED = "_trace_branch" in _k_symbols.__code__.co_names  # (a fuzzer's instrumentation: numba cannot compile it)
 
 
 def parts(data: Any, ext: Extent, params: dict[str, Any]) -> list[tuple[Any, ...]]:

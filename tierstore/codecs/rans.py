@@ -15,7 +15,9 @@ runs, and ``TIERSTORE_RANS=numpy`` in the environment chooses numpy.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -100,21 +102,19 @@ def _decode_loops(x: np.ndarray, words: np.ndarray, f: np.ndarray, cum: np.ndarr
     return pos
 
 
-def _compile() -> tuple[Any, Any] | None:
-    """The loops compiled with numba, or None (not installed: numpy runs)."""
+def _available() -> bool:
+    """Whether the numba loops may run: numba installed (looked for, not imported: that takes
+    ~0.1 s, paid at the first compiled call instead), numpy not asked for, and the code not
+    instrumented by a fuzzer (numba cannot compile that)."""
     if os.environ.get("TIERSTORE_RANS") == "numpy" or "_trace_branch" in _decode_loops.__code__.co_names:
-        return None  # asked for, or the code is instrumented by a fuzzer: numba cannot compile that
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return None
-    return jit(_encode_loops, _decode_loops)  # type: ignore[return-value]
+        return False
+    return importlib.util.find_spec("numba") is not None
 
 
 def jit(*fns: Any) -> tuple[Any, ...]:
     """``fns`` compiled by numba (installed), cached on disk where numba finds a writable place:
     beside the package or under the user's cache; with neither (a read-only package and home,
-    e.g. a read-only container), compiled anew in each process instead of failing the import."""
+    e.g. a read-only container), compiled anew in each process instead of failing."""
     import numba
 
     try:
@@ -123,8 +123,23 @@ def jit(*fns: Any) -> tuple[Any, ...]:
         return tuple(numba.njit(cache=False, nogil=True, boundscheck=False)(f) for f in fns)
 
 
-_KERNELS = _compile()
-COMPILED = _KERNELS is not None
+class Lazy:
+    """Functions compiled by ``jit`` at their first use, once (thread-safe): ``get()``."""
+
+    def __init__(self, *fns: Any) -> None:
+        self.fns, self.compiled, self._lock = fns, None, threading.Lock()
+
+    def get(self) -> tuple[Any, ...]:
+        if self.compiled is None:
+            with self._lock:
+                if self.compiled is None:
+                    self.compiled = jit(*self.fns)
+        return self.compiled
+
+
+AVAILABLE = _available()  # (a forced compiled=True runs numpy without it)
+COMPILED = AVAILABLE  # the default
+_KERNELS = Lazy(_encode_loops, _decode_loops)
 
 
 def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = None) -> bytes:
@@ -134,7 +149,7 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
     n = len(symbols)
     lanes = lanes_for(n)
     steps = -(-n // lanes)
-    if (COMPILED if compiled is None else compiled) and _KERNELS is not None:
+    if (COMPILED if compiled is None else compiled) and AVAILABLE:
         x32 = np.full(lanes, STATE_LOW, dtype=np.uint32)
         buf = np.empty(steps * lanes, dtype=np.uint16)  # (at most one word per symbol)
         f32 = freqs.astype(np.uint32)
@@ -142,7 +157,7 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
         sym = np.ascontiguousarray(symbols)
         if sym.dtype.kind not in "iu" or sym.dtype.itemsize > 4:  # (numba would mix uint64 and the pad as floats)
             sym = sym.astype(np.int64)
-        k = _KERNELS[0](sym, n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
+        k = _KERNELS.get()[0](sym, n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
         return b"".join([x32.astype("<u4", copy=False).tobytes(), np.uint32(k).astype("<u4").tobytes(),
                          buf[len(buf) - k:].astype("<u2", copy=False).tobytes()])
     sym = np.full(steps * lanes, pad_symbol(freqs), dtype=np.int64)
@@ -185,12 +200,12 @@ def decode(data: memoryview | bytes, freqs: np.ndarray, n: int, *, compiled: boo
     f_all = freqs.astype(np.uint64)
     cum = np.concatenate([[0], np.cumsum(f_all)[:-1]]).astype(np.uint64)
     slot_sym = np.repeat(np.arange(len(freqs)), freqs.astype(np.int64))
-    if (COMPILED if compiled is None else compiled) and _KERNELS is not None:
+    if (COMPILED if compiled is None else compiled) and AVAILABLE:
         x64 = x.astype(np.int64)
         flat = np.empty(steps * lanes, dtype=np.int64)
         f64 = freqs.astype(np.int64)
         cum64 = np.concatenate([[0], np.cumsum(f64)[:-1]]).astype(np.int64)
-        used = _KERNELS[1](x64, words.astype(np.int64), f64, cum64, slot_sym.astype(np.int64), flat, lanes, steps)
+        used = _KERNELS.get()[1](x64, words.astype(np.int64), f64, cum64, slot_sym.astype(np.int64), flat, lanes, steps)
         if used < 0:
             raise CorruptionError("rANS stream ends early")
         if used != n_words or (x64 != STATE_LOW).any():
