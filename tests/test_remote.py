@@ -1595,3 +1595,52 @@ def test_a_fetch_in_pieces_follows_a_slot_moving_between_cluster_masters(tmp_pat
     assert moved and st["errors"] == 0 and not st["down"] and st["hits"] == 1
     for s in (a, b, c):
         s.close()
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_fsck_remote_reads_values_in_pipelines(tmp_path, where, request, monkeypatch):
+    from tierstore.tiers import remote as remote_mod
+    from tierstore.tiers.remote import RemoteTier
+
+    monkeypatch.setattr(remote_mod, "VERIFY_BATCH", 64)
+    monkeypatch.setattr(remote_mod, "VERIFY_BATCH_BYTES", 20_000)
+    url = request.getfixturevalue(where).url
+    a = node(tmp_path, "a", url)
+    a.put_many([(b"b%03d" % i, tierstore.Blob(b"v%d" % i * 20)) for i in range(200)], namespace="m")
+    for i in range(3):
+        a.put(b"chunk%d" % i, tierstore.KVCache(kv(i, tokens=40)), namespace="m")
+    a.delete(b"b000", namespace="m")
+    tier = RemoteTier(url, origin=bytes(16), policy="read-only")
+    pipelines, gets = [], []
+    pipeline, get = tier.client.pipeline, tier.client.get
+    monkeypatch.setattr(tier.client, "pipeline", lambda *args, **kw: pipelines.append(1) or pipeline(*args, **kw))
+    monkeypatch.setattr(tier.client, "get", lambda *args, **kw: gets.append(args) or get(*args, **kw))
+    report = tier.verify()
+    assert (report["values"], report["tombstones"], report["damaged"], report["ok"]) == (202, 1, [], True)
+    # 204 values: 4 batches of names, each a pipeline of lengths and one of GETs, plus at most two
+    # more per chunk (a pipeline holds at most 20,000 bytes of values: a ~19 KB chunk and the
+    # blobs after it do not share one) -- not a round trip per value
+    assert len(pipelines) <= 4 * 2 + 3 * 2 and not gets
+    sizes = [fmt.REMOTE_ENVELOPE.size + a.info(k, namespace="m").stored_bytes
+             for k in [*(b"b%03d" % i for i in range(1, 200)), b"chunk0", b"chunk1", b"chunk2"]]
+    assert report["bytes"] == sum(sizes) + fmt.REMOTE_ENVELOPE.size
+
+    # damaged: a blob's last byte, a chunk's middle byte, a foreign type under the layout's name
+    servers = request.getfixturevalue(where)
+    r = redis.RedisCluster(host="127.0.0.1", port=servers.nodes[0].port) if where == "cluster" else \
+        redis.Redis(port=servers.port)
+    for k, at in ((b"b007", -1), (b"chunk1", -1500)):  # (in an extent: not the padding before it)
+        name = remote_key(b"m", k)
+        value = r.get(name)
+        at %= len(value)
+        r.setrange(name, at, bytes([value[at] ^ 1]))
+    r.delete(remote_key(b"m", b"b008"))
+    r.rpush(remote_key(b"m", b"b008"), b"x")
+    gets.clear()
+    report = tier.verify()
+    assert not report["ok"] and report["values"] == 199, report["damaged"]
+    assert sorted(d["key"] for d in report["damaged"]) == sorted(
+        remote_key(b"m", k).decode() for k in (b"b007", b"b008", b"chunk1"))
+    assert any("refused" in d["why"] and "WRONGTYPE" in d["why"] for d in report["damaged"])
+    tier.close(0)
+    a.close()

@@ -41,6 +41,8 @@ QUEUE_DEFAULT = 65536  # pushes waiting for the remote (keys, not bytes: the byt
 HEADER_GUESS = 2048  # a ranged read fetches this much of the record first (a 64-layer KV header fits)
 FETCH_PIECE = 1 << 20  # bytes per GETRANGE of a fetch (redis-py: ~2x the rate of one 32 MiB GET here)
 FETCH_TRIES = 3  # reads of a value replaced while fetched before the fetch is a miss
+VERIFY_BATCH = 256  # names per pipeline of ``verify`` (fsck --remote)
+VERIFY_BATCH_BYTES = 16 << 20  # values per pipeline of ``verify``, in bytes
 UNVERSIONED = (0, bytes(16))  # objects written before the store had a remote
 
 # Compare-and-set (SPEC.md §14.3).  KEYS[1] the object's key, KEYS[2] a staged value (a put);
@@ -879,30 +881,71 @@ class RemoteTier:
     def verify(self, ns: bytes | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         """Check every value of the layout (of namespace ``ns``, or all) on the server: envelope,
         record header, that it is its key's, every extent checksum (``tierstore fsck --remote``).
-        Raises RemoteDown if the server does not answer."""
+        Values are read whole (each GET is atomic: never half of one version and half of the
+        next) in pipelines of ``VERIFY_BATCH`` names and at most ``VERIFY_BATCH_BYTES`` of values
+        (a larger value alone): one round trip for many small values.  Raises RemoteDown if the
+        server does not answer."""
+        import redis
+
         report: dict[str, Any] = {"remote": self.url, "values": 0, "tombstones": 0, "bytes": 0, "damaged": []}
-        for name in self._call(lambda: list(self.scan(ns))):
-            try:
-                value = self._call(lambda name=name: self.client.get(name))
-            except RemoteRefused as e:  # e.g. WRONGTYPE: another type under the layout's name
-                report["damaged"].append({"key": name.decode("ascii", "replace"), "why": f"refused: {e}"})
-                continue
-            if value is None:  # deleted or evicted since the scan
-                continue
-            parsed = parse_remote_key(name)
-            assert parsed is not None
-            try:
-                env, _ = check_fetched(parsed[0], parsed[1], value)
-            except CorruptionError as e:
-                report["damaged"].append({"key": name.decode("ascii", "replace"), "why": e.message})
-                continue
-            finally:
-                report["bytes"] += len(value)
-                if progress is not None:
-                    progress(len(value))
-            report["tombstones" if env.tombstone else "values"] += 1
+
+        def pipelined(fill: Callable[[Any], None]) -> list[Any]:
+            def run() -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                fill(pipe)
+                return pipe.execute(raise_on_error=False)  # (a foreign key's WRONGTYPE: that key's answer)
+            return self._call(run)
+
+        def refused(name: bytes, answer: Any) -> bool:
+            if not isinstance(answer, redis.exceptions.ResponseError):
+                return False
+            self.count("errors")
+            report["damaged"].append({"key": name.decode("ascii", "replace"),
+                                      "why": f"refused: {self._scrub(str(answer))}"})
+            return True
+
+        names = self._call(lambda: list(self.scan(ns)))
+        for i in range(0, len(names), VERIFY_BATCH):
+            batch = names[i:i + VERIFY_BATCH]
+            sizes = pipelined(lambda pipe, batch=batch: [pipe.strlen(name) for name in batch])
+            groups: list[list[bytes]] = [[]]
+            held = 0
+            for name, size in zip(batch, sizes):
+                if refused(name, size) or size == 0:  # (0: deleted or evicted since the scan)
+                    continue
+                if held + size > VERIFY_BATCH_BYTES and groups[-1]:
+                    groups.append([])
+                    held = 0
+                groups[-1].append(name)
+                held += size
+            for group in groups:
+                values = pipelined(lambda pipe, group=group: [pipe.get(name) for name in group]) if group else []
+                for name, value in zip(group, values):
+                    if value is not None and not refused(name, value):  # (None: deleted since the scan)
+                        self._verified(name, value, report, progress)
         report["ok"] = not report["damaged"]
         return report
+
+    @staticmethod
+    def _checked(name: bytes, value: Any) -> Remote:
+        """The envelope of ``value``, a sound value of the server key ``name`` (``check_fetched``);
+        CorruptionError otherwise."""
+        parsed = parse_remote_key(name)
+        assert parsed is not None
+        return check_fetched(parsed[0], parsed[1], value)[0]
+
+    def _verified(self, name: bytes, value: Any, report: dict[str, Any],
+                  progress: Callable[[int], None] | None) -> None:
+        """Count a value read by ``verify`` in ``report``: a value, a tombstone or a damaged one."""
+        report["bytes"] += len(value)
+        if progress is not None:
+            progress(len(value))
+        try:
+            env = self._checked(name, value)
+        except CorruptionError as e:
+            report["damaged"].append({"key": name.decode("ascii", "replace"), "why": e.message})
+            return
+        report["tombstones" if env.tombstone else "values"] += 1
 
     # -- writing ---------------------------------------------------------------------------
 
