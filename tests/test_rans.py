@@ -6,6 +6,7 @@ golden case (their bytes are fixed by the format: tests/test_golden.py reads the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 from tierstore import CorruptionError, codecs
 from tierstore.codecs import rans
 
-needs_numba = pytest.mark.skipif(not rans.COMPILED, reason="numba not installed (the 'fast' extra)")
+needs_numba = pytest.mark.skipif(not rans.COMPILED or rans._KERNELS.get() is None,
+                                 reason="numba not installed (the 'fast' extra) or not importable")
 
 
 def _decode_both(data: bytes, freqs: np.ndarray, n: int) -> tuple[object, object]:
@@ -149,4 +151,35 @@ def test_importing_tierstore_does_not_import_numba():
             "import numpy as np; from tierstore.codecs import rans; f = rans.normalize(np.ones(4)); "
             "rans.encode(np.arange(4).repeat(100), f); print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(rans.COMPILED)
+    assert out.strip() == str(rans.COMPILED and rans._KERNELS.get() is not None)
+
+
+def test_a_numba_that_is_installed_but_does_not_import_leaves_numpy_running(tmp_path):
+    """numba is found but its import fails (e.g. "Numba needs NumPy 2.2 or less"): kvq-ans encodes
+    and decodes with numpy, the same bytes, and says so once -- as when numba was imported with
+    tierstore and a failed import was caught there."""
+    fake = tmp_path / "site" / "numba"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("Numba needs NumPy 2.2 or less")\n')
+    code = f"""
+import logging, sys, numpy as np
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+import tierstore
+from tierstore.codecs import rans
+assert rans.AVAILABLE  # (found, not imported)
+x = np.random.default_rng(0).standard_normal((2, 2, 4, 64, 16)).astype(np.float16)
+with tierstore.open({str(tmp_path / "s")!r}) as s:
+    s.put("k", tierstore.KVCache(x), codec="kvq-ans")
+    s.put("j", tierstore.KVCache(x), codec="kvq-ans")
+    y = s.get("k").data
+f = rans.normalize(np.ones(4))
+sym = np.arange(4).repeat(50)
+assert rans.encode(sym, f, compiled=True) == rans.encode(sym, f, compiled=False)
+print("ok", float(np.abs(y.astype(np.float32) - x.astype(np.float32)).max()) < 0.5)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "ok True"
+    assert [m for m in lines if "does not import" in m and "NumPy 2.2" in m] == lines[:1]  # said once

@@ -1614,7 +1614,7 @@ def test_fsck_remote_reads_values_in_pipelines(tmp_path, where, request, monkeyp
     pipelines, gets = [], []
     pipeline, get = tier.client.pipeline, tier.client.get
     monkeypatch.setattr(tier.client, "pipeline", lambda *args, **kw: pipelines.append(1) or pipeline(*args, **kw))
-    monkeypatch.setattr(tier.client, "get", lambda *args, **kw: gets.append(args) or get(*args, **kw))
+    monkeypatch.setattr(tier.client, "get", lambda *args, **kw: gets.append(args) or get(*args, **kw))  # (none)
     report = tier.verify()
     assert (report["values"], report["tombstones"], report["damaged"], report["ok"]) == (202, 1, [], True)
     # 204 values: 4 batches of names, each a pipeline of lengths and one of GETs, plus at most two
@@ -1636,11 +1636,58 @@ def test_fsck_remote_reads_values_in_pipelines(tmp_path, where, request, monkeyp
         r.setrange(name, at, bytes([value[at] ^ 1]))
     r.delete(remote_key(b"m", b"b008"))
     r.rpush(remote_key(b"m", b"b008"), b"x")
-    gets.clear()
+    r.set(remote_key(b"m", b"b009"), b"")  # (STRLEN 0, as for a key gone since the scan: read, and damaged)
     report = tier.verify()
-    assert not report["ok"] and report["values"] == 199, report["damaged"]
+    assert not report["ok"] and report["values"] == 198, report["damaged"]
     assert sorted(d["key"] for d in report["damaged"]) == sorted(
-        remote_key(b"m", k).decode() for k in (b"b007", b"b008", b"chunk1"))
+        remote_key(b"m", k).decode() for k in (b"b007", b"b008", b"b009", b"chunk1"))
     assert any("refused" in d["why"] and "WRONGTYPE" in d["why"] for d in report["damaged"])
     tier.close(0)
     a.close()
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_fsck_remote_raises_remote_down_when_a_server_stops_answering_during_it(tmp_path, where, request,
+                                                                               monkeypatch):
+    from tierstore.tiers import remote as remote_mod
+    from tierstore.tiers.remote import RemoteDown, RemoteTier
+
+    monkeypatch.setattr(remote_mod, "VERIFY_BATCH", 32)
+    servers = request.getfixturevalue(where)
+    a = node(tmp_path, "a", servers.url)
+    a.put_many([(b"b%03d" % i, tierstore.Blob(b"v%d" % i * 200)) for i in range(300)], namespace="m")
+    a.close()
+    tier = RemoteTier(servers.url, origin=bytes(16), policy="read-only", timeout=0.3, connect_timeout=0.3)
+    paused = servers.nodes[1] if where == "cluster" else servers
+    seen = []
+
+    def progress(n):  # a server (of a cluster: one master) stops answering part-way
+        seen.append(n)
+        if len(seen) == 5:
+            paused.pause()
+
+    try:  # (a cluster pipeline keeps a node's timeout as that command's answer: not a size, not a value)
+        with pytest.raises(RemoteDown):
+            tier.verify(progress=progress)
+    finally:
+        paused.resume()
+        tier.close(0)
+
+
+def test_fsck_remote_without_permission_to_read_every_key_is_remote_down_not_damage(tmp_path, server):
+    from tierstore.tiers.remote import RemoteDown, RemoteTier
+
+    a = node(tmp_path, "a", server.url)
+    for ns in ("m", "n"):
+        a.put_many([(b"b%d" % i, tierstore.Blob(b"v")) for i in range(3)], namespace=ns)
+    a.close()
+    prefix = remote_key(b"m", b"").decode()[:-3]  # an ACL user that may read namespace m's keys only
+    redis.Redis(port=server.port).execute_command("ACL", "SETUSER", "ro", "on", ">pw", f"~{prefix}*", "+@read",
+                                                  "+@connection")
+    tier = RemoteTier(f"redis://ro:pw@127.0.0.1:{server.port}/0", origin=bytes(16), policy="read-only")
+    with pytest.raises(RemoteDown, match="no permissions"):  # (not keys to delete: they are sound)
+        tier.verify()
+    tier.close(0)
+    tier = RemoteTier(f"redis://ro:pw@127.0.0.1:{server.port}/0", origin=bytes(16), policy="read-only")
+    assert tier.verify(b"m")["values"] == 3  # the twin: what it may read is checked
+    tier.close(0)

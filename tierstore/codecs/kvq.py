@@ -34,8 +34,9 @@ def encode(x: np.ndarray, ext: Extent, params: dict[str, Any], *, compiled: bool
     k, v = kv_split(x)
     _, h, t, d = ext.shape
     m = b // 2 - 1  # (b <= 256: m <= 127, V's codes are int8)
-    if (rans.COMPILED if compiled is None else compiled) and rans.AVAILABLE and not _TRACED:
-        kernels = _KERNELS.get()
+    compiled = (rans.COMPILED if compiled is None else compiled) and rans.AVAILABLE and not _TRACED
+    kernels = _KERNELS.get() if compiled else None
+    if kernels is not None:
         lo, st = minmax_scales(k, t, axis=1, levels=b - 1)  # K: one group = all tokens of a channel
         cv, sv_scale, a = log_scales(v, axis=2, m=m)
         sk, sv = np.empty(h * t * d, np.uint8), np.empty(h * t * d, np.uint8)

@@ -16,6 +16,7 @@ runs, and ``TIERSTORE_RANS=numpy`` in the environment chooses numpy.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptionError
+
+_log = logging.getLogger("tierstore.codecs")
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
@@ -124,16 +127,25 @@ def jit(*fns: Any) -> tuple[Any, ...]:
 
 
 class Lazy:
-    """Functions compiled by ``jit`` at their first use, once (thread-safe): ``get()``."""
+    """Functions compiled by ``jit`` at their first use, once (thread-safe): ``get()`` returns
+    them, or None where numba is installed but does not import (e.g. a numpy newer than it
+    supports): numpy runs then, as without numba, and that is logged once."""
+
+    _failed: str | None = None  # (shared: numba's import failed once, it fails for every Lazy)
 
     def __init__(self, *fns: Any) -> None:
         self.fns, self.compiled, self._lock = fns, None, threading.Lock()
 
-    def get(self) -> tuple[Any, ...]:
-        if self.compiled is None:
+    def get(self) -> tuple[Any, ...] | None:
+        if self.compiled is None and Lazy._failed is None:
             with self._lock:
-                if self.compiled is None:
-                    self.compiled = jit(*self.fns)
+                if self.compiled is None and Lazy._failed is None:
+                    try:
+                        self.compiled = jit(*self.fns)
+                    except ImportError as e:
+                        Lazy._failed = f"{type(e).__name__}: {e}"
+                        _log.warning("tierstore: numba is installed but does not import (%s); kvq-ans runs "
+                                     "its numpy loops (~15x slower, same bytes)", Lazy._failed)
         return self.compiled
 
 
@@ -149,7 +161,8 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
     n = len(symbols)
     lanes = lanes_for(n)
     steps = -(-n // lanes)
-    if (COMPILED if compiled is None else compiled) and AVAILABLE:
+    kernels = _KERNELS.get() if (COMPILED if compiled is None else compiled) and AVAILABLE else None
+    if kernels is not None:
         x32 = np.full(lanes, STATE_LOW, dtype=np.uint32)
         buf = np.empty(steps * lanes, dtype=np.uint16)  # (at most one word per symbol)
         f32 = freqs.astype(np.uint32)
@@ -157,7 +170,7 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, *, compiled: bool | None = No
         sym = np.ascontiguousarray(symbols)
         if sym.dtype.kind not in "iu" or sym.dtype.itemsize > 4:  # (numba would mix uint64 and the pad as floats)
             sym = sym.astype(np.int64)
-        k = _KERNELS.get()[0](sym, n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
+        k = kernels[0](sym, n, pad_symbol(freqs), lanes, steps, f32, cum32, x32, buf)
         return b"".join([x32.astype("<u4", copy=False).tobytes(), np.uint32(k).astype("<u4").tobytes(),
                          buf[len(buf) - k:].astype("<u2", copy=False).tobytes()])
     sym = np.full(steps * lanes, pad_symbol(freqs), dtype=np.int64)
@@ -200,12 +213,13 @@ def decode(data: memoryview | bytes, freqs: np.ndarray, n: int, *, compiled: boo
     f_all = freqs.astype(np.uint64)
     cum = np.concatenate([[0], np.cumsum(f_all)[:-1]]).astype(np.uint64)
     slot_sym = np.repeat(np.arange(len(freqs)), freqs.astype(np.int64))
-    if (COMPILED if compiled is None else compiled) and AVAILABLE:
+    kernels = _KERNELS.get() if (COMPILED if compiled is None else compiled) and AVAILABLE else None
+    if kernels is not None:
         x64 = x.astype(np.int64)
         flat = np.empty(steps * lanes, dtype=np.int64)
         f64 = freqs.astype(np.int64)
         cum64 = np.concatenate([[0], np.cumsum(f64)[:-1]]).astype(np.int64)
-        used = _KERNELS.get()[1](x64, words.astype(np.int64), f64, cum64, slot_sym.astype(np.int64), flat, lanes, steps)
+        used = kernels[1](x64, words.astype(np.int64), f64, cum64, slot_sym.astype(np.int64), flat, lanes, steps)
         if used < 0:
             raise CorruptionError("rANS stream ends early")
         if used != n_words or (x64 != STATE_LOW).any():

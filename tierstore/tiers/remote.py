@@ -648,7 +648,7 @@ class RemoteTier:
             # for good only where this key's send can never succeed as it is; others (NOREPLICAS,
             # MISCONF, BUSY, ...) pass, and the send is tried again
             # (pipelines prefix "Command # n ...", Redis 6 scripts "ERR Error running script ...")
-            return "WRONGTYPE" in text or "exceeds maximum allowed size" in text
+            return _refuses_key(text)
         self.count("errors")
         self._down_until = time.monotonic() + self.retry_s
         if not self._down_logged:
@@ -893,13 +893,18 @@ class RemoteTier:
             def run() -> list[Any]:
                 pipe = self.client.pipeline(transaction=False)
                 fill(pipe)
-                return pipe.execute(raise_on_error=False)  # (a foreign key's WRONGTYPE: that key's answer)
+                answers = pipe.execute(raise_on_error=False)
+                for a in answers:  # a key refused for good (a foreign type) is that key's answer; any
+                    if isinstance(a, Exception) and not (  # other error (a cluster node's timeout,
+                            type(a) is redis.exceptions.ResponseError and _refuses_key(str(a))):  # NOPERM)
+                        raise a  # is the server's: RemoteDown
+                return answers
             return self._call(run)
 
         def refused(name: bytes, answer: Any) -> bool:
-            if not isinstance(answer, redis.exceptions.ResponseError):
+            if not isinstance(answer, Exception):
                 return False
-            self.count("errors")
+            self._failed(answer)  # (counted, logged once per kind)
             report["damaged"].append({"key": name.decode("ascii", "replace"),
                                       "why": f"refused: {self._scrub(str(answer))}"})
             return True
@@ -911,7 +916,7 @@ class RemoteTier:
             groups: list[list[bytes]] = [[]]
             held = 0
             for name, size in zip(batch, sizes):
-                if refused(name, size) or size == 0:  # (0: deleted or evicted since the scan)
+                if refused(name, size):  # (0: gone since the scan, or an empty value: the GET tells)
                     continue
                 if held + size > VERIFY_BATCH_BYTES and groups[-1]:
                     groups.append([])
@@ -1003,6 +1008,13 @@ class RemoteTier:
         out = self._call(run)
         self.count({1: "tombstones", 2: "put_repeats"}.get(out, "put_conflicts"))
         return out in (1, 2)
+
+
+def _refuses_key(text: str) -> bool:
+    """Whether a server's error refuses one key for good (another type of key under the name, a
+    value larger than it takes), not the server being unable to serve (OOM, NOPERM, BUSY,
+    CLUSTERDOWN, ...)."""
+    return "WRONGTYPE" in text or "exceeds maximum allowed size" in text
 
 
 def _value_max(client: Any) -> int:
