@@ -329,6 +329,24 @@ def test_get_out_mismatch_is_refused_before_any_io(store_path, out, why):
 
 
 @needs_torch
+def test_a_torch_destination_that_is_not_dense_host_or_cuda_memory_is_refused(store_path):
+    """A meta tensor has no memory: get(out=) returned it as filled, with nothing read (a cold
+    user's try); a sparse one was refused as "not C-contiguous"."""
+    import torch
+
+    with tierstore.open(store_path) as s:
+        s.put("kv", KVCache(_kv()))
+        for out in (torch.empty((4, 2, 2, 16, 8), dtype=torch.float32, device="meta"),
+                    torch.zeros((4, 2, 2, 16, 8), dtype=torch.float32).to_sparse()):
+            with pytest.raises(InvalidObject, match="dense tensors in CPU, pinned or CUDA memory"):
+                s.get("kv", out=out)
+            with pytest.raises(InvalidObject, match="dense tensors"):
+                s.get_many(["kv"], out=[out])
+        out = torch.empty((4, 2, 2, 16, 8), dtype=torch.float32)  # the twin: a CPU tensor is filled
+        assert s.get("kv", out=out).data is out and np.array_equal(out.numpy(), _kv())
+
+
+@needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_get_into_a_torch_tensor(store_path, dtype):
     import torch

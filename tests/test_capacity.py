@@ -453,6 +453,15 @@ def test_segments_too_large_for_the_budget_are_refused(tmp_path):
     assert tierstore.parse_size("16GiB") == 16 << 30
 
 
+def test_sizes_in_bytes_must_be_whole():
+    """"1.5" was 1 byte, and "0.9" said "must be positive" (a new user's try)."""
+    for bad in ("1.5", "1.5B", "0.9"):
+        with pytest.raises(tierstore.InvalidObject, match="whole number of bytes"):
+            tierstore.parse_size(bad, "ssd_bytes")
+    assert tierstore.parse_size("1.5GiB") == 3 << 29 and tierstore.parse_size("1.5KB") == 1500
+    assert tierstore.parse_size("2.0") == 2 and tierstore.parse_size("500 GiB") == 500 << 30
+
+
 def test_an_error_in_the_eviction_thread_is_kept_and_flush_still_returns(tmp_path, monkeypatch):
     """Regression (a cold review): an OSError in the thread killed it, and flush() then waited
     forever for an eviction nobody would run."""

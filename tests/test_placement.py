@@ -243,6 +243,9 @@ def test_simulate_cli(tmp_path, capsys):
     assert cli(["simulate", "--generate", "rag", "--save", saved, "--ssd", "1GiB", "--dram", "0", "--policy",
                 "lru"]) == 0
     assert "slow tier" in capsys.readouterr().out
+    # a negative seed is bad input (exit 2, the JSON error), not numpy's traceback (a new user's try)
+    assert cli(["simulate", "--generate", "chat", "--seed", "-1", "--json"]) == 2
+    assert "--seed must be 0 or more" in json.loads(capsys.readouterr().out)["error"]
     assert cli(["simulate", "--trace", saved, "--policy", "lru", "--ssd", "1GiB", "--dram", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ssd_bytes"] == 1 << 30
     assert cli(["simulate", "--generate", "rag", "--policy", "fifo"]) == 2

@@ -840,3 +840,19 @@ def test_clear_keeps_pinned_entries(store_path):
         assert s.info("a").tiers == ("dram", "ssd") and s.info("b").tiers == ("ssd",)
         assert tier_stats(s, "dram")["bytes_used"] == 2 * LAYER
         assert np.array_equal(s.get("b").data, kv(2, seed=1))
+
+
+@pytest.mark.parametrize("dram", [0, "auto"])
+def test_stream_layers_after_close_raises_store_closed(store_path, dram):
+    """(A new user's try: a bare RuntimeError "cannot schedule new futures after shutdown".)"""
+    kv = np.random.default_rng(3).standard_normal((6, 2, 2, 16, 8)).astype(np.float16)
+    s = tierstore.open(store_path, dram_bytes=dram)
+    s.put("k", tierstore.KVCache(kv))
+    it = s.stream_layers("k")
+    assert np.array_equal(next(it)[1], kv[0])
+    s.close()
+    with pytest.raises(tierstore.StoreClosed):
+        for _ in it:
+            pass
+    with tierstore.open(store_path, dram_bytes=dram) as s:  # the twin: a stream read to its end
+        assert [lid for lid, _ in s.stream_layers("k")] == list(range(6))

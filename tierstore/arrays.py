@@ -153,6 +153,9 @@ def check_out(out: Any, name: str, shape: tuple[int, ...]) -> None:
     """Check a caller's destination (``get(out=...)``) before any I/O: a C-contiguous, writable
     numpy array or torch tensor (CPU, pinned or CUDA) of dtype ``name`` and shape ``shape``."""
     if is_torch_tensor(out):
+        if out.layout != torch_module().strided or out.device.type not in ("cpu", "cuda"):
+            raise InvalidObject(f"out= is a {out.layout} tensor on {out.device}: tierstore fills dense tensors in "
+                                "CPU, pinned or CUDA memory")
         ok_layout, writable, shape_of = out.is_contiguous(), not out.requires_grad, tuple(out.shape)
     elif isinstance(out, np.ndarray):
         ok_layout, writable, shape_of = out.flags.c_contiguous, out.flags.writeable, out.shape

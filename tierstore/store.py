@@ -1786,7 +1786,17 @@ class Store:
             return self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)[0].data[0]
 
         assert self._tiers is not None
-        return self._tiers.stream([start + p for p in pos], read_layer)
+        return self._streamed(self._tiers.stream([start + p for p in pos], read_layer))
+
+    def _streamed(self, layers: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+        """``stream_layers``' layers; once the store is closed, StoreClosed (its reader threads are
+        gone: a read is refused, one in flight cancelled)."""
+        try:
+            yield from layers
+        except (RuntimeError, CancelledError):
+            if not self._closed:
+                raise
+            raise StoreClosed("the store was closed while its layers were streamed", path=self.path) from None
 
     def pin(self, key: str | bytes, *, namespace: str = "default", tier: str = "dram", layers: Any = None) -> None:
         """Promote the object into ``tier`` (now) and keep it there until ``unpin``: a pinned

@@ -46,6 +46,8 @@ def load_ops(args: Any) -> tuple[list[dict[str, Any]], str]:
             print(f"tierstore simulate: {args.trace} was cut at its size bound (trace_bytes): the replay ends "
                   "where the recording stopped", file=sys.stderr)
         return ops, args.trace
+    if args.seed < 0:
+        raise InvalidObject(f"--seed must be 0 or more, got {args.seed}")
     if args.sharegpt:
         return workloads.sharegpt(args.sharegpt, seed=args.seed), f"sharegpt:{args.sharegpt}"
     return workloads.generate(args.generate, seed=args.seed), f"generated:{args.generate}"

@@ -8,6 +8,7 @@ options are the tiers' own (tiers/config.py).
 from __future__ import annotations
 
 import difflib
+import fractions
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,11 @@ def parse_size(value: int | str, name: str = "size") -> int:
         unit = (m.group(2) or "B").upper()
         base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
         power = "BKMGT".index(unit[0]) if unit != "B" else 0
-        n = int(float(m.group(1)) * base**power)
+        exact = fractions.Fraction(m.group(1)) * base**power
+        if power == 0 and exact.denominator != 1:  # (in KiB and up a fraction rounds down to whole bytes)
+            raise InvalidObject(f"{name} must be a whole number of bytes, got {value!r}",
+                                hint="give bytes as an integer, or a unit: '512KiB', '1.5GiB'")
+        n = int(exact)
     else:
         raise InvalidObject(f"{name} must be an int or a size string like '16GiB', got {value!r}")
     if n <= 0:
