@@ -99,6 +99,10 @@ class FaultFS(PosixIO):
         self._faults.append({"method": method, "at": self.calls.get(method, 0) + n, "kind": kind,
                              "persistent": persistent})
 
+    def clear_faults(self) -> None:
+        """No more injected faults (the ones set so far are dropped)."""
+        self._faults.clear()
+
     def _fault(self, method: str) -> str | None:
         self.calls[method] = self.calls.get(method, 0) + 1
         c = self.calls[method]

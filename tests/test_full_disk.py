@@ -113,3 +113,70 @@ def test_index_enospc_is_store_full():
     idx._readers_checked = 0.0
     with pytest.raises(tierstore.StoreFull):
         idx._write(lambda txn: None)
+
+
+def test_a_put_refused_for_space_says_it_was_taken_back(store_path):
+    """(A new user's try on a 3 MiB tmpfs: a 100 KB put's StoreFull had no ``taken_back``, which
+    the guide's I/O errors section promises.)"""
+    with tierstore.open(store_path, reserve_bytes="256KiB") as s:
+        s.put("a", Blob(b"a" * 100_000))
+    fs = FullDisk(store_path)
+    with tierstore.open(store_path, _io=fs, reserve_bytes="256KiB") as s:
+        fs.full = True
+        for size in (100_000, 300):  # written at once, and buffered then written at its sync
+            with pytest.raises(tierstore.StoreFull) as e:
+                s.put("b", Blob(b"b" * size))
+            assert e.value.taken_back is True
+            assert "b" not in s.keys()
+        fs.full = False
+        s.put("c", Blob(b"c" * 100_000))  # the twin: with room, a put lands
+    with tierstore.open(store_path) as s:
+        assert sorted(s.keys()) == ["a", "c"]
+
+
+def test_close_lets_the_store_go_when_the_disk_is_full(store_path, monkeypatch):
+    """(A new user's try on a full tmpfs: close() raised a bare OSError from writing the index's
+    stamp, left its .tmp file, and kept the store locked: the next open waited 60 s.)"""
+    from tierstore.engine import engine as engine_mod
+    from tierstore.engine import index as index_mod
+
+    real_open = open
+
+    def no_space(path, *args, **kwargs):  # the stamp's file cannot be written
+        if str(path).endswith(".tmp") and os.path.basename(os.path.dirname(str(path))) == fmt.INDEX_DIR:
+            f = real_open(path, *args, **kwargs)
+            f.close()
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return real_open(path, *args, **kwargs)
+
+    s = tierstore.open(store_path)
+    s.put("k", Blob(b"v"))
+    monkeypatch.setattr("builtins.open", no_space)
+    s.close()  # the stamp is an optimisation: without it the next open checks the index
+    monkeypatch.setattr("builtins.open", real_open)
+    assert not [n for n in os.listdir(os.path.join(store_path, fmt.INDEX_DIR)) if n.endswith(".tmp")]
+    with tierstore.open(store_path, lock_timeout=1) as s:
+        assert s.get("k").data == b"v"
+
+    def failing(self, healthy):  # anything else at rest that fails: a TierstoreError, the locks let go
+        raise OSError(errno.ENOSPC, "injected: no space left on device")
+
+    monkeypatch.setattr(engine_mod.Engine, "_at_rest", failing)
+    s = tierstore.open(store_path)
+    with pytest.raises(tierstore.StoreFull):
+        s.close()
+    monkeypatch.undo()
+    with tierstore.open(store_path, lock_timeout=1) as s:
+        assert s.get("k").data == b"v"
+    # an index write that fails on a full disk is StoreFull (LMDB reports a short write as EIO)
+    import lmdb
+
+    idx = index_mod.Index.__new__(index_mod.Index)
+    idx.path = store_path
+    monkeypatch.setattr(index_mod.os, "statvfs", lambda p: os.statvfs_result((4096, 4096, 100, 0, 0, 10, 0, 0, 0,
+                                                                                255)))
+    err = idx._failed("index write failed", lmdb.Error("mdb_txn_commit: Input/output error"))
+    assert isinstance(err, tierstore.StoreFull) and "readonly=True" in err.hint
+    monkeypatch.undo()
+    assert isinstance(idx._failed("index write failed", lmdb.Error("mdb_txn_commit: Input/output error")),
+                      tierstore.StoreIOError)  # the twin: with room, an I/O error

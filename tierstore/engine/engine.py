@@ -618,15 +618,19 @@ class Engine:
                 pass  # other writers remain (a failed upgrade drops the shared lock: this one is leaving)
         if self.index is not None:
             self.index.close()
-        if last:
-            self._at_rest(healthy)
-        if self._lock_fd >= 0:
-            self.io.close(self._lock_fd)  # closing the fd releases the flock
-            self._lock_fd = -1
-        if self._append is not None:
-            self._append.close()
-        if self._turn is not None:
-            self._turn.close()
+        try:
+            if last:
+                self._at_rest(healthy)
+        except OSError as e:  # (the locks below are let go whatever happened: a full disk kept the store
+            raise io_error(e, "closing the index", path=self.path) from None  # locked for good)
+        finally:
+            if self._lock_fd >= 0:
+                self.io.close(self._lock_fd)  # closing the fd releases the flock
+                self._lock_fd = -1
+            if self._append is not None:
+                self._append.close()
+            if self._turn is not None:
+                self._turn.close()
 
     @property
     def append_lock(self) -> Any:

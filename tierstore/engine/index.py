@@ -11,6 +11,7 @@ process, so handles share it through ``Index.open`` (reference counted).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -21,7 +22,7 @@ from typing import Any, NamedTuple
 import lmdb
 import lmdb.verify
 
-from ..errors import CorruptionError, StoreFull, StoreIOError, StoreLocked
+from ..errors import CorruptionError, StoreFull, StoreIOError, StoreLocked, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
 
@@ -35,6 +36,7 @@ _FORMAT = struct.Struct("<HH")
 # before an index commit: every commit (2.5 us with 5 reader processes here; once a second let a
 # stress run's synced puts grow the file by 4.5 MB in the second after a kill)
 READER_CHECK_S = 0.0
+FULL_BELOW = 1 << 20  # an index write that fails with less free space than this: the disk is full
 REBUILD_CHECK_S = 0.2  # how often a read-only index looks whether a rebuild replaced its file
 
 
@@ -155,11 +157,15 @@ def stamp(path: str) -> None:
     """Record data.mdb's size and checksum after a clean close (``trusted`` then need not walk it)."""
     size, crc = _file_crc(os.path.join(path, "data.mdb"))
     tmp = os.path.join(path, STAMP_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{size} {crc:08x}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, STAMP_FILE))
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{size} {crc:08x}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, STAMP_FILE))
+    except OSError:  # (a full disk: no stamp -- the next open walks the index instead of trusting it)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def unstamp(path: str) -> None:
@@ -541,10 +547,8 @@ class Index:
                 except lmdb.MapResizedError:  # another process grew the map: adopt its size
                     self.env.set_mapsize(0)
                     continue
-                except lmdb.DiskError as e:
-                    raise StoreFull(f"index write failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
-                    raise StoreIOError(f"index write failed: {e}", path=self.path) from None
+                    raise self._failed("index write failed", e) from None
                 try:
                     result = fn(txn)
                     txn.commit()
@@ -552,23 +556,33 @@ class Index:
                 except lmdb.MapFullError:
                     txn.abort()
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
-                except lmdb.DiskError as e:
-                    txn.abort()
-                    raise StoreFull(f"index write failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
                     txn.abort()
-                    raise StoreIOError(f"index write failed: {e}", path=self.path) from None
+                    raise self._failed("index write failed", e) from None
                 except BaseException:
                     txn.abort()
                     raise
             if durable:
                 try:
                     self.env.sync(True)
-                except lmdb.DiskError as e:
-                    raise StoreFull(f"index sync failed: {e}", path=self.path) from None
                 except lmdb.Error as e:
-                    raise StoreIOError(f"index sync failed: {e}", path=self.path, poisoned=False) from None
+                    raise self._failed("index sync failed", e, poisoned=False) from None
             return result
+
+    def _failed(self, what: str, e: lmdb.Error, **attrs: Any) -> TierstoreError:
+        """The error of a failed index write: StoreFull when the disk is full -- LMDB reports a
+        short write as EIO, so the free space is looked at -- else StoreIOError."""
+        try:
+            st = os.statvfs(self.path)
+            full = st.f_bavail * st.f_frsize < FULL_BELOW
+        except OSError:
+            full = False
+        if isinstance(e, lmdb.DiskError) or full:
+            return StoreFull(f"{what}: {e}", path=self.path,
+                             hint="free space on the disk that holds the store (the index needs some to "
+                                  "open writable and to commit); tierstore.open(path, readonly=True) reads "
+                                  "every object meanwhile")
+        return StoreIOError(f"{what}: {e}", path=self.path, **attrs)
 
     def initialise(self, store_uuid: bytes) -> None:
         def fn(txn: lmdb.Transaction) -> None:

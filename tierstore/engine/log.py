@@ -213,8 +213,7 @@ class Log:
                         iov = self._pad_iov(self.tail, start) + record.iovecs(header) + [rec.zeros(new_tail - end)]
                         write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
                 except OSError as e:
-                    self._undo_partial_write()
-                    raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+                    raise self._write_failed(e) from None
                 self._advance(new_tail, lsn, buffered=False)
             where = Appended(self.active, start, lsn, end)
             self._keep_copy(lsn, self.active, start, header.raw)
@@ -268,8 +267,7 @@ class Log:
                 try:
                     write_all_parallel(self.io, self.fd, iov, self.tail, self.executor)
                 except OSError as e:
-                    self._undo_partial_write()  # the file is cut where the group began
-                    raise io_error(e, "append to segment", path=self._path(self.active), segment=self.active) from None
+                    raise self._write_failed(e) from None  # the file is cut where the group began
                 self._advance(pos, lsn - 1, buffered=False)
             for where, header in placed:
                 self._keep_copy(where.lsn, where.segment, where.offset, header.raw)
@@ -494,6 +492,15 @@ class Log:
         with self.append_lock:
             for lsn, seg, offset, raw in copies:
                 self._keep_copy(lsn, seg, offset, raw)
+
+    def _write_failed(self, e: OSError) -> Exception:
+        """The error of a failed append (caller holds append_lock): what it may have written past
+        the tail is cut (``_undo_partial_write``); ``taken_back`` says whether that worked -- the
+        records are then gone for good, not in this handle, not after a reopen."""
+        self._undo_partial_write()
+        err = io_error(e, "append to segment", path=self._path(self.active), segment=self.active)
+        err.taken_back = self.poisoned is None  # type: ignore[attr-defined]
+        return err
 
     def _undo_partial_write(self) -> None:
         """Cut what a failed write may have left past the tail; poison the log if that fails."""

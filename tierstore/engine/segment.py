@@ -28,6 +28,7 @@ from .fileio import (
     PARALLEL_MIN,
     DirectIO,
     PosixIO,
+    io_error,
     read_all,
 )
 
@@ -635,13 +636,20 @@ class SegmentFiles:
                 if self._closed:  # (a read that began before the store closed: no fd it would leak)
                     raise StoreClosed("the store was closed during the read", path=self.seg_dir)
                 path = self.path(seg_id)
-                fd = open_segment(self.io, path)
+                try:
+                    fd = open_segment(self.io, path)
+                except FileNotFoundError:
+                    raise
+                except OSError as e:  # (an I/O error is the caller's StoreIOError, never a bare OSError)
+                    raise io_error(e, "open segment", path=path, segment=seg_id) from None
                 self.io.fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))
                 try:
                     dfd = self.dio.open_direct(self.io, path, os.O_RDONLY) if self.direct_reads else -1
-                except OSError:
+                except OSError as e:
                     self.io.close(fd)
-                    raise
+                    if isinstance(e, FileNotFoundError):
+                        raise
+                    raise io_error(e, "open segment", path=path, segment=seg_id) from None
                 ent = self._fds[seg_id] = [fd, dfd, 0]
             ent[2] += 1
             return ent[0], ent[1]
