@@ -107,6 +107,16 @@ def test_put_many_checks_everything_before_writing(store_path, bad, codec):
         assert (s.stats()["next_lsn"], s.stats()["segment_bytes"]) == tail
 
 
+def test_put_many_of_a_dict_says_to_pass_its_items(store_path):
+    """(A new user's try: "put_many item 0: expected (key, obj) ..., got str".)"""
+    with tierstore.open(store_path) as s:
+        with pytest.raises(InvalidObject, match="not a dict") as e:
+            s.put_many({"a": Blob(b"A")})
+        assert "d.items()" in e.value.hint and s.keys() == []
+        s.put_many({"a": Blob(b"A")}.items())  # the twin
+        assert s.get("a").data == b"A"
+
+
 def test_put_many_refuses_a_batch_larger_than_a_group(store_path):
     with tierstore.open(store_path) as s:
         with pytest.raises(InvalidObject, match="at most 4096") as e:

@@ -739,6 +739,9 @@ class Store:
         puts: list[tuple[bytes, int, rec.EncodedRecord]] = []
         seen: set[bytes] = set()
         try:
+            if isinstance(items, dict):
+                raise InvalidObject("put_many takes (key, obj) items, not a dict (iterating one gives its keys)",
+                                    hint="put_many(d.items()) stores each key of the dict with its object")
             try:
                 items = iter(items)
             except TypeError:

@@ -114,6 +114,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
         done: list[int] = []
         counts = {"copied": 0, "carried_deletes": 0, "dropped": 0, "bytes_before": 0, "stalled": 0}
         sealed = False
+        sealed_free = -1  # the active segment sealed for what it frees besides dead records
         last_need = None
         blockers: set[int] = set()  # survivors whose dead PUTs made the last pass carry DELETEs
         tried: set[int] = set()
@@ -167,7 +168,7 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                 applied = kept_applied.segment
                 taken = set(victims)
                 spare = []
-                for seg in (seg for seg in segs if seg < applied):
+                for seg in (seg for seg in segs if seg < applied or seg == sealed_free):
                     size = max(1, os.path.getsize(engine.segment_path(seg)) - fmt.SEGMENT_HEADER_SIZE)
                     free = size - kept.get(seg, 0)
                     if seg not in taken and free > 0 and free / size >= min_dead_ratio:
@@ -179,12 +180,20 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
                     covered += free
             active_dead = stats.get(active, (0, 0))[0]
             active_size = max(1, os.path.getsize(engine.segment_path(active)) - fmt.SEGMENT_HEADER_SIZE)
-            if covered < need and not sealed and active_dead > 0 and not blockers and \
-                    active_dead / active_size >= min_dead_ratio:
-                # (a share as sealed ones: one that only holds a DELETE carried forward -- the applied
-                # position's -- would be sealed and its DELETE carried on into the next, round and round)
+            # what compacting the active segment would free besides its dead records: HEADERS and
+            # SYNC records, padding (a HEADERS record of 651 small records' copies, 52 KB of a 64 KiB
+            # segment, held a 1 MiB budget with no object left full for good: every put StoreFull)
+            active_free = active_size - kept.get(active, 0) if kept is not None else 0  # (read this pass)
+            if covered < need and not sealed and not blockers and (
+                    active_dead > 0 and active_dead / active_size >= min_dead_ratio
+                    or active_free >= small and active_free / active_size >= min_dead_ratio):
+                # (a share as sealed ones, or a small segment's worth: one that only holds a DELETE
+                # carried forward -- the applied position's -- would be sealed and its DELETE carried
+                # on into the next, round and round)
                 engine.seal_active(1)  # its dead bytes join in (next pass)
                 sealed = True
+                if active_free >= small:  # (this process's records are all applied: commit above)
+                    sealed_free = active
                 last_need = None  # (sealing freed nothing yet)
                 continue
             # the survivors that held the PUTs of DELETEs the last pass had to carry join in, whatever

@@ -274,7 +274,7 @@ def read_on_device(hdr: rec.RecordHeader, reader: _Decoding, device: str, layers
         data = torch.stack([reader.read_tensor(i, device) for i in idx])
         return (stored_kv if hdr.kind == fmt.KIND_KV else stored_mla)(data, meta["layer_start"] + idx[0])
     if layers is not None:
-        raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+        raise InvalidObject("layers= applies to a KVCache or an MLACache; use rows= for Vectors")
     n, dim = meta["shape"]
     rpe, n_ext = meta["rows_per_extent"], -(-n // meta["rows_per_extent"])
     sel = None if rows is None else select_rows(rows, n)

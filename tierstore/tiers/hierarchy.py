@@ -53,7 +53,7 @@ def wanted_extents(hdr: rec.RecordHeader, layers: Any, rows: Any) -> list[int]:
         return list(range(count)) if layers is None else blk.select_layers(layers, meta["layer_start"], count)
     if hdr.kind == fmt.KIND_VECTORS:
         if layers is not None:
-            raise InvalidObject("layers= applies to a KVCache; use rows= for Vectors")
+            raise InvalidObject("layers= applies to a KVCache or an MLACache; use rows= for Vectors")
         n, rpe = meta["shape"][0], meta["rows_per_extent"]
         n_ext = -(-n // rpe)
         exts = list(range(n_ext)) if rows is None else sorted({int(e) for e in blk.select_rows(rows, n) // rpe})
