@@ -243,6 +243,16 @@ def test_simulate_cli(tmp_path, capsys):
     assert cli(["simulate", "--generate", "rag", "--save", saved, "--ssd", "1GiB", "--dram", "0", "--policy",
                 "lru"]) == 0
     assert "slow tier" in capsys.readouterr().out
+    # --plot without matplotlib is refused before the replay (it was skipped after it, exit 0)
+    from tierstore.bench.common import pyplot
+
+    if pyplot() is None:
+        assert cli(["simulate", "--generate", "chat", "--plot", str(tmp_path / "p.png"), "--json"]) == 2
+        assert "matplotlib" in json.loads(capsys.readouterr().out)["error"]
+    else:
+        assert cli(["simulate", "--generate", "tenants", "--plot", str(tmp_path / "p.png"), "--json"]) == 0
+        assert (tmp_path / "p.png").stat().st_size > 0
+        capsys.readouterr()
     # a negative seed is bad input (exit 2, the JSON error), not numpy's traceback (a new user's try)
     assert cli(["simulate", "--generate", "chat", "--seed", "-1", "--json"]) == 2
     assert "--seed must be 0 or more" in json.loads(capsys.readouterr().out)["error"]

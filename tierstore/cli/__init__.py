@@ -489,16 +489,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..bench.common import pyplot
+    from ..errors import InvalidObject
     from . import simulate
 
+    if args.plot and pyplot() is None:  # (asked for: refused before the replay, not skipped after it)
+        raise InvalidObject("--plot needs matplotlib, which is not installed", hint="pip install 'tierstore[bench]'")
     result = simulate.run(args)
     plotted = simulate.plot(result, args.plot) if args.plot else None
 
     def text() -> None:
         simulate.text(result)
-        if plotted is False:
-            print("plot skipped: matplotlib is not installed (pip install 'tierstore[bench]')")
-        elif plotted:
+        if plotted:
             print(f"plot: {args.plot}")
 
     _emit(args, result, text)

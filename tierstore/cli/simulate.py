@@ -149,6 +149,9 @@ def text(result: dict[str, Any]) -> None:
             for m in bad[:3]:
                 print(f"    evicted by the store {', '.join(m['store'])}; first in the policy's order "
                       f"{', '.join(m['policy'])}")
+            if bad:
+                print("    (the replay follows the store only with its settings -- --ssd, --retain for retained "
+                      "namespaces, --models -- and a trace of one run: trace_to= appends to a file that exists)")
     print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier); "
           "miss seconds: what those misses cost (docs/placement.md, the cost model's C)")
 
