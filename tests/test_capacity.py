@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,11 @@ def test_store_full_names_the_pinned_bytes_that_hold_the_room(tmp_path):
         msg = err.value.message
         assert "1504096 bytes pinned (1 record)" in msg and "in retained namespaces (rag)" in msg
         assert "of session references" in msg  # (named, with its bytes, but too small to be the fix)
+        # the parts add up to the bytes in use (a new user's try: 277 KB of 3.9 MB were nobody's --
+        # the log's records that hold no object)
+        used = int(re.search(r": (\d+) bytes are in use", msg).group(1))
+        detail = msg.split("for a put taking")[1]
+        assert sum(int(n) for n in re.findall(r"(\d+) bytes", detail)) == used, msg
         assert "unpin" in err.value.hint and "drop sessions" not in err.value.hint
         s.unpin("big")
         s.put("doc_after", Blob(payload(0, 300_000)), namespace="rag")  # the pinned object goes now

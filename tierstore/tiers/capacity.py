@@ -53,7 +53,8 @@ SLACK_SHARE = 64
 ORDER_BATCH = 512  # keys of a resumable policy's eviction order taken per hold of the policy lock
 LATER = object()  # _candidates: a session references the object (it goes after the others)
 EVICT_UNITS = 64  # victims deleted per hold of the write lock: a put waits for that many, not a whole run
-# StoreFull names the index's unused pages (and the rebuild that drops them) from this many
+# StoreFull names the index's unused pages (and the rebuild that drops them) from this many (or 1/8
+# of the budget, if less: a 1 MiB budget's index held 800 KB of unused pages)
 INDEX_BLOAT_HINT = 1 << 20
 # under a budget, an index transaction applies about this many records (never part of an atomic
 # group): the index file counts in the budget, and LMDB grows it for good by the pages two
@@ -558,16 +559,17 @@ class Capacity:
         (self._latency if strict else self._background_latency).append(time.perf_counter() - t0)
         if strict and stuck and used + nbytes > stop:  # (not stuck: other threads' puts took the room; retry)
             self._futile = 0
-            left, fixes = self._left_over(used + nbytes - stop)
+            left, fixes = self._left_over(used + nbytes - stop, used)
             raise StoreFull(f"ssd_bytes={budget}: {used} bytes are in use and nothing more can be evicted "
                             f"for a put taking {nbytes} on disk: {left}", hint=f"{fixes}, or delete some objects")
 
-    def _left_over(self, need: int) -> tuple[str, str]:
-        """What holds the bytes nothing can be evicted from (for StoreFull): each kind that
-        holds some -- pinned objects, retained namespaces, internal records (session references,
-        dictionaries), objects with more references than a group holds, the index and reserve --
-        with its bytes, and the fixes that apply: those of the kinds that hold ``need`` bytes
-        (what the put lacks) or more, and of the largest."""
+    def _left_over(self, need: int, used: int) -> tuple[str, str]:
+        """What holds the ``used`` bytes nothing can be evicted from (for StoreFull): each kind
+        that holds some -- pinned objects, retained namespaces, internal records (session
+        references, dictionaries), objects with more references than a group holds, the index
+        and reserve, and the rest: records that hold no object -- with its bytes, and the fixes
+        that apply: those of the kinds that hold ``need`` bytes (what the put lacks) or more, and
+        of the largest."""
         engine = self.engine
         held = {"pinned": [0, 0], "retained": [0, 0], "internal": [0, 0], "referenced": [0, 0], "other": [0, 0]}
         retained_seen: set[str] = set()
@@ -610,8 +612,13 @@ class Capacity:
                 if nbytes >= need or kind == largest:
                     fixes.append(fix)
         bloat, fix = self._index_bloat(need)
-        held, clear = self._quarantined(need)
-        parts.append(f"{floor} bytes of index and reserve{' and quarantine/' if held else ''}{bloat}{held}")
+        rest = used - floor - sum(nbytes for nbytes, _ in held.values())
+        quarantined, clear = self._quarantined(need)
+        parts.append(f"{floor} bytes of index and reserve{' and quarantine/' if quarantined else ''}{bloat}"
+                     f"{quarantined}")
+        if rest > 0:  # (what compaction frees, once the segments that hold it are victims)
+            parts.append(f"{rest} bytes of log records that hold no object (deletes, header copies, syncs) and "
+                         f"page padding")
         return "; ".join(parts), ", ".join(fixes) + fix + clear
 
     def _quarantined(self, need: int) -> tuple[str, str]:
@@ -633,7 +640,7 @@ class Capacity:
             return "", ""
         size, used = index.file_bytes()
         spare = size - used
-        if spare < max(need, INDEX_BLOAT_HINT):
+        if spare < max(need, min(INDEX_BLOAT_HINT, self.budget // 8)):  # (a 1 MiB budget's 800 KB too)
             return "", ""
         return (f" (the index file is {size} bytes, its tables use about {used}: LMDB never shrinks its file, "
                 f"and a process killed while it read kept freed pages from reuse)",
