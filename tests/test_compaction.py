@@ -595,3 +595,18 @@ def test_reclaim_seals_an_active_segment_that_holds_mostly_header_copies(store_p
     s.close()
     with tierstore.open(store_path) as s:  # the twin: nothing that lived is lost
         assert s.keys() == ["after"]
+
+
+def test_a_headers_record_is_never_larger_than_a_quarter_segment(store_path):
+    """(A cold review: 20,000 small puts between two syncs made one HEADERS record of 2.7 MB,
+    written at a fresh segment's start whatever its size: a 2.8 MB segment of 64 KiB, past an
+    SSD budget of 1 MiB by the same.)"""
+    with tierstore.open(store_path, segment_bytes="64KiB", durability="none", header_copies=True) as s:
+        for i in range(0, 20_000, 100):  # (batches under a segment: a group is never split)
+            s.put_many([(f"k{j}", Blob(b"v" * 200)) for j in range(i, i + 100)])
+        s.flush()
+        s.delete_many([f"k{j}" for j in range(10)])
+        s.compact()
+        sizes = [os.path.getsize(p) for p in segment_files(store_path)]
+        assert max(sizes) <= (64 << 10) + (16 << 10), sorted(sizes)[-3:]
+        assert s.get("k10").data == b"v" * 200 and len(s.keys()) == 19_990

@@ -173,7 +173,8 @@ def test_writers_killed_at_random_lose_nothing_acknowledged(store_path):
     kills = 0
     for round_ in range(6):
         names = [f"w{n}" for n in range(rng.randint(2, 4))]
-        procs = {n: spawn(store_path, n, 1000 * round_, 400, durability=rng.choice(["sync", "group"]))
+        # (1,000 operations each: with 400, writers that got faster finished before their SIGKILL)
+        procs = {n: spawn(store_path, n, 10_000 * round_, 1000, durability=rng.choice(["sync", "group"]))
                  for n in names}
         for p in procs.values():
             if p.stdout.readline().strip() != "open":

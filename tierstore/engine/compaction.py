@@ -183,7 +183,14 @@ def reclaim(engine: Engine, excess: Callable[[], int], *, min_dead_ratio: float,
             # what compacting the active segment would free besides its dead records: HEADERS and
             # SYNC records, padding (a HEADERS record of 651 small records' copies, 52 KB of a 64 KiB
             # segment, held a 1 MiB budget with no object left full for good: every put StoreFull)
-            active_free = active_size - kept.get(active, 0) if kept is not None else 0  # (read this pass)
+            active_free = active_size - kept.get(active, 0) if kept is not None else 0
+            if covered < need and not sealed and not blockers and active_free >= small and not (
+                    active_dead > 0 and active_dead / active_size >= min_dead_ratio):
+                # it would free that much besides dead records: confirmed on the index as it is now
+                # (puts that landed since the kept bytes were read are live, not free: a busy active
+                # segment must not be sealed and copied for them)
+                engine.commit(force=True, sync=True)
+                active_free = active_size - engine.kept_bytes().get(active, 0)
             if covered < need and not sealed and not blockers and (
                     active_dead > 0 and active_dead / active_size >= min_dead_ratio
                     or active_free >= small and active_free / active_size >= min_dead_ratio):

@@ -21,6 +21,7 @@ offline tools (repair.py) are its neighbours, given the engine; recovery.py is b
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import fcntl
 import functools
@@ -40,6 +41,7 @@ from ..errors import (
     InvalidObject,
     ReadOnlyError,
     StoreClosed,
+    StoreFull,
     StoreIOError,
     StoreNotFound,
     TierstoreError,
@@ -86,6 +88,8 @@ SHRINK_PAUSE_S = 0.01
 # records another writer appended and the index has not applied after this long are applied by
 # any writer's committer (their writer died before applying them): Engine._apply_abandoned
 ABANDONED_S = 1.0
+# a committer whose index commit found the disk full tries again this much later (or at the next put)
+FULL_RETRY_S = 1.0
 
 # The writable engines of this process, by the store's real path: a second writable handle on a
 # store this process already writes shares that engine (the writer lock is per process).
@@ -259,6 +263,7 @@ class Engine:
         self._stopping = False
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
+        self._full_logged = False  # the committer said that the disk is full (until a commit succeeds)
         self.users = 1  # handles sharing this engine (open_engine); the last close closes it
         self.inherited = False  # True in a fork()ed child: the engine is the parent's (_forked)
         self._next_abandoned_check = 0.0  # _apply_abandoned
@@ -621,6 +626,8 @@ class Engine:
         try:
             if last:
                 self._at_rest(healthy)
+        except TierstoreError:
+            raise
         except OSError as e:  # (the locks below are let go whatever happened: a full disk kept the store
             raise io_error(e, "closing the index", path=self.path) from None  # locked for good)
         finally:
@@ -651,8 +658,8 @@ class Engine:
         self.check_process()
         if self.readonly or self.log is None:
             raise ReadOnlyError("the store was opened read-only", path=self.path)
-        if self._committer_error is not None:
-            raise self._committer_error
+        if self._committer_error is not None:  # (a copy each time: one instance raised again and again
+            raise _again(self._committer_error) from self._committer_error  # grew its traceback for good)
         self.log.check()
         return self.log
 
@@ -1031,9 +1038,25 @@ class Engine:
                 self.commit(force=False, sync=False)
                 self.files.sweep()  # segments other processes' compaction removed: their space freed
                 self._apply_abandoned()
+            except StoreFull as e:  # a full disk: nothing is lost -- the records stay pending (in the log:
+                # reads find them in the memtable) and a later commit applies them once deletes and
+                # compact() made room, for which the reserve is given up now (a full disk killed the
+                # handle for good: every delete and compact() then raised the committer's error)
+                if not self._full_logged:
+                    self._full_logged = True
+                    _log.warning("tierstore: %s: the index cannot commit, the disk is full (%s); retrying every "
+                                 "%.0f s -- delete objects and run compact() to make room", self.path, e.message,
+                                 FULL_RETRY_S)
+                with contextlib.suppress(OSError):  # (a failure here must not end the committer)
+                    self.release_reserve()
+                with self._cv:
+                    if not self._stopping:
+                        self._cv.wait(timeout=FULL_RETRY_S)
+                continue
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
                 return
+            self._full_logged = False
 
     def _apply_abandoned(self) -> None:
         """Records another writer appended that the index still has not applied a whole
@@ -1795,3 +1818,11 @@ def writing_in_process(path: str | os.PathLike[str]) -> bool:
     with _WRITERS_LOCK:
         engine = _WRITERS.get(os.path.realpath(os.path.abspath(os.fspath(path))))
         return engine is not None and not engine.closed
+
+
+def _again(e: BaseException) -> BaseException:
+    """A copy of ``e`` to raise anew (its own short traceback), or ``e`` if it cannot be copied."""
+    try:
+        return copy.copy(e)
+    except Exception:  # (an exception type whose constructor copy cannot call)
+        return e

@@ -573,15 +573,16 @@ class Index:
         """The error of a failed index write: StoreFull when the disk is full -- LMDB reports a
         short write as EIO, so the free space is looked at -- else StoreIOError."""
         try:
-            st = os.statvfs(self.path)
-            full = st.f_bavail * st.f_frsize < FULL_BELOW
+            st = os.statvfs(self.path)  # (root may write into the blocks kept for it)
+            full = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize < FULL_BELOW
         except OSError:
             full = False
-        if isinstance(e, lmdb.DiskError) or full:
+        # (a short write is EIO: an lmdb.Error of that text, not a panic or a corrupted file's error)
+        if isinstance(e, lmdb.DiskError) or full and type(e) is lmdb.Error and "Input/output" in str(e):
             return StoreFull(f"{what}: {e}", path=self.path,
-                             hint="free space on the disk that holds the store (the index needs some to "
-                                  "open writable and to commit); tierstore.open(path, readonly=True) reads "
-                                  "every object meanwhile")
+                             hint="delete objects and run compact(), or free space on the disk that holds the "
+                                  "store (the index needs some to commit, and to open writable); "
+                                  "tierstore.open(path, readonly=True) reads every object meanwhile")
         return StoreIOError(f"{what}: {e}", path=self.path, **attrs)
 
     def initialise(self, store_uuid: bytes) -> None:

@@ -617,8 +617,8 @@ class Capacity:
         parts.append(f"{floor} bytes of index and reserve{' and quarantine/' if quarantined else ''}{bloat}"
                      f"{quarantined}")
         if rest > 0:  # (what compaction frees, once the segments that hold it are victims)
-            parts.append(f"{rest} bytes of log records that hold no object (deletes, header copies, syncs) and "
-                         f"page padding")
+            parts.append(f"{rest} bytes of log records that hold no live object (overwritten and deleted objects "
+                         f"not compacted yet, deletes, header copies, syncs) and page padding")
         return "; ".join(parts), ", ".join(fixes) + fix + clear
 
     def _quarantined(self, need: int) -> tuple[str, str]:
