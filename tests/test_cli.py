@@ -245,6 +245,9 @@ def test_cli_says_it_waits_for_a_writer_and_gives_a_cli_hint(filled):
         code, out = run("recover", filled, "--lock-timeout", "0.5")  # recover needs the store to itself
     assert code == 4
     assert "waiting up to 0.5 s" in out and "--lock-timeout" in out and "readonly=True" not in out
+    with tierstore.open(filled, exclusive=True):  # (a new user: compact waited 60 s without a word)
+        code, out = run("compact", filled, "--lock-timeout", "0.5")
+    assert code == 4 and "holds the store to itself" in out and "waiting up to 0.5 s" in out
 
 
 def test_json_errors_are_json(filled):
@@ -270,7 +273,35 @@ def test_recover_reports_bytes_keys_in_hex_and_dump_reads_the_quarantined_range(
     assert code == 0 and "minilm/0x0102 is gone" in out and "\x01" not in out
     (item,) = json.loads(run("quarantine", filled, "--json")[1])["items"]
     code, out = run("dump", os.path.join(filled, "quarantine", item["name"]))
-    assert code == 0 and "minilm/0x0102" in out and "put" in out
+    # its checksums are checked as in a segment (a new user: a damaged record was listed as sound, exit 0)
+    assert code == 1 and "minilm/0x0102" in out and "put" in out and "DAMAGED: extent" in out
+    doc = json.loads(run("dump", os.path.join(filled, "quarantine", item["name"]), "--json")[1])
+    assert doc["damaged"][0]["detail"].startswith("extent ")
+
+
+def test_dump_of_a_range_tells_whole_records_from_torn_and_damaged_ones(filled, tmp_path):
+    """The twin: a range of whole records dumps with exit 0; cut short, its last record is torn."""
+    (seg,) = segment_files(filled)
+    with tierstore.open(filled, readonly=True) as s:
+        info = s.info("doc", namespace="rag")
+    from tierstore.format import constants as fmt
+    from tierstore.format import record as rec
+
+    with open(seg, "rb") as f:
+        f.seek(info.offset)
+        length = rec.decode_header(f.read(fmt.HEADER_MAX_BYTES)).record_len
+        f.seek(info.offset)
+        record = f.read(length)
+    whole, cut = str(tmp_path / "whole.bin"), str(tmp_path / "cut.bin")
+    with open(whole, "wb") as f:
+        f.write(record)
+    with open(cut, "wb") as f:
+        f.write(record[:-8])
+    code, out = run("dump", whole)
+    assert code == 0 and "rag/doc" in out and "DAMAGED" not in out
+    code, out = run("dump", cut, "--json")
+    doc = json.loads(out)
+    assert code == 1 and len(doc["records"]) == 1 and doc["damaged"][0]["detail"].startswith("torn")
 
 
 def test_text_and_bytes_keys_that_look_alike_are_told_apart(store_path, capsys):
@@ -517,3 +548,19 @@ def test_dump_exits_1_for_a_sealed_segment_cut_mid_record(tmp_path):
         f.truncate(os.path.getsize(segs[1]) - 3000)
     rc, text = run("dump", path)
     assert rc == 1 and "torn" in text, text
+
+
+def test_dump_of_a_file_that_is_no_segment_is_bad_input(tmp_path, filled):
+    """(A new user: `dump writer.py` exited 1, the code of damage found.)  Its twin: a segment copied
+    under another name, its header damaged, is damage (exit 1)."""
+    other = tmp_path / "writer.py"
+    other.write_text("print('hello')\n")
+    code, out = run("dump", str(other))
+    assert code == 2 and "is not a segment file" in out
+    (seg,) = segment_files(filled)
+    copy = tmp_path / "copy-of-segment"
+    data = bytearray(open(seg, "rb").read())
+    data[20] ^= 0xFF  # inside the header, past its magic
+    copy.write_bytes(bytes(data))
+    code, out = run("dump", str(copy))
+    assert code == 1 and "bad header" in out

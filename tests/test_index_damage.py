@@ -182,3 +182,44 @@ def test_recover_when_index_is_a_file_not_a_directory(tmp_path):
     with tierstore.open(path, create=False) as s:
         assert bytes(s.get("a").data) == b"x"
     assert any(n.endswith(".txt") for n in os.listdir(os.path.join(path, "quarantine")))
+
+
+def test_an_index_shorter_than_its_last_page_opens_when_its_trees_are_in_it(tmp_path):
+    """(A new user's try: drop_session of 100 objects, then a clean close, left a store no open,
+    read-only or writable, nor fsck, recover or dump could open for good -- data.mdb ended before
+    the last page its meta page counts, pages LMDB took and freed within one transaction and never
+    wrote, and the size check refused it; the rebuilt index too.)  The trees' roots must lie in the
+    file; pages past them that nothing references need not.  Run in a child: a wrong pass is a SIGBUS."""
+    import struct
+
+    from tierstore.engine.index import check_file
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        h = s.namespace("user-1")
+        h.put_many([(f"m{i}", Blob(b"memory text " * 5), {"ts": i}) for i in range(100)], session="chat-1")
+        h.put("profile", Blob(b"keep me"))
+        assert h.drop_session("chat-1") == 100
+    data = os.path.join(path, "index", "data.mdb")
+    size = os.path.getsize(data)
+    with open(data, "rb") as f:
+        head = f.read(8192)
+    last_pg, txnid = max((struct.unpack_from("<QQ", head, off + 136) for off in (0, 4096)), key=lambda m: m[1])
+    assert size < (last_pg + 1) * 4096, "the case this test is for: a file shorter than its last page"
+    assert check_file(os.path.join(path, "index")) is None
+    child = ("import sys, tierstore\n"
+             "for ro in (True, False, True):\n"
+             "    with tierstore.open(sys.argv[1], readonly=ro) as s:\n"
+             "        assert bytes(s.get('profile', namespace='user-1').data) == b'keep me'\n"
+             "        assert s.keys(namespace='user-1') == ['profile'] and 'rebuilt_index' not in s.recovery\n")
+    proc = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert repair.fsck(path, deep=True).ok
+    # the hostile twin: cut below the main tree's root, it is refused before LMDB maps it
+    with open(data, "rb") as f:
+        head = f.read(8192)
+    newest = max((0, 4096), key=lambda off: struct.unpack_from("<Q", head, off + 144)[0])
+    root = struct.unpack_from("<Q", head, newest + 128)[0]
+    with open(data, "r+b") as f:
+        f.truncate(root * 4096)
+    assert "root at page" in (check_file(os.path.join(path, "index")) or "")

@@ -131,7 +131,12 @@ class AccessDenied(TierstoreError, PermissionError):
 
 
 class StoreFull(TierstoreError):
-    """No space left: the disk returned ENOSPC, or a cache tier's capacity was reached."""
+    """No space left: the disk returned ENOSPC, or a cache tier's capacity was reached.
+
+    ``index_full`` is true when the index could not grow: the records it was applying are in
+    the log, nothing is lost, and the handle applies them once there is room."""
+
+    index_full = False
 
     hint = ("free disk space, or delete objects and run compact() (it reclaims their bytes); a store opened "
             "with ssd_bytes= below the disk's free space evicts instead")

@@ -211,9 +211,15 @@ class Vectors:
     __slots__ = ("data", "ids", "metric", "meta")
 
     def __init__(self, data: Any, *, ids: Any = None, metric: str = "cosine") -> None:
-        name = arrays.dtype_name(data)
+        try:
+            name = arrays.dtype_name(data)
+        except InvalidObject as e:  # (not the list of every kind's dtypes: int16-64 are not vectors')
+            if not e.message.startswith("unsupported dtype"):
+                raise
+            name = str(getattr(data, "dtype", type(data).__name__)).removeprefix("torch.")
         if name not in fmt.VECTOR_DTYPES:
-            raise InvalidObject(f"Vectors need a floating or int8/uint8 dtype, got {name}")
+            raise InvalidObject(f"Vectors need a floating or int8/uint8 dtype, got {name}",
+                                hint=f"supported for vectors: {', '.join(sorted(fmt.VECTOR_DTYPES))}")
         shape = tuple(int(d) for d in data.shape)
         if len(shape) != 2:
             raise InvalidObject(f"Vectors data must be shaped [n, dim], got {list(shape)}")

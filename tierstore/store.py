@@ -687,6 +687,7 @@ class Store:
         engine = self._engine
         ns = encode_namespace(namespace)
         k, kflags = encode_key(key)
+        given = engine.reserve_released  # (the committer may give the reserve up meanwhile)
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -698,7 +699,7 @@ class Store:
                 engine.settle(where)
                 break
             except StoreFull:  # the write was taken back; the reserve makes room for it (once)
-                if attempt or not engine.release_reserve():
+                if attempt or not engine.release_reserve(given):
                     raise
         self._counters["deletes"] += 1
         for w in self._watchers:
@@ -818,6 +819,7 @@ class Store:
                 raise InvalidObject(f"delete_many: key {key!r} appears twice in the batch", key=key,
                                     namespace=namespace, hint="a batch is one atomic group: give each key once")
             seen.add(k)
+        given = engine.reserve_released  # (the committer may give the reserve up meanwhile)
         for attempt in (0, 1):
             try:
                 with engine.write_lock:
@@ -835,7 +837,7 @@ class Store:
                 engine.settle(where)
                 break
             except StoreFull:  # as in delete: the reserve makes room (once)
-                if attempt or not engine.release_reserve():
+                if attempt or not engine.release_reserve(given):
                     raise
         self._counters["deletes"] += sum(loc is not None for loc in found)
         for w in self._watchers:
@@ -969,11 +971,12 @@ class Store:
         disk it uses the store's reserve, as ``delete`` does.
         """
         self._check_writable()
+        given = self._engine.reserve_released  # (the committer may give the reserve up meanwhile)
         for attempt in (0, 1):
             try:
                 return self._drop_session(session, namespace)
             except StoreFull:  # the failed group was taken back; the reserve makes room (once), and
-                if attempt or not self._engine.release_reserve():  # a second pass finishes the job
+                if attempt or not self._engine.release_reserve(given):  # a second pass finishes the job
                     raise
         raise AssertionError("unreachable")
 
@@ -1427,12 +1430,16 @@ class Store:
         aside = []  # larger objects only the log holds: read side by side
         plain = layers is None and rows is None and device is None
         tiers = self._tiers
-        for n, loc in enumerate(locs):
+        assert tiers is not None
+        passes_by = tiers.passes_by if tiers.active else None
+        for n, loc in enumerate(locs):  # (_small_blob's test, inline: the loop of a 4 KiB get_many)
             if loc is None:
                 continue
-            if plain and self._small_blob(ns, ks[n], loc.header):
+            h = loc.header
+            if plain and h.kind == fmt.KIND_BLOB and h.codec == fmt.CODEC_RAW and h.record_len <= SMALL_READ \
+                    and (passes_by is None or passes_by((ns, ks[n]), h)):
                 batch.append(n)
-            elif not tiers.active or not tiers.where((ns, ks[n]), loc.header):
+            elif passes_by is None or not tiers.where((ns, ks[n]), h):
                 aside.append(n)
         in_batch = set(batch)
         errors: dict[int, BaseException] = {}
@@ -1535,11 +1542,13 @@ class Store:
             if e.path is None and e.segment is not None:
                 e.path = self._engine.segment_path(e.segment)
             raise
-        blobs = [stored_blob(data, loc.header.meta["media_type"]) for data, loc in zip(datas, locs)]
-        for blob, loc in zip(blobs, locs):
-            user_meta = loc.header.meta.get("meta")
-            if user_meta:
-                blob.meta = copy.deepcopy(user_meta)
+        blobs = []
+        for data, loc in zip(datas, locs):
+            meta = loc.header.meta
+            blob = stored_blob(data, meta["media_type"])
+            if meta.get("meta"):
+                blob.meta = copy.deepcopy(meta["meta"])
+            blobs.append(blob)
         counters = self._counters
         counters["gets"] += len(blobs)
         counters["bytes_read"] += sum([len(data) for data in datas])  # (a raw blob: one extent, all read)
@@ -1860,6 +1869,7 @@ class Store:
                 or not 0 <= min_dead_ratio <= 1:
             raise InvalidObject(f"min_dead_ratio must be a share of a segment's bytes in [0, 1], got "
                                 f"{min_dead_ratio!r}")
+        given = self._engine.reserve_released  # (the committer may give the reserve up meanwhile)
         for attempt in (0, 1):
             try:
                 # under a budget, victims go a slack at a time: the copies of a batch land before they go
@@ -1868,7 +1878,7 @@ class Store:
                 self._engine.ensure_reserve()  # space was reclaimed: hold the reserve again
                 return result
             except StoreFull:  # a full disk: give up the reserve (once) and go on, it frees more than it takes
-                if attempt or not self._engine.release_reserve():
+                if attempt or not self._engine.release_reserve(given):
                     raise
             except OSError as e:
                 if isinstance(e, TierstoreError):

@@ -231,6 +231,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _starts_with_segment_magic(path: str) -> bool:
+    """Whether a file begins as a segment does (else it is another file, not a damaged segment)."""
+    from ..format.constants import SEGMENT_MAGIC
+
+    with open(path, "rb") as f:
+        return f.read(len(SEGMENT_MAGIC)) == SEGMENT_MAGIC
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     from .dump import dump_range, dump_segment, dump_store
 
@@ -245,13 +253,20 @@ def cmd_dump(args: argparse.Namespace) -> int:
                 print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what} ({r['record_len']} B)")
             for u in ranged["undecodable"]:
                 print(f"  @{u['offset']:<10} {u['length']} bytes do not decode: {u['why']}")
+            for d in ranged["damaged"]:
+                print(f"  @{d['offset']:<10} lsn {d['lsn']:<8} DAMAGED: {d['detail']}")
 
         _emit(args, ranged, text_range)
-        return EXIT_FINDINGS if ranged["undecodable"] else EXIT_OK
+        return EXIT_FINDINGS if ranged["undecodable"] or ranged["damaged"] else EXIT_OK
     if args.path.endswith((".tseg", ".bin")) and not os.path.exists(args.path):
         return _fail(args, EXIT_CANNOT_OPEN, f"no segment file {args.path} (hint: check the path)")
     if os.path.isfile(args.path):
         result = dump_segment(args.path)
+        if "error" in result["header"] and not args.path.endswith(".tseg") \
+                and not _starts_with_segment_magic(args.path):  # (another file: not a damaged segment)
+            return _fail(args, EXIT_USAGE, f"{args.path} is not a segment file ({result['header']['error']}) "
+                                           "(hint: dump takes a store, a segment file (*.tseg) or a range in "
+                                           "quarantine/ (*.bin))")
         segments = [result]
     elif args.key is not None:
         try:
@@ -618,17 +633,20 @@ def _quarantined(path: str) -> bool:
         return False
 
 
-def _warn_if_waiting(args: argparse.Namespace) -> None:
-    """Say so before a command waits for another process's writer lock (up to --lock-timeout)."""
+def _warn_if_waiting(args: argparse.Namespace, *, beside_writers: bool = False) -> None:
+    """Say so before a command waits for another process's writer lock (up to --lock-timeout):
+    any writer's, or with ``beside_writers`` (compact) only one that holds the store to itself."""
     from ..engine.fileio import DEFAULT_IO
-    from ..engine.lock import acquire_writer_lock
+    from ..engine.lock import acquire_writer_lock, join_writers
 
     if not os.path.isdir(os.path.join(args.path, "segments")):
         return  # the command itself says there is no store
     try:
-        DEFAULT_IO.close(acquire_writer_lock(DEFAULT_IO, args.path, 0))
+        DEFAULT_IO.close(join_writers(DEFAULT_IO, args.path, 0)[0] if beside_writers
+                         else acquire_writer_lock(DEFAULT_IO, args.path, 0))
     except StoreLocked:
-        print(f"tierstore: another process is writing to {args.path}; waiting up to {args.lock_timeout:g} s "
+        who = "holds the store to itself (exclusive=True, or a tool)" if beside_writers else "is writing to it"
+        print(f"tierstore: another process {who}: {args.path}; waiting up to {args.lock_timeout:g} s "
               "for it to close (--lock-timeout)", file=sys.stderr)
 
 
@@ -645,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         # recover and quarantine --clear need the store to themselves; compact runs beside writers
         if args.command == "recover" or args.command == "quarantine" and args.clear and _quarantined(args.path):
             _warn_if_waiting(args)
+        elif args.command == "compact":
+            _warn_if_waiting(args, beside_writers=True)
         return args.fn(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -101,15 +101,17 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
 
 def dump_range(path: str) -> dict[str, Any]:
     """A range of a segment that a recovery moved to ``quarantine/`` (``*.bin``, its note beside it):
-    the records that still decode in it, from its first byte (a damaged record's start), and where
-    bytes do not decode (resuming at the next record magic, 8-aligned)."""
+    the records that still decode in it, from its first byte (a damaged record's start), where
+    bytes do not decode (resuming at the next record magic, 8-aligned), and each decoded record
+    that is not whole (``damaged``: cut by the range's end, or an extent failing its checksum)."""
     with open(path, "rb") as f:
         data = f.read()
     note = None
     if os.path.exists(path + ".txt"):
         with open(path + ".txt") as f:
             note = f.read().strip()
-    out: dict[str, Any] = {"path": path, "size": len(data), "note": note, "records": [], "undecodable": []}
+    out: dict[str, Any] = {"path": path, "size": len(data), "note": note, "records": [], "undecodable": [],
+                           "damaged": []}
     p = 0
     while p + fmt.RECORD_HEADER_SIZE <= len(data):
         try:
@@ -123,8 +125,22 @@ def dump_range(path: str) -> dict[str, Any]:
             p = end
             continue
         out["records"].append(describe_record(p, hdr))
+        why = _not_whole(data, p, hdr)
+        if why is not None:
+            out["damaged"].append({"offset": p, "lsn": hdr.lsn, "detail": why})
         p = rec.align_up(p + hdr.record_len, fmt.RECORD_ALIGN)
     return out
+
+
+def _not_whole(data: bytes, p: int, hdr: rec.RecordHeader) -> str | None:
+    """Why the record whose header decoded at ``data[p:]`` is not whole there, or None."""
+    if p + hdr.record_len > len(data):
+        return f"torn: the record's {hdr.record_len} bytes run {p + hdr.record_len - len(data)} past the range's end"
+    view = memoryview(data)
+    for i, (o, n, c) in enumerate(zip(hdr.offsets, hdr.extent_lengths, hdr.extent_crcs)):
+        if rec.crc32c(view[p + o : p + o + n]) != c:
+            return f"extent {i} checksum mismatch"
+    return None
 
 
 def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "default") -> dict[str, Any]:

@@ -254,6 +254,8 @@ class Engine:
         self.agreed: dict[str, Any] = {}  # open_engine: what the handles sharing this engine must agree on
         self.index_txn_records = self.options.index_batch  # the most records one index transaction applies
         self.reserve_cap: int | None = None  # limit_reserve: a budget's bound on the automatic reserve
+        self.reserve_released = 0  # times this handle gave the reserve up (release_reserve)
+        self._reserve_lock = threading.Lock()
         self._shrink_lock = threading.Lock()
         self._pending: list[Op] = []
         self._pending_lock = threading.Lock()
@@ -659,7 +661,8 @@ class Engine:
         if self.readonly or self.log is None:
             raise ReadOnlyError("the store was opened read-only", path=self.path)
         if self._committer_error is not None:  # (a copy each time: one instance raised again and again
-            raise _again(self._committer_error) from self._committer_error  # grew its traceback for good)
+            err = _again(self._committer_error)  # grew its traceback for good)
+            raise err from (self._committer_error if err is not self._committer_error else None)
         self.log.check()
         return self.log
 
@@ -1038,10 +1041,14 @@ class Engine:
                 self.commit(force=False, sync=False)
                 self.files.sweep()  # segments other processes' compaction removed: their space freed
                 self._apply_abandoned()
-            except StoreFull as e:  # a full disk: nothing is lost -- the records stay pending (in the log:
-                # reads find them in the memtable) and a later commit applies them once deletes and
-                # compact() made room, for which the reserve is given up now (a full disk killed the
-                # handle for good: every delete and compact() then raised the committer's error)
+            except StoreFull as e:
+                if not getattr(e, "index_full", False):  # (the log's: its records were taken back, or
+                    self._committer_error = e  # the log is poisoned -- the next call must hear of it)
+                    return
+                # the index cannot grow on a full disk: nothing is lost -- the records stay pending
+                # (in the log: reads find them in the memtable) and a later commit applies them once
+                # room is made, for which the reserve is given up now (a full disk killed the handle
+                # for good: every delete and compact() then raised the committer's error)
                 if not self._full_logged:
                     self._full_logged = True
                     _log.warning("tierstore: %s: the index cannot commit, the disk is full (%s); retrying every "
@@ -1049,9 +1056,10 @@ class Engine:
                                  FULL_RETRY_S)
                 with contextlib.suppress(OSError):  # (a failure here must not end the committer)
                     self.release_reserve()
+                retry = time.monotonic() + FULL_RETRY_S  # (not sooner: every put past index_batch wakes it)
                 with self._cv:
-                    if not self._stopping:
-                        self._cv.wait(timeout=FULL_RETRY_S)
+                    while not self._stopping and (left := retry - time.monotonic()) > 0:
+                        self._cv.wait(timeout=left)
                 continue
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
@@ -1553,12 +1561,22 @@ class Engine:
             except OSError:
                 pass
 
-    def release_reserve(self) -> bool:
-        """The disk is full: give the reserve back (True if there was one to give)."""
+    def release_reserve(self, seen: int | None = None) -> bool:
+        """The disk is full: give the reserve back.  True if there was one to give, or if it was
+        given up since ``seen`` (``reserve_released`` read before the caller's write: the
+        committer, meeting the full disk too, gave it up meanwhile) -- a write refused for space
+        is then worth one more try.  Thread safe (the committer calls it beside callers)."""
         path = os.path.join(self.path, fmt.RESERVE_FILE)
-        if self.readonly or not os.path.exists(path):
+        if self.readonly:
             return False
-        self.io.unlink(path)
+        with self._reserve_lock:
+            if seen is not None and self.reserve_released != seen:
+                return True
+            try:
+                self.io.unlink(path)
+            except FileNotFoundError:  # (none, or another process's handle gave it up)
+                return False
+            self.reserve_released += 1
         self.io.fsync_dir(self.path)
         self.recovery["reserve_released"] = True
         _log.warning("tierstore: %s: the disk is full; the reserve was given up so that deletes and compact() "
@@ -1821,8 +1839,13 @@ def writing_in_process(path: str | os.PathLike[str]) -> bool:
 
 
 def _again(e: BaseException) -> BaseException:
-    """A copy of ``e`` to raise anew (its own short traceback), or ``e`` if it cannot be copied."""
+    """A copy of ``e`` to raise anew (its own short traceback), or ``e`` if it cannot be copied.
+    An OSError's ``errno``, ``strerror`` and ``filename`` are copied too (they live outside its
+    ``__dict__``: a plain copy of a StoreIOError had ``errno`` None)."""
     try:
-        return copy.copy(e)
+        new = copy.copy(e)
     except Exception:  # (an exception type whose constructor copy cannot call)
         return e
+    if isinstance(e, OSError) and isinstance(new, OSError):
+        new.errno, new.strerror, new.filename = e.errno, e.strerror, e.filename
+    return new

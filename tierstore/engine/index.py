@@ -12,6 +12,7 @@ process, so handles share it through ``Index.open`` (reference counted).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import threading
@@ -130,7 +131,9 @@ def damaged(message: str, path: str | None, **where: Any) -> CorruptionError:
 _MDB_MAGIC = 0xBEEFC0DE
 _META_MAGIC = struct.Struct("<II")  # magic, version at page offset 16
 _META_PSIZE = struct.Struct("<I")  # at page offset 40
+_META_ROOT = struct.Struct("<Q")  # an MDB_db's md_root (its last field), at page offset 80 (free list), 128 (main)
 _META_LAST = struct.Struct("<QQ")  # last_pg, txnid at page offset 136
+_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree's root
 
 
 def verify_lmdb(path: str) -> list[str]:
@@ -215,13 +218,19 @@ def check_file(path: str) -> str | None:
         magic, version = _META_MAGIC.unpack_from(head, off + 16)
         psize = _META_PSIZE.unpack_from(head, off + 40)[0]
         last_pg, txnid = _META_LAST.unpack_from(head, off + 136)
+        roots = [r for r in (_META_ROOT.unpack_from(head, off + 80)[0], _META_ROOT.unpack_from(head, off + 128)[0])
+                 if r != _NO_PAGE]
         if magic == _MDB_MAGIC and version == 1 and psize in (4096, 8192, 16384, 32768, 65536) and off in (0, psize):
-            metas.append((txnid, last_pg, psize))
+            metas.append((txnid, last_pg, psize, roots))
     if not metas:
         return "no valid LMDB meta page"
-    txnid, last_pg, psize = max(metas)
-    if size < (last_pg + 1) * psize:
-        return f"data.mdb is {size} bytes; its meta page (txn {txnid}) says it uses {(last_pg + 1) * psize}"
+    txnid, last_pg, psize, roots = max(metas)
+    # (the trees' roots, not last_pg: pages a transaction took and freed again before its commit
+    # count in last_pg and are never written, so a sound file may end before it -- a new user's
+    # drop_session of 100 objects left one 4 KiB short, refused at every open for good)
+    top = max(roots, default=-1)
+    if top > last_pg or size < (top + 1) * psize:
+        return f"data.mdb is {size} bytes; its meta page (txn {txnid}) has a tree's root at page {top}"
     return None
 
 
@@ -578,8 +587,9 @@ class Index:
         except OSError:
             full = False
         # (a short write is EIO: an lmdb.Error of that text, not a panic or a corrupted file's error)
-        if isinstance(e, lmdb.DiskError) or full and type(e) is lmdb.Error and "Input/output" in str(e):
-            return StoreFull(f"{what}: {e}", path=self.path,
+        # (strerror's text in the process's locale, as LMDB's message has it)
+        if isinstance(e, lmdb.DiskError) or full and type(e) is lmdb.Error and os.strerror(errno.EIO) in str(e):
+            return StoreFull(f"{what}: {e}", path=self.path, index_full=True,
                              hint="delete objects and run compact(), or free space on the disk that holds the "
                                   "store (the index needs some to commit, and to open writable); "
                                   "tierstore.open(path, readonly=True) reads every object meanwhile")
@@ -754,7 +764,7 @@ class ReadView:
         """The locations of ``keys`` in this snapshot (None: absent); ``pending`` (key ->
         Location or None) overrides it for records not yet applied.  One LMDB get per key."""
         prefix = bytes((len(namespace),)) + namespace
-        get, db = self.txn.get, self.t.objects
+        get, db, cached = self.txn.get, self.t.objects, _HEADER_CACHE.get
         out: list[Location | None] = []
         with _reading(self.index.path):
             for k in keys:
@@ -762,7 +772,13 @@ class ReadView:
                     out.append(pending[k])
                     continue
                 v = get(prefix + k, db=db)
-                out.append(None if v is None else decode_location(v, namespace, k))
+                if v is None:
+                    out.append(None)
+                    continue
+                loc = cached(v)  # (decode_location's own first step, inline: ~0.15 us a key)
+                if loc is None or loc.header.key != k or loc.header.namespace != namespace:
+                    loc = decode_location(v, namespace, k)
+                out.append(loc)
         return out
 
     def contains_many(self, namespace: bytes, keys: Sequence[bytes], pending: dict[bytes, bool]) -> list[bool]:

@@ -382,7 +382,8 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         qdir = os.path.join(root, fmt.QUARANTINE_DIR)
         if os.path.isdir(qdir) and os.listdir(qdir):
             n = len(quarantine_list(root))
-            report.findings.append(Finding("warning", f"quarantine/ holds {n} item(s) from earlier recoveries; "
+            report.findings.append(Finding("warning", f"quarantine/ holds {n} item(s) set aside earlier (by "
+                                                      "recover, or by an open that cut a torn tail); "
                                                       "`tierstore quarantine PATH` lists them, --clear deletes them"))
         if os.path.exists(os.path.join(root, fmt.INDEX_DIR + ".rebuild")):
             report.findings.append(Finding("warning", "an interrupted index rebuild left index.rebuild/ "
@@ -551,9 +552,11 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
             report.findings.append(Finding(severity, f"log damaged ({stop.reason}: {stop.detail})", segment=seg,
                                            offset=stop.offset))
     if tail:
-        report.findings.append(Finding("warning", f"{tail} record(s) past the index's applied position: a "
-                                                  "writer's last records, checked here; the next writer that "
-                                                  "opens the store applies them (and cuts a torn write)"))
+        report.findings.append(Finding("warning", f"{tail} record(s) past the index's applied position, "
+                                                  "checked here: the newest records of writers -- one still "
+                                                  "running applies its own within index_commit_ms; those of a "
+                                                  "writer that died, the next writer that opens the store "
+                                                  "applies (and cuts a torn write)"))
     if cut:  # a newer record of any key may be in what was not read: "not indexed" would be a guess
         report.findings.append(Finding("warning", "live records were not looked for in the index: a scan "
                                                   "stopped at damage, and a key's newer record may lie past it "

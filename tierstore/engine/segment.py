@@ -582,7 +582,8 @@ def read_first_extents(io: PosixIO, fd: int, items: Sequence[tuple[int, rec.Reco
         span = io.pread(fd, hi - lo, lo) if hi > lo else b""
         for n in order[i:j]:
             a = starts[n] - lo
-            data = span[a:a + lengths[n]]  # (a copy: the blob must not pin the whole span)
+            # (a copy, unless the span is this extent alone: a blob must not pin the whole span)
+            data = span if j == i + 1 else span[a:a + lengths[n]]
             if len(data) != lengths[n]:
                 bad[n] = "record extends past the end of its segment"
             elif rec.crc32c(data) != items[n][1].extent_crcs[0]:

@@ -58,7 +58,11 @@ def tier_options(options: dict[str, Any]) -> dict[str, Any]:
         dram, admit = auto_dram_bytes() or None, admit or "second"
     elif dram is not None and not (type(dram) is int and dram == 0) and not (isinstance(dram, str)
                                                                            and _ZERO.match(dram)):
-        dram = parse_size(dram, "dram_bytes")
+        try:
+            dram = parse_size(dram, "dram_bytes")
+        except InvalidObject as e:  # (0 is allowed here: "must be positive" misled a new user)
+            raise InvalidObject(e.message.replace("must be positive", "must be 0 (no DRAM tier) or more"),
+                                hint=e.hint) from None
     else:  # 0 (or "0", "0GiB"): no DRAM tier
         dram = None
     admit = admit or "first"
