@@ -302,6 +302,11 @@ def test_dump_of_a_range_tells_whole_records_from_torn_and_damaged_ones(filled, 
     code, out = run("dump", cut, "--json")
     doc = json.loads(out)
     assert code == 1 and len(doc["records"]) == 1 and doc["damaged"][0]["detail"].startswith("torn")
+    with open(cut, "wb") as f:  # (a cold review: a tail shorter than a record header was passed over, exit 0)
+        f.write(record + record[:40])
+    code, out = run("dump", cut, "--json")
+    doc = json.loads(out)
+    assert code == 1 and len(doc["records"]) == 1 and "shorter than a record header" in doc["undecodable"][0]["why"]
 
 
 def test_text_and_bytes_keys_that_look_alike_are_told_apart(store_path, capsys):
@@ -559,7 +564,8 @@ def test_dump_of_a_file_that_is_no_segment_is_bad_input(tmp_path, filled):
     assert code == 2 and "is not a segment file" in out
     (seg,) = segment_files(filled)
     copy = tmp_path / "copy-of-segment"
-    data = bytearray(open(seg, "rb").read())
+    with open(seg, "rb") as f:
+        data = bytearray(f.read())
     data[20] ^= 0xFF  # inside the header, past its magic
     copy.write_bytes(bytes(data))
     code, out = run("dump", str(copy))

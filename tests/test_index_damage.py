@@ -184,42 +184,99 @@ def test_recover_when_index_is_a_file_not_a_directory(tmp_path):
     assert any(n.endswith(".txt") for n in os.listdir(os.path.join(path, "quarantine")))
 
 
-def test_an_index_shorter_than_its_last_page_opens_when_its_trees_are_in_it(tmp_path):
-    """(A new user's try: drop_session of 100 objects, then a clean close, left a store no open,
-    read-only or writable, nor fsck, recover or dump could open for good -- data.mdb ended before
-    the last page its meta page counts, pages LMDB took and freed within one transaction and never
-    wrote, and the size check refused it; the rebuilt index too.)  The trees' roots must lie in the
-    file; pages past them that nothing references need not.  Run in a child: a wrong pass is a SIGBUS."""
+def _counted(data: str) -> tuple[int, int]:
+    """(data.mdb's size, the bytes its newest meta page counts: (last_pg + 1) * 4096)."""
     import struct
 
-    from tierstore.engine.index import check_file
+    with open(data, "rb") as f:
+        head = f.read(8192)
+    last_pg, _ = max((struct.unpack_from("<QQ", head, off + 136) for off in (0, 4096)), key=lambda m: m[1])
+    return os.path.getsize(data), (last_pg + 1) * 4096
 
-    path = str(tmp_path / "s")
+
+def _drop_a_session(path: str) -> None:
     with tierstore.open(path) as s:
         h = s.namespace("user-1")
         h.put_many([(f"m{i}", Blob(b"memory text " * 5), {"ts": i}) for i in range(100)], session="chat-1")
         h.put("profile", Blob(b"keep me"))
         assert h.drop_session("chat-1") == 100
-    data = os.path.join(path, "index", "data.mdb")
-    size = os.path.getsize(data)
-    with open(data, "rb") as f:
-        head = f.read(8192)
-    last_pg, txnid = max((struct.unpack_from("<QQ", head, off + 136) for off in (0, 4096)), key=lambda m: m[1])
-    assert size < (last_pg + 1) * 4096, "the case this test is for: a file shorter than its last page"
-    assert check_file(os.path.join(path, "index")) is None
-    child = ("import sys, tierstore\n"
-             "for ro in (True, False, True):\n"
-             "    with tierstore.open(sys.argv[1], readonly=ro) as s:\n"
-             "        assert bytes(s.get('profile', namespace='user-1').data) == b'keep me'\n"
-             "        assert s.keys(namespace='user-1') == ['profile'] and 'rebuilt_index' not in s.recovery\n")
-    proc = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True, timeout=120)
+
+
+OPENS = ("import sys, tierstore\n"
+         "for ro in (True, False, True):\n"
+         "    with tierstore.open(sys.argv[1], readonly=ro) as s:\n"
+         "        assert bytes(s.get('profile', namespace='user-1').data) == b'keep me'\n"
+         "        assert s.keys(namespace='user-1') == ['profile'] and 'rebuilt_index' not in s.recovery\n")
+
+
+def test_a_dropped_session_leaves_an_index_every_open_takes(tmp_path):
+    """(A new user's try: drop_session of 100 objects, then a clean close, left a store no open,
+    read-only or writable, nor fsck, recover or dump could open for good: LMDB counts the pages a
+    transaction took and freed again before its commit in last_pg and never writes them, and the
+    check before liblmdb maps the file refused it as cut.)  A writer now keeps data.mdb as long
+    as its count.  Opens run in a child: a wrong pass would be a SIGBUS."""
+    path = str(tmp_path / "s")
+    _drop_a_session(path)
+    size, counted = _counted(os.path.join(path, "index", "data.mdb"))
+    assert size >= counted
+    proc = subprocess.run([sys.executable, "-c", OPENS, path], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-800:]
     assert repair.fsck(path, deep=True).ok
-    # the hostile twin: cut below the main tree's root, it is refused before LMDB maps it
-    with open(data, "rb") as f:
-        head = f.read(8192)
-    newest = max((0, 4096), key=lambda off: struct.unpack_from("<Q", head, off + 144)[0])
-    root = struct.unpack_from("<Q", head, newest + 128)[0]
-    with open(data, "r+b") as f:
-        f.truncate(root * 4096)
-    assert "root at page" in (check_file(os.path.join(path, "index")) or "")
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+def test_a_short_index_an_older_writer_left_is_checked_whole_and_opens(tmp_path, monkeypatch, stamped):
+    """A data.mdb shorter than its count (written before writers kept it covered) is judged by the
+    whole-file checks -- its stamp, or LMDB's verifier walking every reachable page -- not refused;
+    the first writable open then covers it."""
+    from tierstore.engine import index as index_mod
+
+    path = str(tmp_path / "s")
+    monkeypatch.setattr(index_mod.Index, "_cover_pages", lambda self: None)
+    _drop_a_session(path)
+    monkeypatch.undo()
+    data = os.path.join(path, "index", "data.mdb")
+    size, counted = _counted(data)
+    assert size < counted, "the case this test is for: a file shorter than its count"
+    if not stamped:
+        os.unlink(os.path.join(path, "index", index_mod.STAMP_FILE))
+    proc = subprocess.run([sys.executable, "-c", OPENS, path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    size, counted = _counted(data)
+    assert size >= counted
+
+
+def test_an_index_cut_beside_a_live_writer_is_refused_not_mapped(tmp_path):
+    """(A cold review: checking only the trees' roots let a file cut past them through while a
+    writer ran -- pages below the roots' numbers are not all the pages a tree reaches -- and a
+    read-only open died of SIGBUS.)  The size check counts every page again; a short file beside a
+    live writer is walked, and one whose trees reach past its end is refused."""
+    import struct
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:  # page reuse: the roots end up below pages the trees still reach
+        h = s.namespace("u")
+        h.put_many([(f"junk{i}", Blob(b"j" * 200), {}) for i in range(2000)], session="tmp")
+        s.put_many([(f"keep{i}", Blob(b"k" * 200), {}) for i in range(3000)])
+        h.drop_session("tmp")
+        for i in range(6):
+            s.put(f"small{i}", Blob(b"s"))
+            s.flush()
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time, tierstore\ns = tierstore.open(sys.argv[1])\n"
+                               "print('open', flush=True)\ntime.sleep(120)", path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        data = os.path.join(path, "index", "data.mdb")
+        with open(data, "rb") as f:
+            head = f.read(8192)
+        newest = max((0, 4096), key=lambda off: struct.unpack_from("<Q", head, off + 144)[0])
+        roots = [struct.unpack_from("<Q", head, newest + at)[0] for at in (80, 128)]
+        os.truncate(data, (max(r for r in roots if r < 1 << 63) + 1) * 4096)  # damage: cut past the roots
+        reader = ("import sys, tierstore\ntry:\n    tierstore.open(sys.argv[1], readonly=True).keys()\n"
+                  "except tierstore.CorruptionError as e:\n    print('refused', getattr(e, 'index', False))\n")
+        proc = subprocess.run([sys.executable, "-c", reader, path], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-500:]}"  # (-7: SIGBUS)
+        assert proc.stdout.strip() == "refused True"
+    finally:
+        writer.kill()
+        writer.wait()

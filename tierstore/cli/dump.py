@@ -129,6 +129,9 @@ def dump_range(path: str) -> dict[str, Any]:
         if why is not None:
             out["damaged"].append({"offset": p, "lsn": hdr.lsn, "detail": why})
         p = rec.align_up(p + hdr.record_len, fmt.RECORD_ALIGN)
+    if p < len(data) and any(data[p:]):  # (a torn record header, shorter than one: zeros are no record)
+        out["undecodable"].append({"offset": p, "length": len(data) - p,
+                                   "why": f"shorter than a record header ({fmt.RECORD_HEADER_SIZE} bytes): torn"})
     return out
 
 

@@ -1545,8 +1545,17 @@ class Engine:
         effort: on a disk already full it is simply not there yet."""
         size = self._reserve_size()
         path = os.path.join(self.path, fmt.RESERVE_FILE)
-        if size <= 0 or self.readonly or (os.path.exists(path) and os.path.getsize(path) >= size):
+        if size <= 0 or self.readonly:
             return
+        with self._reserve_lock:  # (the committer may give it up meanwhile: release_reserve)
+            self._ensure_reserve(path, size)
+
+    def _ensure_reserve(self, path: str, size: int) -> None:
+        try:
+            if os.path.getsize(path) >= size:
+                return
+        except OSError:
+            pass
         try:
             fd = self.io.open(path, os.O_WRONLY | os.O_CREAT)
             try:

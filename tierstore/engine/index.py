@@ -131,9 +131,7 @@ def damaged(message: str, path: str | None, **where: Any) -> CorruptionError:
 _MDB_MAGIC = 0xBEEFC0DE
 _META_MAGIC = struct.Struct("<II")  # magic, version at page offset 16
 _META_PSIZE = struct.Struct("<I")  # at page offset 40
-_META_ROOT = struct.Struct("<Q")  # an MDB_db's md_root (its last field), at page offset 80 (free list), 128 (main)
 _META_LAST = struct.Struct("<QQ")  # last_pg, txnid at page offset 136
-_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree's root
 
 
 def verify_lmdb(path: str) -> list[str]:
@@ -183,8 +181,9 @@ def untrusted(path: str) -> str | None:
     """Why data.mdb at rest cannot be handed to liblmdb (which is not hardened against damaged
     files: a zeroed page can abort the process), or None.  Cheap when the file still matches
     the stamp its last clean close wrote (one CRC pass); otherwise LMDB's offline verifier
-    walks it (after a crash, or damage at rest)."""
-    problem = check_file(path)
+    walks it (after a crash, or damage at rest).  A file shorter than its meta page counts is
+    judged by these too (an older tierstore's writer left such files: ``Index._cover_pages``)."""
+    problem, short = _meta_problems(path)
     if problem is not None:
         return problem
     try:
@@ -198,40 +197,56 @@ def untrusted(path: str) -> str | None:
             return None
         return "data.mdb changed at rest since its last clean close (its checksum differs from the stamp)"
     problems = verify_lmdb(path)
-    return problems[0] if problems else None
+    return f"{problems[0]}" + (f" ({short})" if short else "") if problems else None
 
 
-def check_file(path: str) -> str | None:
+def check_file(path: str, *, waits: int = 0) -> str | None:
     """What is wrong with ``path``/data.mdb against its own meta pages, before LMDB maps it (a
-    file shorter than its newest meta page says makes liblmdb die of SIGBUS), or None."""
+    file shorter than its newest meta page counts makes liblmdb die of SIGBUS at a page past
+    its end), or None.  Beside a live writer: that writer keeps the file as long as the count
+    (``Index._cover_pages``), right after each commit, so a short file is looked at again up
+    to ``waits`` times 10 ms apart (a commit between the two); one still short is walked by
+    LMDB's offline verifier, which reads every page a tree reaches (a writer of an older
+    tierstore left such files; they are sound when every reachable page is in them)."""
+    for attempt in range(waits + 1):
+        problem, short = _meta_problems(path)
+        if problem is not None or short is None:
+            return problem
+        if attempt < waits:
+            time.sleep(0.01)
+    problems = verify_lmdb(path)
+    return f"{short}, and {problems[0]}" if problems else None
+
+
+def _meta_problems(path: str) -> tuple[str | None, str | None]:
+    """(what makes data.mdb unusable -- unreadable, no valid meta page -- or None; why it is
+    shorter than its newest meta page counts, ``(last_pg + 1) * page_size``, or None)."""
     data_path = os.path.join(path, "data.mdb")
     try:
         with open(data_path, "rb") as f:
+            head = f.read(8192)  # (the meta pages first, then the size: a commit between the two
+            psize = _META_PSIZE.unpack_from(head, 40)[0] if len(head) >= 44 else 4096  # makes it longer)
+            if 4096 < psize <= 65536:  # (page 1 of larger pages, e.g. 64 KiB ones)
+                f.seek(psize)
+                head = head.ljust(psize, b"\0") + f.read(152)
             size = os.fstat(f.fileno()).st_size
-            head = f.read(16 << 10)
     except OSError as e:
-        return f"cannot read data.mdb: {e.strerror or e}"
+        return f"cannot read data.mdb: {e.strerror or e}", None
     metas = []
-    for off in sorted({0, 4096, *((_META_PSIZE.unpack_from(head, 40)[0],) if len(head) >= 44 else ())}):
+    for off in sorted({0, 4096, psize}):
         if off + 152 > len(head):
             continue
         magic, version = _META_MAGIC.unpack_from(head, off + 16)
         psize = _META_PSIZE.unpack_from(head, off + 40)[0]
         last_pg, txnid = _META_LAST.unpack_from(head, off + 136)
-        roots = [r for r in (_META_ROOT.unpack_from(head, off + 80)[0], _META_ROOT.unpack_from(head, off + 128)[0])
-                 if r != _NO_PAGE]
         if magic == _MDB_MAGIC and version == 1 and psize in (4096, 8192, 16384, 32768, 65536) and off in (0, psize):
-            metas.append((txnid, last_pg, psize, roots))
+            metas.append((txnid, last_pg, psize))
     if not metas:
-        return "no valid LMDB meta page"
-    txnid, last_pg, psize, roots = max(metas)
-    # (the trees' roots, not last_pg: pages a transaction took and freed again before its commit
-    # count in last_pg and are never written, so a sound file may end before it -- a new user's
-    # drop_session of 100 objects left one 4 KiB short, refused at every open for good)
-    top = max(roots, default=-1)
-    if top > last_pg or size < (top + 1) * psize:
-        return f"data.mdb is {size} bytes; its meta page (txn {txnid}) has a tree's root at page {top}"
-    return None
+        return "no valid LMDB meta page", None
+    txnid, last_pg, psize = max(metas)
+    if size < (last_pg + 1) * psize:
+        return None, f"data.mdb is {size} bytes; its meta page (txn {txnid}) counts {(last_pg + 1) * psize}"
+    return None, None
 
 
 _HEADER_CACHE: dict[bytes, "Location"] = {}  # index value -> its decoded Location
@@ -335,6 +350,7 @@ class Index:
         self._readers_checked = time.monotonic()  # (open checks them: Index.open)
         self._file = file  # the data file this environment maps (a rebuild replaces it)
         self._file_checked = time.monotonic()
+        self._covered = 0  # data.mdb is known to be at least this long (_cover_pages)
 
     # the current environment's handles (the write side: a writable index is never swapped)
     env = property(lambda self: self.tables.env)
@@ -361,7 +377,7 @@ class Index:
                 if writable:
                     os.makedirs(real, exist_ok=True)
                 if cls.exists(real):
-                    problem = untrusted(real) if at_rest else check_file(real)
+                    problem = untrusted(real) if at_rest else check_file(real, waits=5)
                     if problem is not None:
                         raise damaged(f"index file damaged: {problem}", real)
                     if writable:
@@ -393,7 +409,31 @@ class Index:
             raise damaged(f"index is missing its tables: {e}", real) from None
         if writable:
             idx.env.reader_check()
+            idx._cover_pages()  # (a file an older tierstore's writer left short, checked above)
         return idx
+
+    def _cover_pages(self) -> None:
+        """Keep data.mdb at least as long as the pages its newest meta page counts
+        (``last_pgno``): LMDB counts there the pages a transaction took and freed again before
+        its commit, and never writes them, and a file shorter than the count looks cut to the
+        check other processes make before they map it (``check_file``; a new user's store,
+        after a drop_session of 100 objects, was refused by every open).  The bytes added are
+        allocated, not written (LMDB writes them when it uses those pages).  Best effort: a
+        file left short (a full disk) is walked by those checks instead (slower, as safe)."""
+        try:
+            want = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+            if want <= self._covered:
+                return
+            fd = os.open(os.path.join(self.path, "data.mdb"), os.O_WRONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size < want:  # (never shrinks it: another process's writer may have grown it since)
+                    os.posix_fallocate(fd, size, want - size)
+            finally:
+                os.close(fd)
+            self._covered = want
+        except (OSError, lmdb.Error):
+            pass
 
     @staticmethod
     def _release(real: str) -> None:
@@ -561,6 +601,7 @@ class Index:
                 try:
                     result = fn(txn)
                     txn.commit()
+                    self._cover_pages()
                     break
                 except lmdb.MapFullError:
                     txn.abort()
