@@ -319,3 +319,40 @@ def test_the_reserve_is_given_up_once_among_threads(store_path):
             assert engine.release_reserve(engine.reserve_released) is False  # nothing left to give
     finally:
         s.close()
+
+
+def test_group_syncs_go_on_while_the_index_cannot_grow(store_path, monkeypatch):
+    """(A cold review: while the committer waited to retry an index that could not grow, the log
+    was synced once per retry -- a put of durability "group" stayed unsynced 1 s, against
+    group_commit_ms=10.)  The log's own syncs keep their deadline; the index's retry its pace."""
+    from tierstore.engine import engine as engine_mod
+    from tierstore.engine import index as index_mod
+
+    monkeypatch.setattr(engine_mod, "FULL_RETRY_S", 30.0)
+    full = {"on": False}
+    real_apply = index_mod.Index.apply
+
+    def apply(self, *args, **kwargs):
+        if full["on"]:
+            raise tierstore.StoreFull("index write failed: injected", path=self.path, index_full=True)
+        return real_apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(index_mod.Index, "apply", apply)
+    with tierstore.open(store_path, durability="group", group_commit_ms=10, index_commit_ms=10, reserve_bytes=0) as s:
+        s.put("a", Blob(b"a"))
+        full["on"] = True
+        time.sleep(0.2)  # the committer meets the full index and waits 30 s to retry
+        log = s._engine.log
+        for i in range(5):
+            s.put(f"b{i}", Blob(b"b"))
+            lsn = log.next_lsn - 1
+            deadline = time.monotonic() + 5
+            while log.durable_lsn < lsn and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert log.durable_lsn >= lsn  # synced well before the index's retry
+            time.sleep(0.05)
+        assert s.get("b4").data == b"b"  # (pending: read from the memtable)
+        full["on"] = False
+        s.flush()
+    with tierstore.open(store_path) as s:
+        assert sorted(s.keys()) == ["a", "b0", "b1", "b2", "b3", "b4"]

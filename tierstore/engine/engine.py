@@ -1056,15 +1056,43 @@ class Engine:
                                  FULL_RETRY_S)
                 with contextlib.suppress(OSError):  # (a failure here must not end the committer)
                     self.release_reserve()
-                retry = time.monotonic() + FULL_RETRY_S  # (not sooner: every put past index_batch wakes it)
-                with self._cv:
-                    while not self._stopping and (left := retry - time.monotonic()) > 0:
-                        self._cv.wait(timeout=left)
+                try:
+                    self._log_duties_until(time.monotonic() + FULL_RETRY_S)
+                except BaseException as e2:  # (the log's own error, as above: the next call's)
+                    self._committer_error = e2
+                    return
                 continue
             except BaseException as e:  # surfaced to the next caller; the engine stops writing
                 self._committer_error = e
                 return
             self._full_logged = False
+
+    def _log_duties_until(self, retry: float) -> None:
+        """While the index cannot commit, until ``retry`` (not sooner: every put past
+        ``index_batch`` wakes the committer): the log's own duties go on -- a due sync with
+        durability "group" (puts that returned are durable within ``group_commit_ms``, index or
+        not: a cold review measured 1 s), buffered records handed to the OS with "none"."""
+        log = self.log
+        tick = (self.options.group_commit_ms if self.durability == "group" else self.options.index_commit_ms) / 1000
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                if self._stopping or now >= retry:
+                    return
+                wait = retry - now
+                if self.durability != "sync":
+                    oldest = log.oldest_unsynced if log is not None else None
+                    wait = min(wait, tick if oldest is None else max(oldest + tick - now, 0.0005))
+                self._cv.wait(timeout=wait)
+            if log is None or self.durability == "sync":
+                continue
+            if self.durability == "group":
+                oldest = log.oldest_unsynced
+                if oldest is not None and time.monotonic() - oldest >= tick:
+                    self.counters["sync_requests"] += 1
+                    log.sync()
+            else:
+                log.flush_buffer()
 
     def _apply_abandoned(self) -> None:
         """Records another writer appended that the index still has not applied a whole
