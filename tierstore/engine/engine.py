@@ -1042,7 +1042,7 @@ class Engine:
                 self.files.sweep()  # segments other processes' compaction removed: their space freed
                 self._apply_abandoned()
             except StoreFull as e:
-                if not getattr(e, "index_full", False):  # (the log's: its records were taken back, or
+                if not e.index_full:  # (the log's: its records were taken back, or
                     self._committer_error = e  # the log is poisoned -- the next call must hear of it)
                     return
                 # the index cannot grow on a full disk: nothing is lost -- the records stay pending
@@ -1084,15 +1084,19 @@ class Engine:
                     oldest = log.oldest_unsynced if log is not None else None
                     wait = min(wait, tick if oldest is None else max(oldest + tick - now, 0.0005))
                 self._cv.wait(timeout=wait)
-            if log is None or self.durability == "sync":
-                continue
-            if self.durability == "group":
-                oldest = log.oldest_unsynced
-                if oldest is not None and time.monotonic() - oldest >= tick:
-                    self.counters["sync_requests"] += 1
-                    log.sync()
-            else:
-                log.flush_buffer()
+            if log is not None:
+                self._log_duty(log, time.monotonic(), sync=False)
+
+    def _log_duty(self, log: Log, now: float, *, sync: bool) -> None:
+        """The log's part of a commit: a sync when asked or due (durability "group"), or with
+        "none", which never syncs, the buffered records handed to the OS promptly."""
+        due_sync = self.durability == "group" and log.oldest_unsynced is not None and (
+            now - log.oldest_unsynced >= self.options.group_commit_ms / 1000.0)
+        if sync or due_sync:
+            self.counters["sync_requests"] += 1
+            log.sync()
+        elif self.durability == "none":
+            log.flush_buffer()
 
     def _apply_abandoned(self) -> None:
         """Records another writer appended that the index still has not applied a whole
@@ -1139,13 +1143,7 @@ class Engine:
             return
         with self._commit_lock:
             now = time.monotonic()
-            due_sync = self.durability == "group" and log.oldest_unsynced is not None and (
-                now - log.oldest_unsynced >= self.options.group_commit_ms / 1000.0)
-            if sync or due_sync:
-                self.counters["sync_requests"] += 1
-                log.sync()
-            elif self.durability == "none":
-                log.flush_buffer()  # "none" never syncs, but hands records to the OS promptly
+            self._log_duty(log, now, sync=sync)
             with log.append_lock:  # (an append_group advances the log before it hands its records to the
                 # memtable: read under the lock, the limit never names part of a group not yet pending)
                 if self.durability == "none":
