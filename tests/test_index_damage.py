@@ -114,8 +114,9 @@ def test_random_bit_flips(base, tmp_path):
 
 def test_a_value_damaged_while_open_is_index_damage_and_is_rebuilt(base, tmp_path):
     """The key-type flag of one entry flipped under a live handle (the case that raised
-    UnicodeDecodeError from keys()): keys(), namespaces() and ls raise CorruptionError, once
-    logged; the next open rebuilds the index and everything is there."""
+    UnicodeDecodeError from keys()): listings that read it (keys(), by prefix too) raise
+    CorruptionError, once logged; the next open rebuilds the index and everything is there.
+    (namespaces() reads one entry of each namespace: it lists them right.)"""
     work = str(tmp_path / "w")
     shutil.copytree(base, work)
     s = tierstore.open(work)
@@ -131,7 +132,8 @@ def test_a_value_damaged_while_open_is_index_damage_and_is_rebuilt(base, tmp_pat
             f.seek(value + 10)
             f.write(bytes([data[value + 10] ^ 1]))
             at = data.find(b"k00042", at + 1)
-    for call in (s.keys, s.namespaces):
+    assert s.namespaces() == ["default"]
+    for call in (s.keys, lambda: s.keys(prefix="k0004")):
         with pytest.raises(tierstore.CorruptionError) as e:
             call()
         assert e.value.index and "rebuilt" in e.value.hint
@@ -280,3 +282,62 @@ def test_an_index_cut_beside_a_live_writer_is_refused_not_mapped(tmp_path):
     finally:
         writer.kill()
         writer.wait()
+
+
+OLD_BUSY_WRITER = """
+import sys, time, tierstore
+from tierstore import Blob
+from tierstore.engine import index as im
+im.Index._cover_pages = lambda self: None  # a writer of an older tierstore: it leaves data.mdb short
+s = tierstore.open(sys.argv[1])
+idx = s._engine.index
+n, short = 0, 0
+def take_and_free(txn):  # pages a transaction takes and frees before its commit (as drop_session does)
+    txn.put(b"zz-tmp", b"x" * ((32 << 10) + (n % 64) * 4096), db=idx.meta)
+    txn.delete(b"zz-tmp", db=idx.meta)
+print("open", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < float(sys.argv[2]):
+    s.put_many([(f"k{(n * 50 + i) % 20000}", Blob(b"v" * 100)) for i in range(50)])
+    s.flush()
+    idx._write(take_and_free)
+    n += 1
+    if n % 100 == 0 and im._meta_problems(idx.path)[1] is not None:
+        short += 1
+print("short", short, flush=True)
+s.close()
+"""
+
+
+def test_a_short_index_beside_a_busy_writer_is_never_called_damaged(tmp_path):
+    """(A cold review: LMDB's verifier holds no reader slot, so a writer committing while it walks
+    reuses pages the walk still reaches, and the walk reports damage that is not there -- a read-only
+    open beside an older, busy writer that leaves data.mdb short raised CorruptionError on a sound
+    store, ~5% of opens here; fsck --deep the same.)  A walk counts only when no commit passed
+    during it; one that raced every time is StoreLocked (try again), never damage."""
+    import time
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        for j in range(20):
+            s.put_many([(f"k{j * 1000 + i}", Blob(b"v" * 100)) for i in range(1000)])
+    writer = subprocess.Popen([sys.executable, "-c", OLD_BUSY_WRITER, path, "9"], stdout=subprocess.PIPE, text=True)
+    counts = {"ok": 0, "locked": 0}
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            try:
+                with tierstore.open(path, readonly=True) as s:
+                    assert bytes(s.get("k1").data) == b"v" * 100
+                counts["ok"] += 1
+            except tierstore.StoreLocked:
+                counts["locked"] += 1
+        report = repair.fsck(path, deep=True)
+        assert report.ok, [f.what for f in report.findings]
+        out = writer.communicate(timeout=60)[0]
+    finally:
+        writer.kill()
+        writer.wait()
+    assert int(out.split()[-1]) > 0, "the case this test is for: the writer left data.mdb short"
+    assert counts["ok"] > 20, counts

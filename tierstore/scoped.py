@@ -90,8 +90,12 @@ class NamespaceHandle:
     def __contains__(self, key: str | bytes) -> bool:
         return self.contains(key)
 
-    def keys(self, *, namespace: str | None = None) -> list[str | bytes]:
-        return self._store.keys(namespace=self._read_ns(namespace))
+    def keys(self, *, namespace: str | None = None, prefix: str | bytes | None = None,
+             after: str | bytes | None = None, limit: int | None = None) -> list[str | bytes]:
+        return self._store.keys(namespace=self._read_ns(namespace), prefix=prefix, after=after, limit=limit)
+
+    def sessions(self, *, namespace: str | None = None) -> list[str]:
+        return self._store.sessions(namespace=self._read_ns(namespace))
 
     def info(self, key: str | bytes, *, namespace: str | None = None) -> ObjectInfo:
         return self._store.info(key, namespace=self._read_ns(namespace))

@@ -1633,12 +1633,40 @@ class Store:
     def __contains__(self, key: str | bytes) -> bool:
         return self.contains(key)
 
-    def keys(self, *, namespace: str = "default") -> list[str | bytes]:
-        """Every key in ``namespace`` (str keys come back as str, bytes keys as bytes), sorted by
-        their UTF-8 / raw bytes."""
+    def keys(self, *, namespace: str = "default", prefix: str | bytes | None = None,
+             after: str | bytes | None = None, limit: int | None = None) -> list[str | bytes]:
+        """The keys in ``namespace`` (str keys come back as str, bytes keys as bytes), sorted by
+        their UTF-8 / raw bytes.  ``prefix``: only keys whose bytes start with its bytes (a str
+        prefix by its UTF-8).  ``after`` and ``limit`` page through a large namespace: the
+        first ``limit`` keys sorted after the key ``after`` (give the last key of a page to get
+        the next; each page is one index read, not a listing of the whole namespace)::
+
+            page = store.keys(namespace="chat", limit=1000)
+            while page:
+                ...
+                page = store.keys(namespace="chat", after=page[-1], limit=1000)
+        """
         self._check_open()
-        found = self._engine.keys(encode_namespace(namespace))
-        return [decode_key(k, found[k]) for k in sorted(found)]
+        ns = encode_namespace(namespace)
+        if prefix is None:
+            pre = b""
+        elif isinstance(prefix, str):
+            pre = prefix.encode("utf-8", "surrogatepass")
+        elif isinstance(prefix, (bytes, bytearray, memoryview)):
+            pre = bytes(prefix)
+        else:
+            raise InvalidObject(f"prefix must be a str or bytes, got {type(prefix).__name__}")
+        start = None if after is None else encode_key(after)[0]
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise InvalidObject(f"limit must be an int >= 0 (or None: every key), got {limit!r}")
+        found = self._engine.keys(ns, prefix=pre, after=start, limit=limit)
+        return [decode_key(k, flags) for k, flags in found.items()]
+
+    def sessions(self, *, namespace: str = "default") -> list[str]:
+        """The sessions holding a reference on at least one object of ``namespace``
+        (``put(..., session=)``; ``drop_session`` releases them), sorted."""
+        self._check_open()
+        return [s.decode("utf-8") for s in self._engine.sessions(encode_namespace(namespace))]
 
     def namespaces(self) -> list[str]:
         """Namespaces holding at least one object."""

@@ -41,6 +41,7 @@ from ..errors import (
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_CANNOT_OPEN, EXIT_LOCKED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5
 EXIT_REPAIRED = 6  # fsck --fix found damage and repaired it (the store is ok now)
+EXIT_PIPE = 128 + 13  # the reader of the output went away (`| head`): what a shell reports for `cat` that SIGPIPE ended
 
 
 def _progress(total: int | None, desc: str, enabled: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -398,6 +399,17 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return n
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from .. import open as open_store
 
@@ -405,7 +417,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with open_store(args.path, create=False, readonly=True) as store:
         namespaces = [args.namespace] if args.namespace else store.namespaces()
         for ns in namespaces:
-            for key in store.keys(namespace=ns):
+            left = None if args.limit is None else args.limit - len(rows)
+            for key in store.keys(namespace=ns, prefix=args.prefix, limit=left):
                 info = store.info(key, namespace=ns)
                 rows.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
                              "key_type": "text" if isinstance(key, str) else "bytes",
@@ -596,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("ls", cmd_ls, "list the objects of a store")
     sp.add_argument("path")
     sp.add_argument("--namespace", default=None)
+    sp.add_argument("--prefix", default=None, help="only keys that start with this text")
+    sp.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N objects (in key order)")
     sp = add("stats", cmd_stats, "sizes of a store: objects per namespace, segments, live and dead bytes")
     sp.add_argument("path")
     sp = add("remote-sync", cmd_remote_sync, "send a remote tier every object of a store it lacks (or holds "
@@ -666,10 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "compact":
             _warn_if_waiting(args, beside_writers=True)
         return args.fn(args)
-    except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat
-        devnull = os.open(os.devnull, os.O_WRONLY)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat -- and not
+        devnull = os.open(os.devnull, os.O_WRONLY)  # with 0, which would say a dump or fsck cut short found no damage
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
-        return EXIT_OK
+        return EXIT_PIPE
     except StoreLocked as e:
         if not hasattr(args, "lock_timeout"):  # a command that does not wait (remote-sync): the error's own hint
             return _fail(args, EXIT_LOCKED, f"{e.message} (hint: {e.hint or 'stop the process that holds it'})")

@@ -1261,20 +1261,50 @@ class Engine:
             return {k: m for (n, k), m in self._mem.items() if n == ns and k.startswith(prefix)}
 
     @_index_reads
-    def keys(self, ns: bytes) -> dict[bytes, int]:
-        """key -> flags of every object in namespace ``ns``."""
+    def keys(self, ns: bytes, *, prefix: bytes = b"", after: bytes | None = None,
+             limit: int | None = None) -> dict[bytes, int]:
+        """key -> flags of the objects in namespace ``ns`` whose key starts with ``prefix``,
+        past ``after``, the first ``limit`` of them, in key order."""
         assert self.index is not None
-        mem = self._memtable(ns)
+        mem = self._memtable(ns, prefix)
         with self.index.read() as view:
             applied = view.applied().lsn
-            out: dict[bytes, int] = {k: flags for k, flags in view.keys(ns)}
+            mem = {k: m for k, m in mem.items() if m.lsn > applied and (after is None or k > after)}
+            gone = sum(1 for m in mem.values() if m.location is None)  # (read as many more: they may be listed)
+            found = view.keys(ns, prefix, after=after, limit=None if limit is None else limit + gone)
+        out: dict[bytes, int] = dict(found)
+        if not mem:
+            return out  # (in key order already)
         for k, m in mem.items():
-            if m.lsn > applied:
-                if m.location is None:
-                    out.pop(k, None)
-                else:
-                    out[k] = m.location.header.flags
-        return out
+            if m.location is None:
+                out.pop(k, None)
+            else:
+                out[k] = m.location.header.flags
+        ordered = sorted(out)
+        if limit is not None and len(found) == limit + gone and found:
+            last = found[-1][0]  # the listing was cut there: a pending key past it may not be next
+            ordered = [k for k in ordered if k <= last]
+        return {k: out[k] for k in ordered[:limit]}
+
+    @_index_reads
+    def sessions(self, ns: bytes) -> list[bytes]:
+        """The sessions holding at least one reference in namespace ``ns``, sorted."""
+        assert self.index is not None
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            names = set(view.sessions(ns))
+        touched = set()
+        for rk, m in pending.items():
+            parsed = rec.parse_ref_key(rk)
+            if m.lsn > applied and parsed is not None and parsed[0] == ns and parsed[1] != fmt.ANCHOR_SESSION:
+                touched.add(parsed[1])
+        for sess in touched:  # (a pending release may have been its last reference)
+            if self.session_refs(ns, sess):
+                names.add(sess)
+            else:
+                names.discard(sess)
+        return sorted(names)
 
     @_index_reads
     def namespaces(self) -> list[bytes]:
@@ -1287,7 +1317,7 @@ class Engine:
         for (ns, _), m in pending:
             if m.location is not None and not ns.startswith(b"\x00"):
                 names.add(ns)
-        return sorted(n for n in names if self.keys(n))
+        return sorted(n for n in names if self.keys(n, limit=1))
 
     @_index_reads
     def holders(self, k: bytes, *, exclude: bytes, limit: int = 1000) -> list[bytes]:

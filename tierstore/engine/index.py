@@ -142,6 +142,29 @@ def verify_lmdb(path: str) -> list[str]:
         return [str(e)]
 
 
+WALKS = 3  # walks of a live file (walk_live) before its writer's commits are blamed
+
+
+def walk_live(path: str) -> list[str] | None:
+    """``verify_lmdb`` of a file a live writer may commit to meanwhile: the verifier holds no
+    reader slot, so a commit during its walk reuses pages the walk's meta page still reaches
+    and the walk sees damage that is not there (a busy 30 MB index: 75 of 76 walks).  A walk
+    that finds problems counts only if no commit passed during it (the newest meta page's
+    txnid the same before and after); up to ``WALKS`` walks, then None: every one raced."""
+    for _ in range(WALKS):
+        before = _newest_meta(path)
+        problems = verify_lmdb(path)
+        if not problems or _newest_meta(path) == before:
+            return problems
+    return None
+
+
+def _newest_meta(path: str) -> tuple[int, int] | None:
+    """(txnid, last_pg) of data.mdb's newest valid meta page, or None."""
+    found = _read_metas(path)
+    return None if isinstance(found, str) else found[1][:2]
+
+
 STAMP_FILE = "tierstore-checksum"  # beside data.mdb: its size and CRC-32C when a writer last closed it cleanly
 
 
@@ -204,34 +227,39 @@ def check_file(path: str, *, waits: int = 0) -> str | None:
     """What is wrong with ``path``/data.mdb against its own meta pages, before LMDB maps it (a
     file shorter than its newest meta page counts makes liblmdb die of SIGBUS at a page past
     its end), or None.  Beside a live writer: that writer keeps the file as long as the count
-    (``Index._cover_pages``), right after each commit, so a short file is looked at again up
-    to ``waits`` times 10 ms apart (a commit between the two); one still short is walked by
-    LMDB's offline verifier, which reads every page a tree reaches (a writer of an older
-    tierstore left such files; they are sound when every reachable page is in them)."""
+    (``Index._cover_pages``) right after each commit, under its writer lock, so a short file
+    is looked at again up to ``waits`` times 10 ms apart (a commit between the two); one still
+    short is walked by LMDB's offline verifier (``walk_live``), which reads every page a tree
+    reaches (a writer of an older tierstore left such files; they are sound when every
+    reachable page is in them).  StoreLocked when every walk raced a commit: no answer yet."""
     for attempt in range(waits + 1):
         problem, short = _meta_problems(path)
         if problem is not None or short is None:
             return problem
         if attempt < waits:
             time.sleep(0.01)
-    problems = verify_lmdb(path)
+    problems = walk_live(path)
+    if problems is None:
+        raise StoreLocked(f"{short}, and a writer committed during each of {WALKS} walks of it by LMDB's verifier",
+                          path=path, hint="the writer is probably an older tierstore, which does not keep data.mdb "
+                                          "covered: open again when it is quieter, or upgrade it")
     return f"{short}, and {problems[0]}" if problems else None
 
 
-def _meta_problems(path: str) -> tuple[str | None, str | None]:
-    """(what makes data.mdb unusable -- unreadable, no valid meta page -- or None; why it is
-    shorter than its newest meta page counts, ``(last_pg + 1) * page_size``, or None)."""
+def _read_metas(path: str) -> str | tuple[int, tuple[int, int, int]]:
+    """data.mdb's (size, (txnid, last_pg, page size) of its newest valid meta page), or what
+    makes it unusable (unreadable, no valid meta page)."""
     data_path = os.path.join(path, "data.mdb")
     try:
         with open(data_path, "rb") as f:
             head = f.read(8192)  # (the meta pages first, then the size: a commit between the two
             psize = _META_PSIZE.unpack_from(head, 40)[0] if len(head) >= 44 else 4096  # makes it longer)
-            if 4096 < psize <= 65536:  # (page 1 of larger pages, e.g. 64 KiB ones)
+            if 4096 < psize <= 32768:  # (page 1 of larger pages; LMDB 0.9 caps them at 32 KiB)
                 f.seek(psize)
                 head = head.ljust(psize, b"\0") + f.read(152)
             size = os.fstat(f.fileno()).st_size
     except OSError as e:
-        return f"cannot read data.mdb: {e.strerror or e}", None
+        return f"cannot read data.mdb: {e.strerror or e}"
     metas = []
     for off in sorted({0, 4096, psize}):
         if off + 152 > len(head):
@@ -239,11 +267,20 @@ def _meta_problems(path: str) -> tuple[str | None, str | None]:
         magic, version = _META_MAGIC.unpack_from(head, off + 16)
         psize = _META_PSIZE.unpack_from(head, off + 40)[0]
         last_pg, txnid = _META_LAST.unpack_from(head, off + 136)
-        if magic == _MDB_MAGIC and version == 1 and psize in (4096, 8192, 16384, 32768, 65536) and off in (0, psize):
+        if magic == _MDB_MAGIC and version == 1 and psize in (4096, 8192, 16384, 32768) and off in (0, psize):
             metas.append((txnid, last_pg, psize))
     if not metas:
-        return "no valid LMDB meta page", None
-    txnid, last_pg, psize = max(metas)
+        return "no valid LMDB meta page"
+    return size, max(metas)
+
+
+def _meta_problems(path: str) -> tuple[str | None, str | None]:
+    """(what makes data.mdb unusable -- unreadable, no valid meta page -- or None; why it is
+    shorter than its newest meta page counts, ``(last_pg + 1) * page_size``, or None)."""
+    found = _read_metas(path)
+    if isinstance(found, str):
+        return found, None
+    size, (txnid, last_pg, psize) = found
     if size < (last_pg + 1) * psize:
         return None, f"data.mdb is {size} bytes; its meta page (txn {txnid}) counts {(last_pg + 1) * psize}"
     return None, None
@@ -371,15 +408,24 @@ class Index:
         ``at_rest``: no other process writes it, so it is checked (``untrusted``) before liblmdb
         maps it; otherwise only its size is (a live writer checked it when it opened)."""
         real = os.path.realpath(path)
+        checked = False
+        with _ENVS_LOCK:
+            mapped = real in _ENVS
+        if not mapped and cls.exists(real):  # (checked outside the lock: a walk may take seconds)
+            problem = untrusted(real) if at_rest else check_file(real, waits=5)
+            if problem is not None:
+                raise damaged(f"index file damaged: {problem}", real)
+            checked = True
         with _ENVS_LOCK:
             ent = _ENVS.get(real)
             if ent is None:
                 if writable:
                     os.makedirs(real, exist_ok=True)
                 if cls.exists(real):
-                    problem = untrusted(real) if at_rest else check_file(real, waits=5)
-                    if problem is not None:
-                        raise damaged(f"index file damaged: {problem}", real)
+                    if not checked:  # (created, or another thread's environment closed since)
+                        problem = untrusted(real) if at_rest else check_file(real, waits=5)
+                        if problem is not None:
+                            raise damaged(f"index file damaged: {problem}", real)
                     if writable:
                         unstamp(real)
                 try:
@@ -417,21 +463,31 @@ class Index:
         (``last_pgno``): LMDB counts there the pages a transaction took and freed again before
         its commit, and never writes them, and a file shorter than the count looks cut to the
         check other processes make before they map it (``check_file``; a new user's store,
-        after a drop_session of 100 objects, was refused by every open).  The bytes added are
-        allocated, not written (LMDB writes them when it uses those pages).  Best effort: a
-        file left short (a full disk) is walked by those checks instead (slower, as safe)."""
+        after a drop_session of 100 objects, was refused by every open).  Done inside a write
+        transaction that changes nothing: LMDB's writer lock keeps every other process's writer
+        from committing or writing a page meanwhile, so the size read is the size extended
+        (never shrinking it); it is ended by a commit, which writes nothing for it (py-lmdb 3.0's
+        abort waits for an Environment.copy in another thread that waits for the writer lock:
+        a deadlock).  The file is extended, not written (``ftruncate``: the bytes added are a
+        hole that reads as zeros and takes no disk space, so a full disk does not stop it, and
+        no emulation writes bytes LMDB may own).  Best effort: a file left short is walked by
+        the other processes' checks instead (slower, as safe)."""
         try:
             want = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
             if want <= self._covered:
                 return
-            fd = os.open(os.path.join(self.path, "data.mdb"), os.O_WRONLY)
+            txn = self.env.begin(write=True)
             try:
-                size = os.fstat(fd).st_size
-                if size < want:  # (never shrinks it: another process's writer may have grown it since)
-                    os.posix_fallocate(fd, size, want - size)
+                want = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]  # (now no commit can pass it)
+                fd = os.open(os.path.join(self.path, "data.mdb"), os.O_WRONLY)
+                try:
+                    if os.fstat(fd).st_size < want:
+                        os.ftruncate(fd, want)
+                finally:
+                    os.close(fd)
+                self._covered = want
             finally:
-                os.close(fd)
-            self._covered = want
+                txn.commit()
         except (OSError, lmdb.Error):
             pass
 
@@ -469,10 +525,20 @@ class Index:
             ent = _ENVS.get(self.path)
             if ent is None:
                 return
-            if ent[4] != current:  # the first handle to notice opens the new file for all of them
-                problem = check_file(self.path)
-                if problem is not None:
+            followed = ent[4] == current  # (another handle opened the new file already)
+        if not followed:
+            try:  # (outside the lock: a short file is walked)
+                if check_file(self.path) is not None:
                     return  # (not a usable file yet: a later look)
+            except StoreLocked:
+                return
+        with _ENVS_LOCK:
+            ent = _ENVS.get(self.path)
+            if ent is None:
+                return
+            if ent[4] != current:  # the first handle to notice opens the new file for all of them
+                if _file_id(self.path) != current:
+                    return  # (replaced again since the check: a later look)
                 try:
                     env = lmdb.open(self.path, subdir=True, readonly=True, max_dbs=8, max_readers=1024, lock=True,
                                     create=False)
@@ -840,22 +906,50 @@ class ReadView:
             v = self.txn.get(index_key(namespace, key), db=self.t.objects)
         return None if v is None else decode_location(v, namespace, key)
 
-    def keys(self, namespace: bytes, prefix: bytes = b"") -> list[tuple[bytes, int]]:
-        """(key, flags) of every object in ``namespace`` (whose key starts with ``prefix``), in
-        key order.  Each entry's header checksum and its namespace and key are checked (without
-        decoding the metadata): a damaged entry is index damage, never a wrong listing."""
+    def keys(self, namespace: bytes, prefix: bytes = b"", *, after: bytes | None = None,
+             limit: int | None = None) -> list[tuple[bytes, int]]:
+        """(key, flags) of every object in ``namespace`` (whose key starts with ``prefix``; past
+        ``after``; the first ``limit``), in key order.  Each entry's header checksum and its
+        namespace and key are checked (without decoding the metadata): a damaged entry is
+        index damage, never a wrong listing."""
         strip = len(index_key(namespace, b""))
         prefix = index_key(namespace, prefix)
-        out = []
+        start = prefix if after is None else max(prefix, index_key(namespace, after) + b"\0")
+        out: list[tuple[bytes, int]] = []
+        if limit == 0:
+            return out
         with _reading(self.index.path):
             cur = self.txn.cursor(db=self.t.objects)
-            if not cur.set_range(prefix):
+            if not cur.set_range(start):
                 return out
             for k, v in cur:
                 if not k.startswith(prefix):
                     break
                 key = k[strip:]
                 out.append((key, _checked_flags(v, namespace, key, self.index.path)))
+                if len(out) == limit:
+                    break
+        return out
+
+    def sessions(self, namespace: bytes) -> list[bytes]:
+        """The sessions holding at least one reference in ``namespace`` (the anchor of puts
+        without a session left out), in order: one cursor step per session."""
+        base = index_key(fmt.REF_NAMESPACE, rec.ref_prefix(namespace))
+        out = []
+        with _reading(self.index.path):
+            cur = self.txn.cursor(db=self.t.objects)
+            ok = cur.set_range(base)
+            while ok:
+                k = cur.key()
+                parsed = rec.parse_ref_key(k[len(index_key(fmt.REF_NAMESPACE, b"")):]) if k.startswith(base) else None
+                if parsed is None or parsed[0] != namespace:
+                    break
+                session = parsed[1]
+                if session != fmt.ANCHOR_SESSION:
+                    out.append(session)
+                # jump past this session's references: their keys end in a fixed-length key hash
+                ok = cur.set_range(index_key(fmt.REF_NAMESPACE, rec.ref_prefix(namespace, session))
+                                   + b"\xff" * (fmt.REF_KEY_HASH_BYTES + 1))
         return out
 
     def _refs_under(self, prefix: bytes) -> list[bytes]:

@@ -23,7 +23,7 @@ from ..format import record as rec
 from . import segment as seglib
 from .engine import Engine, open_engine, writing_in_process
 from .fileio import PosixIO
-from .index import Applied, Index, Location, decode_location, verify_lmdb
+from .index import WALKS, Applied, Index, Location, decode_location, verify_lmdb, walk_live
 from .lock import acquire_writer_lock, writer_active
 from .options import Options
 from .recovery import base_disagrees, certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
@@ -312,9 +312,11 @@ def fsck(path: str, *, deep: bool = False, progress: Callable[[int], None] | Non
     """``tierstore fsck``: open the store read-only and ``check_store`` it."""
     root = os.path.abspath(path)
     index_dir = os.path.join(root, fmt.INDEX_DIR)
-    if deep and Index.exists(index_dir) and (problems := verify_lmdb(index_dir)):
+    walk = deep and Index.exists(index_dir)
+    walked = walk_live(index_dir) if walk else []
+    if walked:
         # verify-then-trust: LMDB's offline verifier walks the file in Python before liblmdb maps it
-        return _index_report(root, [f"index (LMDB): {p}" for p in problems])
+        return _index_report(root, [f"index (LMDB): {p}" for p in walked])
     try:
         engine = Engine(root, create=False, readonly=True)
     except CorruptionError as e:
@@ -323,9 +325,17 @@ def fsck(path: str, *, deep: bool = False, progress: Callable[[int], None] | Non
         return _index_report(root, [e.message])
     try:
         assert engine.index is not None
-        return check_store(engine.io, engine.path, engine.index, deep=deep, progress=progress)
+        report = check_store(engine.io, engine.path, engine.index, deep=deep, progress=progress, walked=walk)
+        if walked is None:
+            report.findings.append(_unwalked())
+        return report
     finally:
         engine.close()
+
+
+def _unwalked() -> Finding:
+    return Finding("warning", f"the index was not walked by LMDB's verifier: a live writer committed during each of "
+                              f"{WALKS} walks (run fsck --deep again when it is quieter)")
 
 
 def _index_report(root: str, problems: list[str]) -> Report:
@@ -340,13 +350,15 @@ def _index_report(root: str, problems: list[str]) -> Report:
 
 
 def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
-                progress: Callable[[int], None] | None = None) -> Report:
+                progress: Callable[[int], None] | None = None, walked: bool = False) -> Report:
     """Check the store at ``root`` against its open ``index`` without changing either.
 
     Always: both directions (every index entry points at a record with the same header
     bytes; the newest record of every key in the applied log is what the index holds) and
     every checksum of every live object.  ``deep`` adds every record of the log (overwritten
-    and deleted ones too) and LMDB's own structural verifier over the index file.
+    and deleted ones too) and LMDB's own structural verifier over the index file (unless
+    ``walked``: the caller walked it).  A live writer that commits during each walk leaves the
+    walk without an answer: a warning, not a finding of damage (``walk_live``).
     """
     report = Report()
     seg_dir = os.path.join(root, fmt.SEGMENTS_DIR)
@@ -357,7 +369,10 @@ def check_store(io: PosixIO, root: str, index: Index, *, deep: bool,
         if deep:
             # verify-then-trust: LMDB's offline verifier walks the file in Python first, since
             # liblmdb itself may crash on a damaged file
-            problems = verify_lmdb(index.path)
+            problems = [] if walked else walk_live(index.path)
+            if problems is None:
+                problems = []
+                report.findings.append(_unwalked())
             for problem in problems:
                 report.error(f"index (LMDB): {problem}")
             if problems:

@@ -1,0 +1,123 @@
+"""Listing a namespace: keys by prefix and page by page, and the sessions holding references.
+
+Each is checked against a plain model with records still pending (appended, not yet in the
+index) as well as applied ones."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tierstore
+from tierstore import Blob
+
+
+def _paged(s: tierstore.Store, size: int, **kw) -> list:
+    out, page = [], s.keys(limit=size, **kw)
+    while page:
+        assert len(page) <= size
+        out += page
+        page = s.keys(after=page[-1], limit=size, **kw)
+    return out
+
+
+KEYS = st.sampled_from([f"k{i:02d}" for i in range(12)] + [b"k05\x00", b"\xff", "ka", "l"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.booleans(), KEYS), max_size=40), size=st.integers(1, 5),
+       applied=st.integers(0, 40))
+def test_pages_and_prefixes_list_what_a_model_holds_with_records_still_pending(tmp_path_factory, ops, size, applied):
+    """Puts and deletes, the first ``applied`` of them in the index and the rest still pending (a
+    long index_commit_ms): every page size and prefix lists exactly the model's keys, in order."""
+    path = str(tmp_path_factory.mktemp("s"))
+    model: set = set()
+    with tierstore.open(path, durability="none", index_commit_ms=60_000) as s:
+        for i, (put, key) in enumerate(ops):
+            if i == applied:
+                s.flush()
+            if put:
+                s.put(key, Blob(b"x"))
+                model.add(key)
+            else:
+                s.delete(key)
+                model.discard(key)
+        order = sorted(model, key=lambda k: k.encode() if isinstance(k, str) else k)
+        assert s.keys() == order
+        assert _paged(s, size) == order
+        for prefix in ("k0", b"k05", "k", b"\xff", "z"):
+            pb = prefix.encode() if isinstance(prefix, str) else prefix
+            want = [k for k in order if (k.encode() if isinstance(k, str) else k).startswith(pb)]
+            assert s.keys(prefix=prefix) == want
+            assert _paged(s, size, prefix=prefix) == want
+
+
+def test_a_page_is_one_index_read_and_limit_zero_is_empty(store_path):
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"user-{i:05d}", Blob(b"x")) for i in range(3000)])
+        assert s.keys(limit=3) == ["user-00000", "user-00001", "user-00002"]
+        assert s.keys(after="user-02998", limit=10) == ["user-02999"]
+        assert s.keys(after="user-00500", prefix="user-01", limit=2) == ["user-01000", "user-01001"]
+        assert s.keys(after="user-01500", prefix="user-01", limit=2) == ["user-01501", "user-01502"]
+        assert s.keys(after="user-019999", prefix="user-01") == []
+        assert s.keys(limit=0) == []
+        assert s.keys(namespace="nothing-here", limit=5) == []
+
+
+@pytest.mark.parametrize("bad", [{"limit": -1}, {"limit": True}, {"limit": 2.0}, {"prefix": 3},
+                                 {"after": 7}, {"after": ""}])
+def test_bad_listing_arguments_are_refused(store_path, bad):
+    with tierstore.open(store_path) as s:
+        s.put("a", Blob(b"x"))
+        with pytest.raises(tierstore.InvalidObject):
+            s.keys(**bad)
+
+
+def test_sessions_lists_those_holding_references_pending_or_applied(store_path):
+    with tierstore.open(store_path, durability="none", index_commit_ms=60_000) as s:
+        h = s.namespace("user-1")
+        h.put("profile", Blob(b"kept"))  # (no session: the anchor is not a session)
+        h.put_many([(f"m{i}", Blob(b"m%d" % i)) for i in range(5)], session="chat-b")
+        s.flush()
+        h.put("m0", Blob(b"m0"), session="chat-a")  # pending, and shared with chat-b
+        h.put("x", Blob(b"x"), session="chat-c")
+        s.put("y", Blob(b"y"), namespace="other", session="elsewhere")
+        assert h.sessions() == ["chat-a", "chat-b", "chat-c"]
+        assert s.sessions(namespace="other") == ["elsewhere"] and s.sessions() == []
+        h.drop_session("chat-b")  # pending release of every reference it held
+        assert h.sessions() == ["chat-a", "chat-c"]
+        s.flush()
+        assert h.sessions() == ["chat-a", "chat-c"]
+        assert h.keys() == ["m0", "profile", "x"]
+    with tierstore.open(store_path, readonly=True) as s:
+        assert s.sessions(namespace="user-1") == ["chat-a", "chat-c"]
+
+
+def test_ls_takes_a_prefix_and_a_limit(store_path):
+    import json
+    import subprocess
+    import sys
+
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"doc-{i:03d}", Blob(b"x")) for i in range(50)] + [("note", Blob(b"n"))])
+    proc = subprocess.run([sys.executable, "-m", "tierstore", "ls", store_path, "--prefix", "doc-01", "--limit", "3",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["key"] for r in json.loads(proc.stdout)] == ["doc-010", "doc-011", "doc-012"]
+    proc = subprocess.run([sys.executable, "-m", "tierstore", "ls", store_path, "--limit", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "whole number" in proc.stderr
+
+
+def test_the_guides_way_to_empty_a_namespace(store_path):
+    """docs/guide.md: a page of keys at a time through delete_many; sessions' references go too."""
+    with tierstore.open(store_path) as s:
+        h = s.namespace("user-7")
+        h.put_many([(f"m{i:04d}", Blob(b"m")) for i in range(1500)], session="chat-1")
+        h.put_many([(f"n{i:04d}", Blob(b"n")) for i in range(1500)])
+        s.put("keep", Blob(b"k"), namespace="user-8", session="chat-1")
+        while page := s.keys(namespace="user-7", limit=1000):
+            s.delete_many(page, namespace="user-7")
+        assert s.keys(namespace="user-7") == [] and s.sessions(namespace="user-7") == []
+        assert s.namespaces() == ["user-8"] and s.sessions(namespace="user-8") == ["chat-1"]
