@@ -216,3 +216,47 @@ s.close()
     out = run_py(code, str(tmp_path / "s"), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == "0", out.stdout
+
+
+READ_ONLY_BESIDE_A_WRITING_THREAD = """
+import faulthandler, sys, threading, time, tierstore
+from tierstore import Blob
+faulthandler.dump_traceback_later(60, exit=True)  # (a deadlock: exits 1 with every thread's stack)
+path = sys.argv[1]
+with tierstore.open(path) as s:
+    for j in range(100):
+        s.put_many([(f"k{j * 1000 + i}", Blob(b"v" * 100)) for i in range(1000)])
+for trial in range(8):
+    go = threading.Barrier(2)
+    def writer():
+        go.wait()
+        with tierstore.open(path, durability="none", index_commit_ms=0) as s:
+            for i in range(60):
+                s.put_many([(f"k{(i * 50 + k) % 100000}", Blob(b"w" * 100)) for k in range(50)])
+                s.flush()
+    def reader():
+        go.wait()
+        time.sleep(0.001 * trial)
+        try:
+            with tierstore.open(path, readonly=True) as s:
+                assert len(s.get("k1").data) == 100
+        except tierstore.StoreLocked:  # (it opened first: the writable open is the one refused)
+            pass
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+print("done")
+"""
+
+
+def test_a_read_only_handle_opened_beside_a_writing_thread_does_not_deadlock(tmp_path):
+    """(A cold review: a read-only handle opened while another thread of the process wrote through a
+    writable one hung for good, every time -- py-lmdb's open_db without a transaction begins a write
+    transaction holding the GIL, and waited for the writer lock that thread held while it waited
+    for the GIL.)  Table handles are opened once per environment, a writable one's in a write
+    transaction begun first."""
+    proc = subprocess.run([sys.executable, "-c", READ_ONLY_BESIDE_A_WRITING_THREAD, str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-1500:]

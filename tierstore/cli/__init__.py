@@ -686,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
         return EXIT_PIPE
     except StoreLocked as e:
-        if not hasattr(args, "lock_timeout"):  # a command that does not wait (remote-sync): the error's own hint
+        if not hasattr(args, "lock_timeout") or getattr(e, "busy_index", False):
+            # a command that does not wait (remote-sync), or an index a busy writer kept changing: its own hint
             return _fail(args, EXIT_LOCKED, f"{e.message} (hint: {e.hint or 'stop the process that holds it'})")
         return _fail(args, EXIT_LOCKED, f"{e.message} (hint: stop the process that writes to the store, or wait "
                                         "longer with --lock-timeout SECONDS)")

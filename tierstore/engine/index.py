@@ -241,8 +241,9 @@ def check_file(path: str, *, waits: int = 0) -> str | None:
     problems = walk_live(path)
     if problems is None:
         raise StoreLocked(f"{short}, and a writer committed during each of {WALKS} walks of it by LMDB's verifier",
-                          path=path, hint="the writer is probably an older tierstore, which does not keep data.mdb "
-                                          "covered: open again when it is quieter, or upgrade it")
+                          path=path, busy_index=True,
+                          hint="the writer is probably an older tierstore, which does not keep data.mdb covered: "
+                               "try again when it is quieter, or upgrade it")
     return f"{short}, and {problems[0]}" if problems else None
 
 
@@ -326,7 +327,7 @@ def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | N
     return loc
 
 
-_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, refcount, lock]
+_ENVS: dict[str, list[Any]] = {}  # realpath -> [env, handles, write lock, writable, file, replaced, tables]
 _ENVS_LOCK = threading.Lock()
 
 
@@ -361,13 +362,20 @@ class Tables(NamedTuple):
 
     @classmethod
     def of(cls, env: lmdb.Environment, writable: bool) -> "Tables":
-        create = {} if writable else {"create": False}
-        try:  # session references (format 1.1); a 1.0 index opened read-only has none
-            refs: Any = env.open_db(b"refs", **create)
-        except lmdb.NotFoundError:
-            refs = None
-        return cls(env, env.open_db(b"objects", **create), env.open_db(b"meta", **create),
-                   env.open_db(b"segments", **create), refs)
+        """The tables of ``env``, once per environment (``Index.open`` shares them: handles stay
+        valid for the environment's life).  A writable environment's are opened (or created)
+        in a write transaction begun here: py-lmdb's open_db without one begins it holding the
+        GIL, so it waited on the writer lock while a thread of this process that held it
+        waited for the GIL (a deadlock: a read-only handle opened beside a writing one)."""
+        if not writable:  # (a read-only environment: open_db reads them in a read transaction)
+            try:  # session references (format 1.1); a 1.0 index opened read-only has none
+                refs: Any = env.open_db(b"refs", create=False)
+            except lmdb.NotFoundError:
+                refs = None
+            return cls(env, env.open_db(b"objects", create=False), env.open_db(b"meta", create=False),
+                       env.open_db(b"segments", create=False), refs)
+        with env.begin(write=True) as txn:
+            return cls(env, *(env.open_db(name, txn=txn) for name in (b"objects", b"meta", b"segments", b"refs")))
 
 
 class Index:
@@ -377,12 +385,12 @@ class Index:
     each read takes it once and uses that environment's transaction with that environment's
     table handles, whatever another thread swaps meanwhile."""
 
-    def __init__(self, path: str, env: lmdb.Environment, lock: threading.Lock, writable: bool,
+    def __init__(self, path: str, tables: Tables, lock: threading.Lock, writable: bool,
                  file: tuple[int, int] | None = None) -> None:
         self.path = path
         self.writable = writable
         self._write_lock = lock
-        self.tables = Tables.of(env, writable)
+        self.tables = tables
         self.closed = False
         self._readers_checked = time.monotonic()  # (open checks them: Index.open)
         self._file = file  # the data file this environment maps (a rebuild replaces it)
@@ -440,19 +448,20 @@ class Index:
                     raise damaged(f"index is not LMDB data format v1: {e}", real) from None
                 except lmdb.Error as e:
                     raise damaged(f"cannot open index: {e}", real) from None
-                # [env, handles, write lock, writable, the data file it maps, environments replaced]
-                ent = _ENVS[real] = [env, 0, threading.Lock(), writable, _file_id(real), []]
+                try:
+                    tables = Tables.of(env, writable)
+                except lmdb.Error as e:
+                    env.close()
+                    raise damaged(f"index is missing its tables: {e}", real) from None
+                # [env, handles, write lock, writable, the data file it maps, environments replaced, tables]
+                ent = _ENVS[real] = [env, 0, threading.Lock(), writable, _file_id(real), [], tables]
             elif writable and not ent[3]:
                 raise StoreLocked("the store is open read-only in this process: a writable handle cannot open "
                                   "beside it", path=real,
                                   hint="close this process's read-only handles of the store first, or open the "
                                        "writable handle before them")
             ent[1] += 1
-        try:
-            idx = cls(real, ent[0], ent[2], writable, ent[4])
-        except lmdb.Error as e:
-            cls._release(real)
-            raise damaged(f"index is missing its tables: {e}", real) from None
+            idx = cls(real, ent[6], ent[2], writable, ent[4])
         if writable:
             idx.env.reader_check()
             idx._cover_pages()  # (a file an older tierstore's writer left short, checked above)
@@ -475,6 +484,9 @@ class Index:
         try:
             want = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
             if want <= self._covered:
+                return
+            if os.stat(os.path.join(self.path, "data.mdb")).st_size >= want:
+                self._covered = want  # (LMDB's own writes covered it, as they mostly do: no one shrinks it)
                 return
             txn = self.env.begin(write=True)
             try:
@@ -544,13 +556,14 @@ class Index:
                                     create=False)
                 except lmdb.Error:
                     return
+                try:
+                    tables = Tables.of(env, False)
+                except lmdb.Error:
+                    env.close()
+                    return
                 ent[5].append(ent[0])
-                ent[0], ent[4] = env, current
-            env = ent[0]
-        try:
-            tables = Tables.of(env, False)
-        except lmdb.Error:
-            return
+                ent[0], ent[4], ent[6] = env, current, tables
+            tables = ent[6]
         self.tables, self._file = tables, current  # (one assignment: readers take one or the other)
 
     def _begin(self) -> tuple[lmdb.Transaction, Tables]:

@@ -489,6 +489,18 @@ def _stop_severity(io: PosixIO, fd: int, seg: int, path: str, stop: seglib.ScanS
         f" (the {dropped} record(s) after it go too, their bytes kept in quarantine/)" if dropped else "")
 
 
+def _in_flight(io: PosixIO, fd: int, seg: int, path: str, stop: seglib.ScanStop, seg_dir: str) -> bool:
+    """Whether the record cut by the end of the last segment where a scan stopped is one a live
+    writer was appending (it is whole a moment later) rather than a torn write."""
+    if not writer_active(io, os.path.dirname(seg_dir)):
+        return False
+    time.sleep(0.2)
+    again = seglib.SegmentScanner(io, fd, seg, path=path, start=stop.offset, verify_payload=False, size=io.size(fd))
+    if next(iter(again.records()), None) is not None:
+        return True  # (a record read whole from there now)
+    return again.stop is not None and again.stop.offset > stop.offset  # (passed over padding whole now)
+
+
 def _check_tail_record(io: PosixIO, fd: int, off: int, hdr: Any, seg_dir: str) -> int | None:
     """The first extent of a PUT record no index commit has applied yet that fails its checksum
     (None: all match) -- looked at again a moment later when a writer of this store is active
@@ -560,6 +572,9 @@ def _check_log_to_index(io: PosixIO, seg_dir: str, segs: list[int], fds: dict[in
             else:
                 report.error(f"extent {extent} checksum mismatch (a record not applied to the index yet)", **where)
         stop = scanner.stop
+        if stop is not None and stop.reason == "torn" and seg == segs[-1] and _in_flight(io, fds[seg], seg, path,
+                                                                                         stop, seg_dir):
+            stop = None  # a record a live writer was appending as the scan reached it: the end of the log
         if stop is not None and stop.reason != "end":
             severity, stop.detail = _stop_severity(io, fds[seg], seg, path, stop, scanner, base_lsn, applied,
                                                    last=seg == segs[-1])
