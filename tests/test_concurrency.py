@@ -260,3 +260,41 @@ def test_a_read_only_handle_opened_beside_a_writing_thread_does_not_deadlock(tmp
     proc = subprocess.run([sys.executable, "-c", READ_ONLY_BESIDE_A_WRITING_THREAD, str(tmp_path / "s")],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-1500:]
+
+
+def test_reads_in_other_threads_outlive_the_index_map_growing(tmp_path):
+    """(A new user's try: put_many and listing in turn, default options, failed after ~1,000
+    batches with CorruptionError "index unreadable" -- the committer grew LMDB's map, which
+    invalidates every read transaction of the process and fails those begun meanwhile -- and the
+    index was thrown away and rebuilt.)  A read that a resize overlapped is run again, never
+    called damage; the default map is a large reservation so resizes are rare.  A 1 MiB map
+    here makes the committer grow it several times while another thread reads."""
+    s = tierstore.open(str(tmp_path / "s"), durability="none", index_map_size="1MiB")
+    stop, errors, reads = threading.Event(), [], [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                s.sessions(namespace="u")
+                s.keys(namespace="u", limit=50)
+                if s.contains("c1/m1", namespace="u"):
+                    assert bytes(s.get("c1/m1", namespace="u").data) == b"m"
+                s.stats()
+                reads[0] += 1
+            except Exception as e:  # noqa: BLE001 (any failure is the finding)
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(250):
+            s.put_many([(f"c{i}/m{j}", Blob(b"m")) for j in range(100)], namespace="u", session=f"conv-{i}")
+    finally:
+        stop.set()
+        t.join()
+    grown = s._engine.index.env.info()["map_size"]
+    damage = s._engine.index_damage
+    s.close()
+    assert errors == [] and damage is None, (errors[:1], damage)
+    assert grown >= 4 << 20 and reads[0] > 0, (grown, reads)

@@ -989,10 +989,17 @@ class Store:
         where = None
         with engine.write_lock:
             batch: list[rec.EncodedRecord] = []
-            for rk, target in sorted(engine.session_refs(ns, sess).items()):
+            refs = sorted(engine.session_refs(ns, sess).items())
+            # each object's location and holders, read once before any group is appended (one pass
+            # over the unapplied references: a key at a time it was quadratic, 50,000 keys took
+            # 12 minutes); the groups below change only this session's references
+            targets = [target for _, target in refs]
+            locs = dict(zip(targets, engine.lookup_many(ns, targets)))
+            holders = engine.sessions_of_many(ns, list(dict.fromkeys(targets)))
+            for rk, target in refs:
                 unit = [rec.encode_delete(fmt.REF_NAMESPACE, rk, 0)]
-                loc = engine.lookup(ns, target)
-                if loc is not None and set(engine.sessions_of(ns, target)) <= {sess}:
+                loc = locs[target]
+                if loc is not None and set(holders[target]) <= {sess}:
                     unit.insert(0, rec.encode_delete(ns, target, loc.header.flags & fmt.FLAG_KEY_STR))
                     deleted += 1
                     gone.append(target)
@@ -1651,12 +1658,19 @@ class Store:
         if prefix is None:
             pre = b""
         elif isinstance(prefix, str):
-            pre = prefix.encode("utf-8", "surrogatepass")
+            try:
+                pre = prefix.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidObject(f"prefix {prefix!r} is not valid UTF-8 text (a lone surrogate)") from None
         elif isinstance(prefix, (bytes, bytearray, memoryview)):
             pre = bytes(prefix)
         else:
             raise InvalidObject(f"prefix must be a str or bytes, got {type(prefix).__name__}")
-        start = None if after is None else encode_key(after)[0]
+        try:
+            start = None if after is None else encode_key(after)[0]
+        except InvalidObject as e:
+            raise InvalidObject(f"after must be a key (the last of the previous page; None: from the first): "
+                                f"{e.message}") from None
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise InvalidObject(f"limit must be an int >= 0 (or None: every key), got {limit!r}")
         found = self._engine.keys(ns, prefix=pre, after=start, limit=limit)

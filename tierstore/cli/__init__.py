@@ -419,7 +419,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for ns in namespaces:
             left = None if args.limit is None else args.limit - len(rows)
             for key in store.keys(namespace=ns, prefix=args.prefix, limit=left):
-                info = store.info(key, namespace=ns)
+                try:
+                    info = store.info(key, namespace=ns)
+                except NotFound:  # (deleted by a writer since the listing: not an object asked for)
+                    continue
                 rows.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
                              "key_type": "text" if isinstance(key, str) else "bytes",
                              "kind": info.kind, "shape": list(info.shape), "dtype": info.dtype,

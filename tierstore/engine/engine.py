@@ -51,7 +51,7 @@ from ..format import record as rec
 from . import recovery
 from . import segment as seglib
 from .fileio import DEFAULT_IO, PosixIO, io_error
-from .index import Applied, Index, Location, Op
+from .index import RESIZES, Applied, Index, Location, Op, resized_since, survives_resizes
 from .index import damaged as index_damaged
 from .index import stamp as index_stamp
 from .lock import (
@@ -123,14 +123,25 @@ WriteListener = Callable[[tuple[bytes, bytes], "rec.RecordHeader | None"], None]
 def _index_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
     """An Engine method that reads the index: damage it finds is noted (``_index_damage``)."""
 
+    retried = survives_resizes(fn)  # (another thread resized the map under this read: read again)
+
     @functools.wraps(fn)
     def reading(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(self, *args, **kwargs)
+            return retried(self, *args, **kwargs)
         except CorruptionError as e:
             raise self._index_damage(e) from None
 
     return reading
+
+
+def _live_under(view: Any, ns: bytes, prefix: bytes, ops: dict[bytes, Op]) -> bool:
+    """Whether ``ns`` holds a key starting with ``prefix`` in this snapshot with ``ops`` (its
+    unapplied records there) on top: a pending put, or an indexed key no pending delete removes
+    (at most one more entry read than there are pending deletes)."""
+    if any(m.location is not None for m in ops.values()):
+        return True
+    return any(k not in ops for k, _ in view.keys(ns, prefix, limit=len(ops) + 1))
 
 
 class ViewLock:
@@ -1247,11 +1258,19 @@ class Engine:
     def lookup(self, ns: bytes, k: bytes) -> Location | None:
         """The newest location of a key, or None.  Memtable first, then an index snapshot."""
         assert self.index is not None
+        resizes = RESIZES[0]
         try:
             # (None: nothing unapplied for this key, the index holds its newest record)
             return self.index.lookup(ns, k, self._mem.get((ns, k)))
         except CorruptionError as e:
+            if resized_since(resizes):  # (another thread resized the map under this read)
+                return self._lookup_again(ns, k)
             raise self._index_damage(e) from None
+
+    @_index_reads
+    def _lookup_again(self, ns: bytes, k: bytes) -> Location | None:
+        assert self.index is not None
+        return self.index.lookup(ns, k, self._mem.get((ns, k)))
 
     def _memtable(self, ns: bytes, prefix: bytes = b"") -> dict[bytes, Op]:
         """Unapplied records of namespace ``ns`` whose key starts with ``prefix``.  Take it
@@ -1288,36 +1307,38 @@ class Engine:
 
     @_index_reads
     def sessions(self, ns: bytes) -> list[bytes]:
-        """The sessions holding at least one reference in namespace ``ns``, sorted."""
+        """The sessions holding at least one reference in namespace ``ns``, sorted: one pass
+        over the memtable's unapplied references, one index snapshot."""
         assert self.index is not None
-        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))
+        pending = self._memtable(fmt.REF_NAMESPACE, rec.ref_prefix(ns))  # (before the snapshot)
         with self.index.read() as view:
             applied = view.applied().lsn
             names = set(view.sessions(ns))
-        touched = set()
-        for rk, m in pending.items():
-            parsed = rec.parse_ref_key(rk)
-            if m.lsn > applied and parsed is not None and parsed[0] == ns and parsed[1] != fmt.ANCHOR_SESSION:
-                touched.add(parsed[1])
-        for sess in touched:  # (a pending release may have been its last reference)
-            if self.session_refs(ns, sess):
-                names.add(sess)
-            else:
-                names.discard(sess)
+            by_session: dict[bytes, dict[bytes, Op]] = {}
+            for rk, m in pending.items():
+                parsed = rec.parse_ref_key(rk)
+                if m.lsn > applied and parsed is not None and parsed[0] == ns and parsed[1] != fmt.ANCHOR_SESSION:
+                    by_session.setdefault(parsed[1], {})[rk] = m
+            for sess, ops in by_session.items():  # (a pending release may have been its last reference)
+                live = _live_under(view, fmt.REF_NAMESPACE, rec.ref_prefix(ns, sess), ops)
+                (names.add if live else names.discard)(sess)
         return sorted(names)
 
     @_index_reads
     def namespaces(self) -> list[bytes]:
-        """Names of the namespaces holding at least one object (reserved ones left out), sorted."""
+        """Names of the namespaces holding at least one object (reserved ones left out), sorted:
+        one pass over the memtable, one index snapshot, a few entries read per namespace."""
         assert self.index is not None
-        with self.index.read() as view:
-            names = set(view.namespaces())
         with self._pending_lock:
-            pending = list(self._mem.items())
-        for (ns, _), m in pending:
-            if m.location is not None and not ns.startswith(b"\x00"):
-                names.add(ns)
-        return sorted(n for n in names if self.keys(n, limit=1))
+            pending = list(self._mem.items())  # (before the snapshot)
+        with self.index.read() as view:
+            applied = view.applied().lsn
+            by_ns: dict[bytes, dict[bytes, Op]] = {}
+            for (ns, k), m in pending:
+                if m.lsn > applied and not ns.startswith(b"\x00"):
+                    by_ns.setdefault(ns, {})[k] = m
+            names = set(view.namespaces()) | set(by_ns)
+            return sorted(n for n in names if _live_under(view, n, b"", by_ns.get(n, {})))
 
     @_index_reads
     def holders(self, k: bytes, *, exclude: bytes, limit: int = 1000) -> list[bytes]:

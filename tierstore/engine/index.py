@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import struct
 import threading
@@ -117,6 +118,54 @@ INDEX_HINT = ("the index is derived data: open the store writable and it is rebu
 
 def _unreadable(path: str, e: lmdb.Error) -> CorruptionError:
     return damaged(f"index unreadable: {e}", path)
+
+
+# Map resizes of this process, each counted before and after (odd: one under way).  py-lmdb's
+# set_mapsize invalidates every transaction of the environment, and a read transaction begun
+# meanwhile fails (EINVAL): a read that failed while the count moved is run again, not called
+# damage (``Engine``'s index reads).
+RESIZES = [0]
+
+
+RESIZE_RETRIES = 5
+
+
+def resized_since(resizes: int) -> bool:
+    """Whether a map resize of this process overlapped a read that began when the count was
+    ``resizes`` (``RESIZES``): its failure is not damage.  Returns once no resize is under way
+    (a read transaction begun during one fails), so the read can run again."""
+    if not (resizes & 1 or RESIZES[0] != resizes):
+        return False
+    deadline = time.monotonic() + 5
+    while RESIZES[0] & 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return True
+
+
+def survives_resizes(fn: Any) -> Any:
+    """A read that a map resize in another thread made fail (``RESIZES``) is run again, up to
+    ``RESIZE_RETRIES`` times; other failures are raised as they are."""
+
+    @functools.wraps(fn)
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(RESIZE_RETRIES + 1):
+            resizes = RESIZES[0]
+            try:
+                return fn(*args, **kwargs)
+            except CorruptionError:
+                if attempt == RESIZE_RETRIES or not resized_since(resizes):
+                    raise
+        raise AssertionError("unreachable")
+
+    return reading
+
+
+def _set_mapsize(env: lmdb.Environment, size: int) -> None:
+    RESIZES[0] += 1
+    try:
+        env.set_mapsize(size)
+    finally:
+        RESIZES[0] += 1
 
 
 def damaged(message: str, path: str | None, **where: Any) -> CorruptionError:
@@ -327,8 +376,25 @@ def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | N
     return loc
 
 
+MAP_SIZE = 32 << 30  # of address space reserved for an index's map (``_open_env``)
 _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, handles, write lock, writable, file, replaced, tables]
 _ENVS_LOCK = threading.Lock()
+
+
+def _open_env(path: str, map_size: int, writable: bool) -> lmdb.Environment:
+    """``lmdb.open`` with ``map_size`` of address space reserved (virtual memory only: without
+    writemap the file grows by what LMDB writes, never to the map's size).  A map grown later
+    invalidates every read transaction of the process (py-lmdb's set_mapsize), so a large one
+    keeps that rare; where the address space is limited (``ulimit -v``), a smaller one."""
+    for size in (map_size, min(map_size, 1 << 30), min(map_size, 64 << 20)):
+        try:
+            return lmdb.open(path, map_size=size, subdir=True, readonly=not writable, metasync=False, sync=True,
+                             max_dbs=8, max_readers=1024, lock=True, create=writable,
+                             lib_version=fmt.LMDB_LIB_VERSION if writable else None)
+        except lmdb.MemoryError:
+            if size == min(map_size, 64 << 20):
+                raise
+    raise AssertionError("unreachable")
 
 
 def _forked() -> None:
@@ -411,7 +477,7 @@ class Index:
         return os.path.exists(os.path.join(path, "data.mdb"))
 
     @classmethod
-    def open(cls, path: str, *, writable: bool, map_size: int = 64 << 20, at_rest: bool = False) -> "Index":
+    def open(cls, path: str, *, writable: bool, map_size: int = MAP_SIZE, at_rest: bool = False) -> "Index":
         """Open (or create, when writable) the environment at ``path``, shared in-process.
         ``at_rest``: no other process writes it, so it is checked (``untrusted``) before liblmdb
         maps it; otherwise only its size is (a live writer checked it when it opened)."""
@@ -437,9 +503,7 @@ class Index:
                     if writable:
                         unstamp(real)
                 try:
-                    env = lmdb.open(real, map_size=map_size, subdir=True, readonly=not writable, metasync=False,
-                                    sync=True, max_dbs=8, max_readers=1024, lock=True, create=writable,
-                                    lib_version=fmt.LMDB_LIB_VERSION if writable else None)
+                    env = _open_env(real, map_size, writable)
                 except lmdb.InvalidError as e:
                     raise damaged(f"index is not a valid LMDB environment: {e}", real) from None
                 except lmdb.VersionMismatchError as e:
@@ -552,8 +616,7 @@ class Index:
                 if _file_id(self.path) != current:
                     return  # (replaced again since the check: a later look)
                 try:
-                    env = lmdb.open(self.path, subdir=True, readonly=True, max_dbs=8, max_readers=1024, lock=True,
-                                    create=False)
+                    env = _open_env(self.path, MAP_SIZE, False)
                 except lmdb.Error:
                     return
                 try:
@@ -578,7 +641,7 @@ class Index:
         except lmdb.Error as e:
             raise _unreadable(self.path, e) from None
         with _reading(self.path):
-            t.env.set_mapsize(0)  # another process grew the map: adopt its size
+            _set_mapsize(t.env, 0)  # another process grew the map: adopt its size
             return t.env.begin(buffers=False), t
 
     def read(self) -> "ReadView":
@@ -602,17 +665,21 @@ class Index:
         except lmdb.Error as e:
             raise _unreadable(self.path, e) from None
         finally:
-            txn.abort()
+            with contextlib.suppress(lmdb.Error):  # (a transaction a map resize invalidated: raised above)
+                txn.abort()
         return None if v is None else decode_location(v, namespace, key)
 
+    @survives_resizes
     def get_meta(self, name: bytes) -> bytes | None:
         with self.read() as view, _reading(self.path):
             return view.txn.get(name, db=view.t.meta)
 
+    @survives_resizes
     def applied(self) -> Applied:
         with self.read() as view:
             return view.applied()
 
+    @survives_resizes
     def applied_synced(self) -> bool:
         with self.read() as view:
             return view.applied_synced()
@@ -624,11 +691,13 @@ class Index:
         v = self.get_meta(b"format")
         return _FORMAT.unpack(v) if v is not None else None
 
+    @survives_resizes
     def segment_stats(self) -> dict[int, tuple[int, int]]:
         """segment id -> (dead bytes, state)."""
         with self.read() as view, _reading(self.path):
             return {struct.unpack(">Q", k)[0]: _SEGSTAT.unpack(v) for k, v in view.txn.cursor(db=view.t.segments)}
 
+    @survives_resizes
     def file_bytes(self) -> tuple[int, int]:
         """(data.mdb's size, the bytes its tables' pages take): LMDB never shrinks its file, and
         pages freed while a reader -- a process killed mid-read holds its slot until a writer
@@ -644,11 +713,13 @@ class Index:
         psize = main["psize"]
         return os.path.getsize(os.path.join(self.path, "data.mdb")), pages * psize
 
+    @survives_resizes
     def count(self) -> int:
         """Objects indexed (session references not counted)."""
         with self.read() as view, _reading(self.path):
             return view.txn.stat(view.t.objects)["entries"] - view.ref_count()
 
+    @survives_resizes
     def ref_count(self) -> int:
         """Session references indexed."""
         with self.read() as view, _reading(self.path):
@@ -673,7 +744,7 @@ class Index:
                 try:
                     txn = self.env.begin(write=True)
                 except lmdb.MapResizedError:  # another process grew the map: adopt its size
-                    self.env.set_mapsize(0)
+                    _set_mapsize(self.env, 0)
                     continue
                 except lmdb.Error as e:
                     raise self._failed("index write failed", e) from None
@@ -684,7 +755,7 @@ class Index:
                     break
                 except lmdb.MapFullError:
                     txn.abort()
-                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                    _set_mapsize(self.env, self.env.info()["map_size"] * 2)
                 except lmdb.Error as e:
                     txn.abort()
                     raise self._failed("index write failed", e) from None
@@ -848,7 +919,11 @@ class ReadView:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.txn.abort()
+        try:
+            self.txn.abort()
+        except lmdb.Error as e:  # (invalidated by a map resize: the read's own error says it)
+            if exc[1] is None:
+                raise _unreadable(self.index.path, e) from None
 
     def applied(self) -> Applied:
         with _reading(self.index.path):

@@ -55,7 +55,7 @@ class Options:
     index_batch: int = 1024  # or once this many records are waiting
     lock_timeout: float = 60.0  # seconds to wait for another writer to close
     vector_extent_bytes: int = 64 << 10  # target extent size of a vector row range
-    index_map_size: int = 64 << 20  # initial LMDB map size (it doubles when full)
+    index_map_size: int = 32 << 30  # LMDB map reserved (address space, not disk; it doubles when full)
     direct_reads: str = "auto"  # cold, page-aligned reads via O_DIRECT: "auto" (8 MiB and more), "always", "never"
     reserve_bytes: int | None = None  # disk space held back for deletes and compact() on a full disk (None: auto)
     # hold the store alone for the handle's life (SPEC.md §7.2): other writer processes wait and fail
