@@ -386,7 +386,7 @@ def _open_env(path: str, map_size: int, writable: bool) -> lmdb.Environment:
     writemap the file grows by what LMDB writes, never to the map's size).  A map grown later
     invalidates every read transaction of the process (py-lmdb's set_mapsize), so a large one
     keeps that rare; where the address space is limited (``ulimit -v``), a smaller one."""
-    for size in (map_size, min(map_size, 1 << 30), min(map_size, 64 << 20)):
+    for size in (map_size, min(map_size, 64 << 20)):  # (64 MiB: what tierstore reserved before 32 GiB)
         try:
             return lmdb.open(path, map_size=size, subdir=True, readonly=not writable, metasync=False, sync=True,
                              max_dbs=8, max_readers=1024, lock=True, create=writable,
