@@ -298,3 +298,56 @@ def test_reads_in_other_threads_outlive_the_index_map_growing(tmp_path):
     s.close()
     assert errors == [] and damage is None, (errors[:1], damage)
     assert grown >= 4 << 20 and reads[0] > 0, (grown, reads)
+
+
+_SMALL_ADDRESS_SPACE = r'''
+import os, resource, sys
+vm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize")][0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (600 << 20), vm + (600 << 20)))  # (the 32 GiB default is refused)
+import tierstore
+from tierstore import Blob
+s = tierstore.open(sys.argv[1], readonly=sys.argv[2] == "ro", durability="none", index_map_size="2MiB")
+print(s._engine.index.env.info()["map_size"] >> 20, flush=True)
+sys.stdin.readline()  # (the other process grows the index past this map meanwhile)
+try:
+    print(s.contains("k"), len(s.keys(limit=50_000)), s.contains("g29999"), flush=True)
+    if sys.argv[2] == "rw":
+        s.put("mine", Blob(b"m"))
+        s.flush()
+    print(s._engine.index_damage, s._engine.index.env.info()["map_size"] >> 20, flush=True)
+finally:
+    s.close()
+print(os.path.isdir(os.path.join(sys.argv[1], "quarantine")), flush=True)
+'''
+
+
+@pytest.mark.parametrize("mode", ["ro", "rw"])
+def test_a_process_with_little_address_space_follows_an_index_grown_elsewhere(tmp_path, mode):
+    """(A cold review: a process under ``ulimit -v`` with a small map adopted another process's
+    grown one with LMDB's "the size it recorded" -- that process's 32 GiB, which it cannot map;
+    py-lmdb closes an environment whose new map fails, so every read said "index unreadable"
+    and a writable handle threw the index away at close.)  It maps what it can: the pages in use
+    and as many again."""
+    path = str(tmp_path / "s")
+    s = tierstore.open(path, durability="none")  # (the default map: 32 GiB recorded in the file)
+    s.put("k", Blob(b"x"))
+    s.flush()
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n" + _SMALL_ADDRESS_SPACE,
+                              path, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "2", child.stderr.read()[-1500:]
+        for i in range(0, 30_000, 3_000):
+            s.put_many([(f"g{j}" + "p" * 60, Blob(b"y")) for j in range(i, i + 3_000)])
+        s.put("g29999", Blob(b"y"))
+        s.flush()
+        assert s._engine.index.file_bytes()[0] > 4 << 20  # (past the child's map, and its first doubling)
+        out, err = child.communicate("\n", timeout=120)
+    finally:
+        child.kill()
+        s.close()
+    lines = out.split("\n")
+    assert child.returncode == 0 and lines[0] == "True 30002 True", err[-1500:]
+    damage, mapped = lines[1].split()
+    assert damage == "None" and 4 <= int(mapped) < 1024, lines
+    assert lines[2] == "False", lines  # (nothing quarantined)

@@ -3,7 +3,9 @@
 The index is derived state.  It is applied after the log, in batches, and records the log
 position it has applied (``Applied``), so recovery replays only the tail; segments alone are
 enough to rebuild it (``recovery.rebuild_index``).  This module owns the LMDB environment,
-its schema and its growth (the map doubles on MapFullError); it never reads segments.
+its schema and its growth (the map doubles on MapFullError, as far as the process's address
+space allows; every resize of an environment holds its write lock: ``_remap``); it never reads
+segments.
 
 One environment per path per process: LMDB forbids opening the same environment twice in a
 process, so handles share it through ``Index.open`` (reference counted).
@@ -11,9 +13,11 @@ process, so handles share it through ``Index.open`` (reference counted).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
+import mmap
 import os
 import struct
 import threading
@@ -160,10 +164,56 @@ def survives_resizes(fn: Any) -> Any:
     return reading
 
 
-def _set_mapsize(env: lmdb.Environment, size: int) -> None:
+def _spare_address_space(extra: int) -> bool:
+    """Whether this process can map ``extra`` more bytes (``ulimit -v``): probed with an
+    anonymous mapping that reserves no memory, unmapped at once."""
+    if extra <= 0:
+        return True
+    try:
+        probe = mmap.mmap(-1, extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                          prot=0)
+    except (OSError, OverflowError, ValueError):
+        return False
+    probe.close()
+    return True
+
+
+def _remap(env: lmdb.Environment, path: str, want: int, *, growing: bool) -> None:
+    """Map ``env`` larger, at the largest step this process can map: py-lmdb's set_mapsize
+    closes the environment for good when the new map fails (and its 0, "the size another
+    process recorded", is 32 GiB that a process under ``ulimit -v`` cannot map), so the
+    address space is probed first.  The caller holds the environment's write
+    lock (``Index._write_lock``): every resize of an environment is one at a time (py-lmdb
+    refuses two at once) and none runs while a write transaction is open (it refuses that
+    too).  ``growing``: a commit needs more room (steps from double down to 16 MiB more;
+    StoreFull when none is left), else the file grew past this process's map (another
+    process's commits): ``want`` (the map asked for at open), or twice the pages in use, or
+    those pages."""
+    info = env.info()
+    current = info["map_size"]
+    need = (info["last_pgno"] + 1) * env.stat()["psize"]
+    steps = ((current * 2, current * 3 // 2, current * 5 // 4, current + (16 << 20)) if growing else
+             (want, need * 2, need))
+    for size in steps:
+        size = -(-max(size, need) // _MAP_ROUND) * _MAP_ROUND
+        if size > current and _spare_address_space(size - current):
+            break
+    else:
+        what = ("cannot grow the index's map" if growing else
+                f"the index has grown to {need >> 20} MiB, past the {current >> 20} MiB this process can map")
+        hint = ("the process's address space is limited (ulimit -v): raise the limit, or open the store in a "
+                "process that has more")
+        if growing:
+            raise StoreFull(f"{what}: no address space left for more than {current >> 20} MiB (ulimit -v)",
+                            path=path, index_full=True, hint=hint)
+        raise StoreIOError(what, path=path, errno=errno.ENOMEM, poisoned=False, hint=hint)
     RESIZES[0] += 1
     try:
         env.set_mapsize(size)
+    except lmdb.Error as e:  # (py-lmdb closed the environment: no transaction of it can begin again)
+        raise StoreIOError(f"the index's map could not be resized to {size >> 20} MiB: {e}", path=path,
+                           errno=errno.ENOMEM, poisoned=True,
+                           hint="close every handle of the store in this process and open it again") from None
     finally:
         RESIZES[0] += 1
 
@@ -377,6 +427,7 @@ def decode_location(value: bytes, namespace: bytes | None = None, key: bytes | N
 
 
 MAP_SIZE = 32 << 30  # of address space reserved for an index's map (``_open_env``)
+_MAP_ROUND = 1 << 20  # a map is resized in whole MiB
 _ENVS: dict[str, list[Any]] = {}  # realpath -> [env, handles, write lock, writable, file, replaced, tables]
 _ENVS_LOCK = threading.Lock()
 
@@ -397,24 +448,67 @@ def _open_env(path: str, map_size: int, writable: bool) -> lmdb.Environment:
     raise AssertionError("unreachable")
 
 
+FORK_CLOSE_S = 0.5  # how long a forked child waits for its copies of the parent's environments to close
+_FORKED_BUSY: set[str] = set()  # (in a forked child) stores whose parent environment would not close
+
+
 def _forked() -> None:
     """In the child of a ``fork()``: an LMDB environment is not usable across fork (LMDB's
     documentation) and py-lmdb refuses a second open of one still open in the process, so the
     child closes its copies of the parent's (which releases nothing of the parent's: LMDB's
     fcntl locks are not inherited and a reader slot is cleared only by the process that owns
-    it) and opens its own when a handle of its own needs one."""
+    it) and opens its own when a handle of its own needs one.  py-lmdb's close waits for the
+    calls other threads had under way in that environment, and those threads do not exist in
+    the child: a fork while one read or committed hung the child for good.  So the copies are
+    closed in a thread the child does not wait for past ``FORK_CLOSE_S``; a store whose copy
+    stayed open cannot be opened in this child (``Index.open`` says so)."""
     global _ENVS_LOCK
-    for ent in _ENVS.values():
-        for env in (*ent[5], ent[0]):
-            try:
-                env.close()
-            except lmdb.Error:  # (a closed copy needs nothing more)
-                pass
+    envs = [(real, env) for real, ent in _ENVS.items() for env in (*ent[5], ent[0])]
     _ENVS.clear()
     _ENVS_LOCK = threading.Lock()
+    RESIZES[0] = 0  # (a resize under way in another thread of the parent never ends here)
+    if not envs:
+        return
+    _FORKED_BUSY.update(real for real, _ in envs)
+    closed = threading.Event()
+
+    def close() -> None:
+        left = collections.Counter(real for real, _ in envs)
+        for real, env in envs:
+            with contextlib.suppress(lmdb.Error):  # (a closed copy needs nothing more)
+                env.close()
+            left[real] -= 1
+            if not left[real]:
+                _FORKED_BUSY.discard(real)
+        closed.set()
+
+    threading.Thread(target=close, name="tierstore-forked-close", daemon=True).start()
+    closed.wait(FORK_CLOSE_S)
 
 
-os.register_at_fork(after_in_child=_forked)
+_HELD_FOR_FORK: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    """Before a ``fork()``: wait (briefly) for this process's index commits under way to end, and
+    hold their locks over the fork, so the child's copies close (``_forked``) unless a read is
+    mid-call in another thread."""
+    for ent in list(_ENVS.values()):
+        if ent[2].acquire(timeout=1.0):  # (a timeout, not a hang: the forking thread may be the one that holds it)
+            _HELD_FOR_FORK.append(ent[2])
+
+
+def _after_fork_in_parent() -> None:
+    while _HELD_FOR_FORK:
+        _HELD_FOR_FORK.pop().release()
+
+
+def _after_fork_in_child() -> None:
+    _after_fork_in_parent()  # (the child's copies of the locks: its own, free)
+    _forked()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class Tables(NamedTuple):
@@ -452,7 +546,7 @@ class Index:
     table handles, whatever another thread swaps meanwhile."""
 
     def __init__(self, path: str, tables: Tables, lock: threading.Lock, writable: bool,
-                 file: tuple[int, int] | None = None) -> None:
+                 file: tuple[int, int] | None = None, map_size: int = MAP_SIZE) -> None:
         self.path = path
         self.writable = writable
         self._write_lock = lock
@@ -462,6 +556,7 @@ class Index:
         self._file = file  # the data file this environment maps (a rebuild replaces it)
         self._file_checked = time.monotonic()
         self._covered = 0  # data.mdb is known to be at least this long (_cover_pages)
+        self._map_size = map_size  # the map asked for: what a file grown past this process's map is mapped at
 
     # the current environment's handles (the write side: a writable index is never swapped)
     env = property(lambda self: self.tables.env)
@@ -493,6 +588,12 @@ class Index:
         with _ENVS_LOCK:
             ent = _ENVS.get(real)
             if ent is None:
+                if real in _FORKED_BUSY:
+                    raise StoreLocked("this process was forked while another thread of its parent was inside the "
+                                      "store's index; that copy of it cannot be closed here, so the store cannot "
+                                      "be opened in this process", path=real,
+                                      hint="start worker processes with multiprocessing's 'spawn' or 'forkserver' "
+                                           "method, or fork before the parent opens the store")
                 if writable:
                     os.makedirs(real, exist_ok=True)
                 if cls.exists(real):
@@ -525,10 +626,11 @@ class Index:
                                   hint="close this process's read-only handles of the store first, or open the "
                                        "writable handle before them")
             ent[1] += 1
-            idx = cls(real, ent[6], ent[2], writable, ent[4])
+            idx = cls(real, ent[6], ent[2], writable, ent[4], map_size)
         if writable:
             idx.env.reader_check()
-            idx._cover_pages()  # (a file an older tierstore's writer left short, checked above)
+            with idx._write_lock:  # (no resize of the map while its write transaction is open)
+                idx._cover_pages()  # (a file an older tierstore's writer left short, checked above)
         return idx
 
     def _cover_pages(self) -> None:
@@ -640,9 +742,14 @@ class Index:
             pass
         except lmdb.Error as e:
             raise _unreadable(self.path, e) from None
-        with _reading(self.path):
-            _set_mapsize(t.env, 0)  # another process grew the map: adopt its size
-            return t.env.begin(buffers=False), t
+        with self._write_lock:  # another process's commits grew the file past this map: map more of it
+            while True:  # (first: another thread of this process may have meanwhile)
+                try:
+                    return t.env.begin(buffers=False), t
+                except lmdb.MapResizedError:
+                    _remap(t.env, self.path, self._map_size, growing=False)
+                except lmdb.Error as e:
+                    raise _unreadable(self.path, e) from None
 
     def read(self) -> "ReadView":
         return ReadView(self, *self._begin())
@@ -743,8 +850,8 @@ class Index:
             while True:
                 try:
                     txn = self.env.begin(write=True)
-                except lmdb.MapResizedError:  # another process grew the map: adopt its size
-                    _set_mapsize(self.env, 0)
+                except lmdb.MapResizedError:  # another process's commits grew the file past this map
+                    _remap(self.env, self.path, self._map_size, growing=False)
                     continue
                 except lmdb.Error as e:
                     raise self._failed("index write failed", e) from None
@@ -755,7 +862,7 @@ class Index:
                     break
                 except lmdb.MapFullError:
                     txn.abort()
-                    _set_mapsize(self.env, self.env.info()["map_size"] * 2)
+                    _remap(self.env, self.path, 0, growing=True)
                 except lmdb.Error as e:
                     txn.abort()
                     raise self._failed("index write failed", e) from None
