@@ -146,3 +146,49 @@ def test_ls_passes_over_a_key_deleted_between_the_listing_and_its_info(store_pat
     monkeypatch.setattr(tierstore.Store, "info", info)
     assert cli(["ls", store_path, "--json"]) == 0
     assert [r["key"] for r in json.loads(capsys.readouterr().out)] == ["k0", "k1", "k3", "k4"]
+
+
+def test_ls_streams_pages_with_after_bytes_prefixes_and_wide_keys(store_path, capsys, monkeypatch):
+    """(A new user's try: `ls` read every key's info before printing anything, so a large store
+    printed nothing for minutes and held every row; bytes keys could not be a --prefix; wide
+    (CJK) keys pushed the columns after them out of line.)  ls reads a page of keys at a time and
+    prints each page as it goes (one JSON array, a row per line); --after pages; 0x... is bytes
+    unless --text-key; columns count a wide character as two."""
+    import json
+
+    from tierstore import cli as cli_mod
+    from tierstore.cli import main as cli
+
+    monkeypatch.setattr(cli_mod, "LS_PAGE", 4)  # (pages and blocks of 4 rows)
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"k{i:02d}", Blob(b"x" * i)) for i in range(10)])
+        s.put_many([(b"\xde\xad" + bytes([i]), Blob(b"b")) for i in range(3)] + [("0xdead", Blob(b"t"))])
+        s.put_many([("鍵鍵鍵鍵", Blob(b"w")), ("zz", Blob(b"z"))], namespace="wide")
+    seen = []
+    real = tierstore.Store.keys
+
+    def keys(self, **kw):
+        seen.append(kw["limit"])
+        return real(self, **kw)
+
+    monkeypatch.setattr(tierstore.Store, "keys", keys)
+    assert cli(["ls", store_path, "--namespace", "default", "--after", "k03", "--limit", "5", "--json"]) == 0
+    assert [r["key"] for r in json.loads(capsys.readouterr().out)] == ["k04", "k05", "k06", "k07", "k08"]
+    assert seen == [4, 1]  # (a page at a time, never more than the limit left)
+    assert cli(["ls", store_path, "--namespace", "default", "--prefix", "0xdead", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["key"], r["key_type"]) for r in rows] == [("0xdead00", "bytes"), ("0xdead01", "bytes"),
+                                                         ("0xdead02", "bytes")]
+    assert cli(["ls", store_path, "--namespace", "default", "--prefix", "0xdead", "--text-key", "--json"]) == 0
+    assert [r["key"] for r in json.loads(capsys.readouterr().out)] == ["0xdead"]
+    assert cli(["ls", store_path, "--prefix", "0xzz"]) == 2
+    assert "--text-key" in capsys.readouterr().err
+    assert cli(["ls", store_path, "--namespace", "nothing", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert cli(["ls", store_path, "--namespace", "wide"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kind_at = {cli_mod._cell_width(line[:line.index(" blob")]) for line in lines[1:3]}
+    assert len(kind_at) == 1 and lines[-1].startswith("2 object(s)"), lines
+    assert cli(["ls", store_path, "--namespace", "default"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 14 + 1 and lines[-1].startswith("14 object(s)"), lines

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -410,38 +411,86 @@ def _count(text: str) -> int:
     return n
 
 
+LS_PAGE = 1000  # keys per index read of ``ls``, and rows per block of its table
+
+
+def _cell_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: wide (CJK) characters two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _typed_key(text: str | None, text_key: bool) -> str | bytes | None:
+    """A key (or prefix) as typed: ``0x...`` is bytes in hex unless ``--text-key`` (as ``dump``)."""
+    if text is None or text_key or not text.startswith("0x"):
+        return text
+    return bytes.fromhex(text[2:])
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from .. import open as open_store
 
-    rows = []
+    try:
+        prefix, after = _typed_key(args.prefix, args.text_key), _typed_key(args.after, args.text_key)
+    except ValueError:
+        return _fail(args, EXIT_USAGE, "--prefix/--after starting with 0x are bytes in hex; give --text-key if "
+                                       "they are text")
+
+    def objects(store: Any) -> Any:
+        """Rows, one index page of keys at a time (a listing of millions starts printing at once)."""
+        left = args.limit
+        for ns in [args.namespace] if args.namespace else store.namespaces():
+            start = after
+            while left is None or left > 0:
+                page = store.keys(namespace=ns, prefix=prefix, after=start,
+                                  limit=LS_PAGE if left is None else min(left, LS_PAGE))
+                if not page:
+                    break
+                start = page[-1]
+                for key in page:
+                    try:
+                        info = store.info(key, namespace=ns)
+                    except NotFound:  # (deleted by a writer since the listing: not an object asked for)
+                        continue
+                    if left is not None:
+                        left -= 1
+                    yield {"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
+                           "key_type": "text" if isinstance(key, str) else "bytes",
+                           "kind": info.kind, "shape": list(info.shape), "dtype": info.dtype,
+                           "bytes": info.logical_bytes, "stored_bytes": info.stored_bytes, "codec": info.codec,
+                           "lsn": info.lsn}
+
     with open_store(args.path, create=False, readonly=True) as store:
-        namespaces = [args.namespace] if args.namespace else store.namespaces()
-        for ns in namespaces:
-            left = None if args.limit is None else args.limit - len(rows)
-            for key in store.keys(namespace=ns, prefix=args.prefix, limit=left):
-                try:
-                    info = store.info(key, namespace=ns)
-                except NotFound:  # (deleted by a writer since the listing: not an object asked for)
-                    continue
-                rows.append({"namespace": ns, "key": key if isinstance(key, str) else "0x" + key.hex(),
-                             "key_type": "text" if isinstance(key, str) else "bytes",
-                             "kind": info.kind, "shape": list(info.shape), "dtype": info.dtype,
-                             "bytes": info.logical_bytes, "stored_bytes": info.stored_bytes, "codec": info.codec,
-                             "lsn": info.lsn})
+        if args.json:  # one JSON array, a row per line as it is read
+            sys.stdout.write("[")
+            for i, r in enumerate(objects(store)):
+                sys.stdout.write(("\n  " if i == 0 else ",\n  ") + json.dumps(_jsonable(r), allow_nan=False))
+            print("\n]")
+            return EXIT_OK
+        header = ("NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED")
+        widths = [_cell_width(c) for c in header]
+        count = logical = stored = 0
+        block: list[tuple[str, ...]] = []
 
-    def text() -> None:
-        table = [("NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED")]
-        for r in rows:
+        def flush(first: bool) -> None:  # (a block's widths never narrow a column the blocks before had)
+            for i in range(len(widths)):
+                widths[i] = max([widths[i], *(_cell_width(row[i]) for row in block)])
+            for row in ([header] if first else []) + block:
+                cells = [c + " " * (w - _cell_width(c)) if i < 6 else " " * (w - _cell_width(c)) + c
+                         for i, (c, w) in enumerate(zip(row, widths))]
+                print("  ".join(cells).rstrip())
+            block.clear()
+
+        first = True
+        for r in objects(store):
             key = repr(r["key"]) if r["key_type"] == "text" and r["key"].startswith(("0x", "'")) else r["key"]
-            table.append((r["namespace"], key, r["kind"], "x".join(map(str, r["shape"])) or "-",
+            block.append((r["namespace"], key, r["kind"], "x".join(map(str, r["shape"])) or "-",
                           r["dtype"] or "-", r["codec"], _size(r["bytes"]), _size(r["stored_bytes"])))
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        for row in table:
-            print("  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        print(f"{len(rows)} object(s), {_size(sum(r['bytes'] for r in rows))} "
-              f"({_size(sum(r['stored_bytes'] for r in rows))} stored)")
-
-    _emit(args, rows, text)
+            count, logical, stored = count + 1, logical + r["bytes"], stored + r["stored_bytes"]
+            if len(block) == LS_PAGE:
+                flush(first)
+                first = False
+        flush(first)
+        print(f"{count} object(s), {_size(logical)} ({_size(stored)} stored)")
     return EXIT_OK
 
 
@@ -612,8 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("ls", cmd_ls, "list the objects of a store")
     sp.add_argument("path")
     sp.add_argument("--namespace", default=None)
-    sp.add_argument("--prefix", default=None, help="only keys that start with this text")
+    sp.add_argument("--prefix", default=None, help="only keys that start with this (0x... for bytes keys)")
+    sp.add_argument("--after", default=None, metavar="KEY",
+                    help="only keys sorted after KEY: the last key of the previous page (0x... for a bytes key)")
     sp.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N objects (in key order)")
+    sp.add_argument("--text-key", action="store_true", help="--prefix/--after are text even if they start with 0x")
     sp = add("stats", cmd_stats, "sizes of a store: objects per namespace, segments, live and dead bytes")
     sp.add_argument("path")
     sp = add("remote-sync", cmd_remote_sync, "send a remote tier every object of a store it lacks (or holds "
