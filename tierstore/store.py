@@ -800,7 +800,10 @@ class Store:
 
     def delete_many(self, keys: Any, *, namespace: str = "default") -> list[bool]:
         """Delete many keys of ``namespace`` as one atomic group (with their session references):
-        after a crash all of them are gone or none is.  Returns, per key, whether it existed."""
+        after a crash all of them are gone or none is.  Returns, per key, whether it existed.
+        A key may appear once per batch (InvalidObject otherwise, and nothing is deleted); a
+        batch holds at most ``GROUP_MAX`` (4096) records, each key's session references
+        included (InvalidObject with a hint when larger: delete in smaller batches)."""
         self._deletes_begun += 1  # (as in delete)
         try:
             return self._delete_many(keys, namespace)
