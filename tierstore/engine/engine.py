@@ -1052,21 +1052,32 @@ class Engine:
                 self.commit(force=False, sync=False)
                 self.files.sweep()  # segments other processes' compaction removed: their space freed
                 self._apply_abandoned()
-            except StoreFull as e:
-                if not e.index_full:  # (the log's: its records were taken back, or
-                    self._committer_error = e  # the log is poisoned -- the next call must hear of it)
+            except (StoreFull, StoreIOError) as e:
+                # an index this process cannot map (ulimit -v): grown past what it can address
+                address_space = getattr(e, "address_space", False) or (
+                    isinstance(e, StoreIOError) and e.errno == errno.ENOMEM and not getattr(e, "poisoned", True))
+                if not (address_space or isinstance(e, StoreFull) and e.index_full):
+                    # (the log's: its records were taken back, or the log is poisoned -- the next
+                    # call must hear of it)
+                    self._committer_error = e
                     return
-                # the index cannot grow on a full disk: nothing is lost -- the records stay pending
-                # (in the log: reads find them in the memtable) and a later commit applies them once
-                # room is made, for which the reserve is given up now (a full disk killed the handle
-                # for good: every delete and compact() then raised the committer's error)
+                # the index cannot grow on a full disk (or in this process's address space):
+                # nothing is lost -- the records stay pending (in the log: reads find them in the
+                # memtable) and a later commit applies them once room is made, for which the
+                # reserve is given up now (a full disk killed the handle for good: every delete
+                # and compact() then raised the committer's error)
                 if not self._full_logged:
                     self._full_logged = True
-                    _log.warning("tierstore: %s: the index cannot commit, the disk is full (%s); retrying every "
-                                 "%.0f s -- delete objects and run compact() to make room", self.path, e.message,
-                                 FULL_RETRY_S)
-                with contextlib.suppress(OSError):  # (a failure here must not end the committer)
-                    self.release_reserve()
+                    if address_space:
+                        _log.warning("tierstore: %s: the index cannot commit: %s; retrying every %.0f s -- %s",
+                                     self.path, e.message, FULL_RETRY_S, e.hint)
+                    else:
+                        _log.warning("tierstore: %s: the index cannot commit, the disk is full (%s); retrying "
+                                     "every %.0f s -- delete objects and run compact() to make room", self.path,
+                                     e.message, FULL_RETRY_S)
+                if not address_space:
+                    with contextlib.suppress(OSError):  # (a failure here must not end the committer)
+                        self.release_reserve()
                 try:
                     self._log_duties_until(time.monotonic() + FULL_RETRY_S)
                 except BaseException as e2:  # (the log's own error, as above: the next call's)

@@ -148,7 +148,8 @@ def resized_since(resizes: int) -> bool:
 
 def survives_resizes(fn: Any) -> Any:
     """A read that a map resize in another thread made fail (``RESIZES``) is run again, up to
-    ``RESIZE_RETRIES`` times; other failures are raised as they are."""
+    ``RESIZE_RETRIES`` times (then StoreLocked, ``busy_index``: never damage); other failures
+    are raised as they are."""
 
     @functools.wraps(fn)
     def reading(*args: Any, **kwargs: Any) -> Any:
@@ -156,9 +157,13 @@ def survives_resizes(fn: Any) -> Any:
             resizes = RESIZES[0]
             try:
                 return fn(*args, **kwargs)
-            except CorruptionError:
-                if attempt == RESIZE_RETRIES or not resized_since(resizes):
+            except CorruptionError as e:
+                if not resized_since(resizes):
                     raise
+                if attempt == RESIZE_RETRIES:  # (busy, not damaged: another process grows it fast)
+                    raise StoreLocked(f"the index's map was resized under this read {attempt + 1} times in a row",
+                                      path=e.path, busy_index=True,
+                                      hint="try again; a larger index_map_size= makes resizes rarer") from None
         raise AssertionError("unreachable")
 
     return reading
@@ -178,44 +183,58 @@ def _spare_address_space(extra: int) -> bool:
     return True
 
 
-def _remap(env: lmdb.Environment, path: str, want: int, *, growing: bool) -> None:
+def _remap(env: lmdb.Environment, path: str, want: int, *, growing: bool, writing: bool) -> None:
     """Map ``env`` larger, at the largest step this process can map: py-lmdb's set_mapsize
     closes the environment for good when the new map fails (and its 0, "the size another
     process recorded", is 32 GiB that a process under ``ulimit -v`` cannot map), so the
     address space is probed first.  The caller holds the environment's write
     lock (``Index._write_lock``): every resize of an environment is one at a time (py-lmdb
     refuses two at once) and none runs while a write transaction is open (it refuses that
-    too).  ``growing``: a commit needs more room (steps from double down to 16 MiB more;
-    StoreFull when none is left), else the file grew past this process's map (another
-    process's commits): ``want`` (the map asked for at open), or twice the pages in use, or
-    those pages."""
-    info = env.info()
-    current = info["map_size"]
-    need = (info["last_pgno"] + 1) * env.stat()["psize"]
-    steps = ((current * 2, current * 3 // 2, current * 5 // 4, current + (16 << 20)) if growing else
-             (want, need * 2, need))
-    for size in steps:
-        size = -(-max(size, need) // _MAP_ROUND) * _MAP_ROUND
-        if size > current and _spare_address_space(size - current):
-            break
-    else:
-        what = ("cannot grow the index's map" if growing else
-                f"the index has grown to {need >> 20} MiB, past the {current >> 20} MiB this process can map")
-        hint = ("the process's address space is limited (ulimit -v): raise the limit, or open the store in a "
-                "process that has more")
-        if growing:
+    too).  ``growing``: a commit needs more room (steps from double down to 16 MiB more),
+    else the file grew past this process's map (another process's commits): ``want`` (the map
+    asked for at open) or twice the pages in use if more, or twice them, or just them.  When
+    nothing fits: StoreFull(index_full) for a commit (``writing``: its records stay in the log),
+    StoreIOError(ENOMEM) for a read; neither is damage."""
+    with _REMAP_LOCK:  # (one probe and map at a time in the process: two stores' probes may fit, not both maps)
+        info = env.info()
+        current = info["map_size"]
+        used = (info["last_pgno"] + 1) * env.stat()["psize"]
+        need = used + _MAP_SLACK  # (slack: what other processes commit between this look and the map)
+        steps = ((current * 2, current * 3 // 2, current * 5 // 4, current + (16 << 20)) if growing else
+                 (max(want, need * 2), need * 2, need))
+        for size in steps:
+            size = -(-max(size, need) // _MAP_ROUND) * _MAP_ROUND
+            if size > current and _spare_address_space(size - current):
+                break
+        else:
+            what = ("cannot grow the index's map" if growing else
+                    f"the index has grown to {used >> 20} MiB, past the {current >> 20} MiB this process can map")
             raise StoreFull(f"{what}: no address space left for more than {current >> 20} MiB (ulimit -v)",
-                            path=path, index_full=True, hint=hint)
-        raise StoreIOError(what, path=path, errno=errno.ENOMEM, poisoned=False, hint=hint)
-    RESIZES[0] += 1
-    try:
-        env.set_mapsize(size)
-    except lmdb.Error as e:  # (py-lmdb closed the environment: no transaction of it can begin again)
-        raise StoreIOError(f"the index's map could not be resized to {size >> 20} MiB: {e}", path=path,
-                           errno=errno.ENOMEM, poisoned=True,
-                           hint="close every handle of the store in this process and open it again") from None
-    finally:
+                            path=path, index_full=True, address_space=True, hint=ADDRESS_SPACE_HINT) \
+                if writing else StoreIOError(what, path=path, errno=errno.ENOMEM, poisoned=False,
+                                             hint=ADDRESS_SPACE_HINT)
         RESIZES[0] += 1
+        try:
+            env.set_mapsize(size)
+        except lmdb.Error as e:  # (py-lmdb closed the environment: no transaction of it can begin again)
+            _LOST_MAPS[id(env)] = env
+            raise _map_lost(path, e) from None
+        finally:
+            RESIZES[0] += 1
+
+
+ADDRESS_SPACE_HINT = ("the process's address space is limited (ulimit -v): raise the limit, or open the store in "
+                      "a process that has more")
+_REMAP_LOCK = threading.Lock()
+_MAP_SLACK = 4 << 20  # the pages another process may commit between a look at the file and the map
+_LOST_MAPS: dict[int, lmdb.Environment] = {}  # id -> an environment py-lmdb closed when its new map failed
+
+
+def _map_lost(path: str, e: lmdb.Error | None = None) -> StoreIOError:
+    return StoreIOError("the index's map could not be resized" + (f": {e}" if e else "") + "; py-lmdb closed it",
+                        path=path, errno=errno.ENOMEM, poisoned=True,
+                        hint="close every handle of the store in this process and open it again (" +
+                             ADDRESS_SPACE_HINT + ")")
 
 
 def damaged(message: str, path: str | None, **where: Any) -> CorruptionError:
@@ -436,14 +455,20 @@ def _open_env(path: str, map_size: int, writable: bool) -> lmdb.Environment:
     """``lmdb.open`` with ``map_size`` of address space reserved (virtual memory only: without
     writemap the file grows by what LMDB writes, never to the map's size).  A map grown later
     invalidates every read transaction of the process (py-lmdb's set_mapsize), so a large one
-    keeps that rare; where the address space is limited (``ulimit -v``), a smaller one."""
-    for size in (map_size, min(map_size, 64 << 20)):  # (64 MiB: what tierstore reserved before 32 GiB)
+    keeps that rare; where the address space is limited (``ulimit -v``), 64 MiB, or the file
+    and a little room (lmdb.MemoryError when even that cannot be mapped)."""
+    try:  # (the last resort: the file as it is, and some room; LMDB raises a smaller map to its pages)
+        least = os.stat(os.path.join(path, "data.mdb")).st_size + _MAP_SLACK
+    except OSError:
+        least = 1 << 20
+    sizes = sorted({map_size, min(map_size, 64 << 20), min(map_size, least)}, reverse=True)
+    for size in sizes:  # (64 MiB: what tierstore reserved before 32 GiB)
         try:
             return lmdb.open(path, map_size=size, subdir=True, readonly=not writable, metasync=False, sync=True,
                              max_dbs=8, max_readers=1024, lock=True, create=writable,
                              lib_version=fmt.LMDB_LIB_VERSION if writable else None)
         except lmdb.MemoryError:
-            if size == min(map_size, 64 << 20):
+            if size == sizes[-1]:
                 raise
     raise AssertionError("unreachable")
 
@@ -486,25 +511,27 @@ def _forked() -> None:
     closed.wait(FORK_CLOSE_S)
 
 
-_HELD_FOR_FORK: list[threading.Lock] = []
+_HELD_FOR_FORK: dict[int, list[threading.Lock]] = {}  # forking thread -> the locks it holds over its fork
 
 
 def _before_fork() -> None:
-    """Before a ``fork()``: wait (briefly) for this process's index commits under way to end, and
-    hold their locks over the fork, so the child's copies close (``_forked``) unless a read is
-    mid-call in another thread."""
+    """Before a ``fork()``: wait (up to 1 s per store) for this process's index commits under
+    way to end, and hold their locks over the fork, so the child's copies close (``_forked``)
+    unless a read is mid-call in another thread."""
+    held = _HELD_FOR_FORK.setdefault(threading.get_ident(), [])
     for ent in list(_ENVS.values()):
         if ent[2].acquire(timeout=1.0):  # (a timeout, not a hang: the forking thread may be the one that holds it)
-            _HELD_FOR_FORK.append(ent[2])
+            held.append(ent[2])
 
 
 def _after_fork_in_parent() -> None:
-    while _HELD_FOR_FORK:
-        _HELD_FOR_FORK.pop().release()
+    for lock in _HELD_FOR_FORK.pop(threading.get_ident(), []):
+        lock.release()
 
 
 def _after_fork_in_child() -> None:
     _after_fork_in_parent()  # (the child's copies of the locks: its own, free)
+    _HELD_FOR_FORK.clear()  # (other threads' of the parent: they do not exist here)
     _forked()
 
 
@@ -605,6 +632,9 @@ class Index:
                         unstamp(real)
                 try:
                     env = _open_env(real, map_size, writable)
+                except lmdb.MemoryError as e:  # (the file is larger than the address space left: not damage)
+                    raise StoreIOError(f"cannot map the index: {e}", path=real, errno=errno.ENOMEM, poisoned=False,
+                                       hint=ADDRESS_SPACE_HINT) from None
                 except lmdb.InvalidError as e:
                     raise damaged(f"index is not a valid LMDB environment: {e}", real) from None
                 except lmdb.VersionMismatchError as e:
@@ -677,6 +707,7 @@ class Index:
             if ent[1] == 0:
                 for env in (*ent[5], ent[0]):
                     env.close()
+                    _LOST_MAPS.pop(id(env), None)
                 del _ENVS[real]
 
     def close(self) -> None:
@@ -741,14 +772,18 @@ class Index:
         except lmdb.MapResizedError:
             pass
         except lmdb.Error as e:
+            if id(t.env) in _LOST_MAPS:  # (not damage: this process could not map it)
+                raise _map_lost(self.path) from None
             raise _unreadable(self.path, e) from None
         with self._write_lock:  # another process's commits grew the file past this map: map more of it
             while True:  # (first: another thread of this process may have meanwhile)
                 try:
                     return t.env.begin(buffers=False), t
                 except lmdb.MapResizedError:
-                    _remap(t.env, self.path, self._map_size, growing=False)
+                    _remap(t.env, self.path, self._map_size, growing=False, writing=False)
                 except lmdb.Error as e:
+                    if id(t.env) in _LOST_MAPS:
+                        raise _map_lost(self.path) from None
                     raise _unreadable(self.path, e) from None
 
     def read(self) -> "ReadView":
@@ -851,9 +886,11 @@ class Index:
                 try:
                     txn = self.env.begin(write=True)
                 except lmdb.MapResizedError:  # another process's commits grew the file past this map
-                    _remap(self.env, self.path, self._map_size, growing=False)
+                    _remap(self.env, self.path, self._map_size, growing=False, writing=True)
                     continue
                 except lmdb.Error as e:
+                    if id(self.env) in _LOST_MAPS:
+                        raise _map_lost(self.path) from None
                     raise self._failed("index write failed", e) from None
                 try:
                     result = fn(txn)
@@ -862,7 +899,7 @@ class Index:
                     break
                 except lmdb.MapFullError:
                     txn.abort()
-                    _remap(self.env, self.path, 0, growing=True)
+                    _remap(self.env, self.path, 0, growing=True, writing=True)
                 except lmdb.Error as e:
                     txn.abort()
                     raise self._failed("index write failed", e) from None
