@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from .. import __version__
@@ -78,6 +78,18 @@ def _jsonable(x: Any) -> Any:
 
 def _print_json(data: Any, indent: int | None = 2) -> None:
     print(json.dumps(_jsonable(data), indent=indent, allow_nan=False))
+
+
+def _print_json_streaming(head: dict[str, Any], name: str, items: Iterable[Any]) -> None:
+    """``head`` with a last member ``name``, the list of ``items``, printed as ``_print_json``
+    prints it, one item at a time as ``items`` yields it (a large listing is never held whole)."""
+    before, after = json.dumps(_jsonable({**head, name: []}), indent=2, allow_nan=False).rsplit("[]", 1)
+    sys.stdout.write(before + "[")
+    n = 0
+    for n, item in enumerate(items, 1):
+        body = json.dumps(_jsonable(item), indent=2, allow_nan=False).replace("\n", "\n    ")
+        sys.stdout.write(("\n    " if n == 1 else ",\n    ") + body)
+    print(("\n  ]" if n else "]") + after)
 
 
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None:
@@ -287,9 +299,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     else:
         if not os.path.isdir(os.path.join(args.path, "segments")):
             raise StoreNotFound(f"no store at {args.path}", path=args.path)
-        result = dump_store(args.path)
-        segments = result["segments"]
-
+        return _dump_log(args)
     def text() -> None:
         if args.key is not None and not os.path.isfile(args.path):
             r, i = result["record"], result["info"]
@@ -307,48 +317,118 @@ def cmd_dump(args: argparse.Namespace) -> int:
                 print(f"  DAMAGED: {result['damaged']['detail']} ({_DAMAGE_HINT})")
             return
         for sg in segments:
-            h = sg["header"]
-            print(f"{sg['path']}: {sg['size']} bytes, " + (f"format {h['format']}, segment {h['segment_id']}, "
-                                                          f"base LSN {h['base_lsn']}" if "error" not in h
-                                                          else f"bad header: {h['error']}"))
+            _print_segment_head(sg)
             bad = sorted(sg.get("damaged", []), key=lambda d: d["offset"])
             for r in sg.get("records", []):
                 while bad and bad[0]["offset"] < r["offset"]:
                     _print_damage(bad.pop(0))
-                if r["type"] == "pad":
-                    continue
-                if r["type"] == "sync":
-                    what, extra = f"records through LSN {r['durable']} were synced before this one", ""
-                elif r["type"] in ("group", "hole"):
-                    what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
-                elif r["type"] == "headers":  # (SPEC.md §4.5)
-                    what, extra = f"copies of {_n(r['count'], 'record header')} written before it", ""
-                elif "session" in r:  # a session's reference on an object (SPEC.md §5.4)
-                    who = r["session"]
-                    if r["type"] == "put":
-                        what = f"{r['namespace']}/{r['key']}"
-                        extra = f" referenced by {who}"
-                    else:
-                        what = f"{r['namespace']}/(key hash {r['key_hash'][:12]})"
-                        extra = f" reference of {who} released"
-                else:
-                    what = f"{r.get('namespace')}/{r.get('key')}"
-                    extra = f" {r['kind']} {_n(len(r['extents']), 'extent')}" if r["type"] == "put" else ""
-                print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
+                _print_record(r)
             for d in bad:
                 _print_damage(d)
             if "end" in sg:
-                e = sg["end"]
-                print(f"  end @{e['offset']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else ""))
+                _print_end(sg["end"])
 
     _emit(args, result, text)
     if args.key is not None and not os.path.isfile(args.path):
         return EXIT_FINDINGS if result["damaged"] is not None else EXIT_OK
-    # a torn end is where a crash cut the log -- in its last segment; in a sealed one it is damage
-    damaged = [sg for i, sg in enumerate(segments) if "error" in sg["header"] or sg.get("damaged")
-               or sg.get("end", {}).get("reason") not in (None, "end", "torn")
-               or sg.get("end", {}).get("reason") == "torn" and i != len(segments) - 1]
+    damaged = [sg for sg in segments if "error" in sg["header"] or sg.get("damaged")
+               or sg.get("end", {}).get("reason") not in (None, "end", "torn")]
     return EXIT_FINDINGS if damaged else EXIT_OK
+
+
+def _dump_log(args: argparse.Namespace) -> int:
+    """``dump PATH``: every segment of the store, printed as it is read (text, or the JSON that
+    ``dump_store`` makes, written a record at a time): a log of millions of records is never
+    held whole."""
+    from .dump import store_segment_events
+
+    out = sys.stdout.write
+    verdicts: list[list[bool]] = []  # per segment: [damaged, its log ends torn]
+    records = 0
+    damaged: list[dict[str, Any]] = []  # (the segment's: JSON writes them after its records)
+
+    def close_segment() -> None:
+        if args.json and verdicts and records >= 0:
+            out(_indented(("\n  ]" if records else "]") + "," +
+                          json.dumps(_jsonable({"damaged": damaged, "end": end}), indent=2, allow_nan=False)[1:], 4))
+
+    if args.json:
+        out(json.dumps({"path": args.path, "segments": []}, indent=2).rsplit("[]", 1)[0] + "[")
+    end: dict[str, Any] = {}
+    for kind, item in store_segment_events(args.path):
+        if kind == "segment":
+            verdicts.append(["error" in item["header"], False])
+            records, end = (0 if "error" not in item["header"] else -1), {}
+            damaged = []
+            if not args.json:
+                _print_segment_head(item)
+                continue
+            body = json.dumps(_jsonable(item), indent=2, allow_nan=False)
+            out(("\n    " if len(verdicts) == 1 else ",\n    ") + _indented(body[:-2], 4))
+            out(_indented("\n}", 4) if records < 0 else _indented(',\n  "records": [', 4))
+        elif kind == "record":
+            if args.json:
+                out(_indented(("\n    " if records == 0 else ",\n    ") +
+                              _indented(json.dumps(_jsonable(item), indent=2, allow_nan=False), 4), 4))
+            else:
+                _print_record(item)
+            records += 1
+        elif kind == "damaged":
+            verdicts[-1][0] = True
+            if args.json:
+                damaged.append(item)
+            else:
+                _print_damage(item)
+        else:  # "end"
+            end = item
+            verdicts[-1][0] |= item["reason"] not in ("end", "torn")
+            verdicts[-1][1] = item["reason"] == "torn"
+            if args.json:
+                close_segment()
+            else:
+                _print_end(item)
+    out(("\n  ]" if verdicts else "]") + "\n}\n" if args.json else "")
+    # a torn end is where a crash cut the log -- in its last segment; in a sealed one it is damage
+    bad = [i for i, (dmg, torn) in enumerate(verdicts) if dmg or torn and i != len(verdicts) - 1]
+    return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def _indented(text: str, n: int) -> str:
+    return text.replace("\n", "\n" + " " * n)
+
+
+def _print_segment_head(sg: dict[str, Any]) -> None:
+    h = sg["header"]
+    print(f"{sg['path']}: {sg['size']} bytes, " + (f"format {h['format']}, segment {h['segment_id']}, "
+                                                  f"base LSN {h['base_lsn']}" if "error" not in h
+                                                  else f"bad header: {h['error']}"))
+
+
+def _print_record(r: dict[str, Any]) -> None:
+    if r["type"] == "pad":
+        return
+    if r["type"] == "sync":
+        what, extra = f"records through LSN {r['durable']} were synced before this one", ""
+    elif r["type"] in ("group", "hole"):
+        what, extra = f"{r['count']} record(s)" if r["type"] == "group" else f"{r['count']} LSN(s)", ""
+    elif r["type"] == "headers":  # (SPEC.md §4.5)
+        what, extra = f"copies of {_n(r['count'], 'record header')} written before it", ""
+    elif "session" in r:  # a session's reference on an object (SPEC.md §5.4)
+        who = r["session"]
+        if r["type"] == "put":
+            what = f"{r['namespace']}/{r['key']}"
+            extra = f" referenced by {who}"
+        else:
+            what = f"{r['namespace']}/(key hash {r['key_hash'][:12]})"
+            extra = f" reference of {who} released"
+    else:
+        what = f"{r.get('namespace')}/{r.get('key')}"
+        extra = f" {r['kind']} {_n(len(r['extents']), 'extent')}" if r["type"] == "put" else ""
+    print(f"  @{r['offset']:<10} lsn {r['lsn']:<8} {r['type']:<6} {what}{extra} ({r['record_len']} B)")
+
+
+def _print_end(e: dict[str, Any]) -> None:
+    print(f"  end @{e['offset']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else ""))
 
 
 _DAMAGE_HINT = "tierstore fsck PATH reports it, recover quarantines it"
@@ -416,6 +496,8 @@ LS_PAGE = 1000  # keys per index read of ``ls``, and rows per block of its table
 
 def _cell_width(text: str) -> int:
     """Columns ``text`` takes on a terminal: wide (CJK) characters two, combining marks none."""
+    if text.isascii():
+        return len(text)
     return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 

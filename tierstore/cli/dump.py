@@ -10,6 +10,7 @@ return plain dicts for ``--json``; this module never writes.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..engine import segment as seglib
@@ -61,23 +62,43 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
     """Header and records of one segment file, where its log ends (``end``) and the damage on
     the way (``damaged``: each record whose payload fails its checksums, with its header, and
     each run of bytes that does not decode; the scan goes on after it, as reads do)."""
+    out: dict[str, Any] = {}
+    for kind, item in segment_events(path, io=io, verify=verify):
+        if kind == "segment":
+            out.update(item)
+            if "error" not in item["header"]:
+                out["records"], out["damaged"] = [], []
+        elif kind == "end":
+            out["end"] = item
+        else:
+            out["records" if kind == "record" else "damaged"].append(item)
+    return out
+
+
+def segment_events(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``dump_segment``'s contents as they are read, in file order: ("segment", {path, size,
+    header}) first, then ("record", ...) and ("damaged", ...) as the scan meets them, then
+    ("end", ...) (none after a header that does not decode): a segment of millions of records
+    is never held whole."""
     name = os.path.basename(path)
     seg_id = seglib.parse_segment_name(name)
     fd = seglib.open_segment(io, path)
     try:
-        out: dict[str, Any] = {"path": path, "size": io.size(fd)}
+        head: dict[str, Any] = {"path": path, "size": io.size(fd)}
         try:
             h = seglib.read_segment_header(io, fd, path=path, seg_id=seg_id)
-            out["header"] = {"format": f"{h.major}.{h.minor}", "store_uuid": h.store_uuid.hex(),
-                             "segment_id": h.segment_id, "base_lsn": h.base_lsn, "created_ns": h.created_ns}
+            head["header"] = {"format": f"{h.major}.{h.minor}", "store_uuid": h.store_uuid.hex(),
+                              "segment_id": h.segment_id, "base_lsn": h.base_lsn, "created_ns": h.created_ns}
         except TierstoreError as e:
-            out["header"] = {"error": e.message}
-            return out
-        out["records"], out["damaged"] = [], []
+            head["header"] = {"error": e.message}
+            yield "segment", head
+            return
+        yield "segment", head
         start = fmt.SEGMENT_HEADER_SIZE
         while True:
             scanner = seglib.SegmentScanner(io, fd, h.segment_id, path=path, start=start, verify_payload=verify)
-            out["records"] += [describe_record(off, hdr) for off, hdr in scanner.records()]
+            for off, hdr in scanner.records():
+                yield "record", describe_record(off, hdr)
             stop = scanner.stop
             assert stop is not None
             if stop.reason == "end" or not stop.valid_after:
@@ -90,11 +111,10 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
                 nxt = scanner.next_valid(stop.offset)
                 assert nxt is not None  # (valid_after)
                 bad["length"] = nxt - stop.offset
-            out["damaged"].append(bad)
+            yield "damaged", bad
             start = nxt
-        out["end"] = {"offset": stop.offset, "reason": stop.reason, "detail": stop.detail,
+        yield "end", {"offset": stop.offset, "reason": stop.reason, "detail": stop.detail,
                       "valid_records_after": stop.valid_after}
-        return out
     finally:
         io.close(fd)
 
@@ -146,6 +166,16 @@ def _not_whole(data: bytes, p: int, hdr: rec.RecordHeader) -> str | None:
     return None
 
 
+def store_segment_events(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``segment_events`` of every segment of the store at ``path``, one after another."""
+    seg_dir = os.path.join(path, fmt.SEGMENTS_DIR)
+    for s in seglib.list_segments(DEFAULT_IO, seg_dir):
+        try:
+            yield from segment_events(os.path.join(seg_dir, seglib.segment_name(s)))
+        except FileNotFoundError:  # retired since the listing by another writer (a compaction, the
+            continue  # SSD budget): its records live on in later segments, or are gone for good
+
+
 def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "default") -> dict[str, Any]:
     """The log of a store (every segment), or, with ``key``, one object: its info and record."""
     from .. import open as open_store
@@ -156,8 +186,8 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
         for s in seglib.list_segments(DEFAULT_IO, seg_dir):
             try:
                 segments.append(dump_segment(os.path.join(seg_dir, seglib.segment_name(s))))
-            except FileNotFoundError:  # retired since the listing by another writer (a compaction, the
-                continue  # SSD budget): its records live on in later segments, or are gone for good
+            except FileNotFoundError:  # (retired since the listing: see store_segment_events)
+                continue
         return {"path": path, "segments": segments}
     with open_store(path, create=False, readonly=True) as store:
         for attempt in range(3):  # the object moves if a compaction retires its segment meanwhile
