@@ -461,6 +461,23 @@ def test_dump_of_a_store_prints_each_record_as_it_is_read(tmp_path, monkeypatch,
     assert "DAMAGED" in text and "default/k119 blob 1 extent" in text
 
 
+def test_dump_cut_short_by_an_error_is_still_one_json_document(tmp_path, capsys):
+    """(A cold review: an error midway through `dump PATH --json` printed the error object after
+    the segments already written: no longer JSON.)  The document ends with "error" and
+    "exit_code" members after the segments dumped."""
+    path = str(tmp_path / "s")
+    with tierstore.open(path, segment_bytes="1MiB") as s:
+        s.put_many([(f"k{i}", Blob(b"x" * 20_000)) for i in range(120)])
+        s.put("last", Blob(b"y"))
+    segs = segment_files(path)
+    assert len(segs) >= 2
+    os.remove(segs[1])
+    os.mkdir(segs[1])  # (reading it fails: EISDIR)
+    assert main(["dump", path, "--json"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["segments"]) == 1 and out["exit_code"] == 3 and "directory" in out["error"]
+
+
 def test_fsck_fix_waits_as_long_as_asked_and_says_so(filled):
     (seg,) = segment_files(filled)
     with open(seg, "r+b") as f:  # damage: fsck finds an error, --fix needs the store alone

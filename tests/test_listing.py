@@ -192,3 +192,31 @@ def test_ls_streams_pages_with_after_bytes_prefixes_and_wide_keys(store_path, ca
     assert cli(["ls", store_path, "--namespace", "default"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 14 + 1 and lines[-1].startswith("14 object(s)"), lines
+
+
+def test_ls_cut_short_by_an_error_is_still_one_json_document(store_path, monkeypatch, capsys):
+    """(A cold review: an error midway through `ls --json` printed the error object after the
+    rows already written -- no longer JSON -- and an I/O error exited 2, "bad arguments".)  The
+    array ends with an {"error", "exit_code"} row; exit 3.  --after takes --namespace (a key of
+    one namespace has no place in the others: pages of every namespace skipped some)."""
+    import json
+
+    from tierstore.cli import main as cli
+
+    with tierstore.open(store_path) as s:
+        s.put_many([(f"k{i}", Blob(b"x")) for i in range(5)])
+    real, calls = tierstore.Store.info, []
+
+    def info(self, key, **kw):
+        calls.append(key)
+        if len(calls) == 3:
+            raise tierstore.StoreIOError("simulated EIO", errno=5)
+        return real(self, key, **kw)
+
+    monkeypatch.setattr(tierstore.Store, "info", info)
+    assert cli(["ls", store_path, "--json"]) == 3
+    rows = json.loads(capsys.readouterr().out)
+    assert [r.get("key") for r in rows[:2]] == ["k0", "k1"] and rows[2]["exit_code"] == 3
+    assert "simulated EIO" in rows[2]["error"] and len(rows) == 3
+    assert cli(["ls", store_path, "--after", "k1"]) == 2
+    assert "--namespace" in capsys.readouterr().err

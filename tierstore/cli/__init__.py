@@ -35,6 +35,7 @@ from ..errors import (
     FormatVersionError,
     NotFound,
     ReadOnlyError,
+    StoreIOError,
     StoreLocked,
     StoreNotFound,
     TierstoreError,
@@ -339,55 +340,65 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def _dump_log(args: argparse.Namespace) -> int:
     """``dump PATH``: every segment of the store, printed as it is read (text, or the JSON that
     ``dump_store`` makes, written a record at a time): a log of millions of records is never
-    held whole."""
+    held whole.  An error midway ends the JSON with ``error`` and ``exit_code`` members."""
     from .dump import store_segment_events
 
     out = sys.stdout.write
     verdicts: list[list[bool]] = []  # per segment: [damaged, its log ends torn]
-    records = 0
-    damaged: list[dict[str, Any]] = []  # (the segment's: JSON writes them after its records)
+    # the segment being written: its records so far (-1: no records list open), its damage and end
+    seg: dict[str, Any] = {"records": -1, "damaged": [], "end": {}}
 
-    def close_segment() -> None:
-        if args.json and verdicts and records >= 0:
-            out(_indented(("\n  ]" if records else "]") + "," +
-                          json.dumps(_jsonable({"damaged": damaged, "end": end}), indent=2, allow_nan=False)[1:], 4))
+    def close_records() -> str:
+        text = "" if seg["records"] < 0 else ("\n  ]" if seg["records"] else "]")
+        seg["records"] = -1
+        return text
+
+    def cut(message: str, code: int) -> None:  # (``_fail``: the document ends with the error)
+        cut_segment = "" if seg["records"] < 0 else _indented(close_records() + "\n}", 4)
+        out(cut_segment + ("\n  ]" if verdicts else "]") + f',\n  "error": {json.dumps(message)},\n'
+            f'  "exit_code": {code}\n}}\n')
 
     if args.json:
         out(json.dumps({"path": args.path, "segments": []}, indent=2).rsplit("[]", 1)[0] + "[")
-    end: dict[str, Any] = {}
+        _OPEN_JSON.append(cut)
     for kind, item in store_segment_events(args.path):
         if kind == "segment":
             verdicts.append(["error" in item["header"], False])
-            records, end = (0 if "error" not in item["header"] else -1), {}
-            damaged = []
+            seg["damaged"] = []
             if not args.json:
                 _print_segment_head(item)
                 continue
             body = json.dumps(_jsonable(item), indent=2, allow_nan=False)
             out(("\n    " if len(verdicts) == 1 else ",\n    ") + _indented(body[:-2], 4))
-            out(_indented("\n}", 4) if records < 0 else _indented(',\n  "records": [', 4))
+            if "error" in item["header"]:
+                out(_indented("\n}", 4))
+            else:
+                out(_indented(',\n  "records": [', 4))
+                seg["records"] = 0
         elif kind == "record":
             if args.json:
-                out(_indented(("\n    " if records == 0 else ",\n    ") +
+                out(_indented(("\n    " if seg["records"] == 0 else ",\n    ") +
                               _indented(json.dumps(_jsonable(item), indent=2, allow_nan=False), 4), 4))
+                seg["records"] += 1
             else:
                 _print_record(item)
-            records += 1
         elif kind == "damaged":
             verdicts[-1][0] = True
             if args.json:
-                damaged.append(item)
+                seg["damaged"].append(item)
             else:
                 _print_damage(item)
         else:  # "end"
-            end = item
             verdicts[-1][0] |= item["reason"] not in ("end", "torn")
             verdicts[-1][1] = item["reason"] == "torn"
             if args.json:
-                close_segment()
+                rest = json.dumps(_jsonable({"damaged": seg["damaged"], "end": item}), indent=2, allow_nan=False)
+                out(_indented(close_records() + "," + rest[1:], 4))
             else:
                 _print_end(item)
-    out(("\n  ]" if verdicts else "]") + "\n}\n" if args.json else "")
+    if args.json:
+        _OPEN_JSON.clear()
+        out(("\n  ]" if verdicts else "]") + "\n}\n")
     # a torn end is where a crash cut the log -- in its last segment; in a sealed one it is damage
     bad = [i for i, (dmg, torn) in enumerate(verdicts) if dmg or torn and i != len(verdicts) - 1]
     return EXIT_FINDINGS if bad else EXIT_OK
@@ -495,10 +506,12 @@ LS_PAGE = 1000  # keys per index read of ``ls``, and rows per block of its table
 
 
 def _cell_width(text: str) -> int:
-    """Columns ``text`` takes on a terminal: wide (CJK) characters two, combining marks none."""
+    """Columns ``text`` takes on a terminal: wide (CJK) characters two; marks, format characters
+    (zero-width space, variation selectors) and Hangul medial vowels and finals none."""
     if text.isascii():
         return len(text)
-    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me", "Cf") or "\u1160" <= c <= "\u11ff"
+               else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
 def _typed_key(text: str | None, text_key: bool) -> str | bytes | None:
@@ -511,6 +524,8 @@ def _typed_key(text: str | None, text_key: bool) -> str | bytes | None:
 def cmd_ls(args: argparse.Namespace) -> int:
     from .. import open as open_store
 
+    if args.after is not None and args.namespace is None:  # (a key of one namespace: no place in the others)
+        return _fail(args, EXIT_USAGE, "--after pages through one namespace: give --namespace too")
     try:
         prefix, after = _typed_key(args.prefix, args.text_key), _typed_key(args.after, args.text_key)
     except ValueError:
@@ -543,9 +558,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     with open_store(args.path, create=False, readonly=True) as store:
         if args.json:  # one JSON array, a row per line as it is read
+            rows = 0
+
+            def cut(message: str, code: int) -> None:  # (``_fail``: the last row is the error)
+                sys.stdout.write(("\n  " if rows == 0 else ",\n  ") +
+                                 json.dumps({"error": message, "exit_code": code}) + "\n]\n")
+
             sys.stdout.write("[")
-            for i, r in enumerate(objects(store)):
-                sys.stdout.write(("\n  " if i == 0 else ",\n  ") + json.dumps(_jsonable(r), allow_nan=False))
+            _OPEN_JSON.append(cut)
+            for r in objects(store):
+                sys.stdout.write(("\n  " if rows == 0 else ",\n  ") + json.dumps(_jsonable(r), allow_nan=False))
+                rows += 1
+            _OPEN_JSON.clear()
             print("\n]")
             return EXIT_OK
         header = ("NAMESPACE", "KEY", "KIND", "SHAPE", "DTYPE", "CODEC", "SIZE", "STORED")
@@ -745,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--namespace", default=None)
     sp.add_argument("--prefix", default=None, help="only keys that start with this (0x... for bytes keys)")
     sp.add_argument("--after", default=None, metavar="KEY",
-                    help="only keys sorted after KEY: the last key of the previous page (0x... for a bytes key)")
+                    help="with --namespace: only keys sorted after KEY, the last key of the previous page "
+                         "(0x... for a bytes key)")
     sp.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N objects (in key order)")
     sp.add_argument("--text-key", action="store_true", help="--prefix/--after are text even if they start with 0x")
     sp = add("stats", cmd_stats, "sizes of a store: objects per namespace, segments, live and dead bytes")
@@ -768,11 +793,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(args: argparse.Namespace, code: int, message: str) -> int:
-    """An error: one line on stderr, and with --json also ``{"error", "exit_code"}`` on stdout."""
+    """An error: one line on stderr, and with --json also ``{"error", "exit_code"}`` on stdout (a
+    listing already streaming ends with it: ``_OPEN_JSON``)."""
     print(f"tierstore: {message}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if _OPEN_JSON:  # a streamed document cut short: it ends with the error, still one JSON document
+        _OPEN_JSON.pop()(message, code)
+    elif getattr(args, "json", False):
         _print_json({"error": message, "exit_code": code}, indent=None)  # one line
     return code
+
+
+# the closer of the JSON document a command is streaming to stdout (``ls``, ``dump PATH``): an error
+# midway (``_fail``) ends the document with the error rather than print a second one after it
+_OPEN_JSON: list[Callable[[str, int], None]] = []
 
 
 def _quarantined(path: str) -> bool:
@@ -817,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             _warn_if_waiting(args)
         elif args.command == "compact":
             _warn_if_waiting(args, beside_writers=True)
+        _OPEN_JSON.clear()  # (none left from an earlier call in this process)
         return args.fn(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly, like cat -- and not
         devnull = os.open(os.devnull, os.O_WRONLY)  # with 0, which would say a dump or fsck cut short found no damage
@@ -833,7 +867,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "tierstore.open(path) from Python, or try `tierstore demo --path DIR`)")
     except NotFound as e:
         return _fail(args, EXIT_NOT_FOUND, str(e))
-    except (CorruptionError, FormatVersionError, ReadOnlyError) as e:  # (ReadOnlyError: a newer format's segment)
+    except (CorruptionError, FormatVersionError, ReadOnlyError, StoreIOError) as e:
+        # (ReadOnlyError: a newer format's segment; StoreIOError: an I/O error, an index this
+        # process cannot map)
         return _fail(args, EXIT_CANNOT_OPEN, str(e))
     except TierstoreError as e:
         return _fail(args, EXIT_USAGE, str(e))
