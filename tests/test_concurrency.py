@@ -437,3 +437,61 @@ def test_a_map_that_failed_to_grow_is_an_io_error_not_damage(tmp_path):
             s.close()
         assert child.returncode == 0 and out.split("\n")[:5] == ["12 True"] * 3 + ["None", "False"], (out, err[-1500:])
         assert "damaged" not in err and not os.path.isdir(os.path.join(path, "quarantine")), err[-1500:]
+
+
+_WRITER_IN_LITTLE_ADDRESS_SPACE = r'''
+import json, logging, resource, sys, time
+import tierstore
+from tierstore import Blob
+vm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize")][0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (60 << 20),) * 2)
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+s = tierstore.open(sys.argv[1], durability="none", index_map_size="2MiB")
+print("ready", flush=True)
+sys.stdin.readline()  # (the other process grows the index past what this one can map meanwhile)
+errors = []
+for i in range(2):
+    try:
+        s.put(f"mine{i}", Blob(b"m"))
+        s.flush()
+    except tierstore.TierstoreError as e:
+        errors.append([type(e).__name__, getattr(e, "errno", None), getattr(e, "index", False)])
+time.sleep(1.5)  # (the committer's retry)
+print(json.dumps({"errors": errors, "committer": repr(s._engine._committer_error)}), flush=True)
+try:
+    s.close()
+except tierstore.TierstoreError:
+    pass
+'''
+
+
+def test_a_writer_that_cannot_map_an_index_grown_elsewhere_keeps_its_committer(tmp_path):
+    """(A cold review: a writable process under ``ulimit -v`` whose index another process grew past
+    what it can map lost its committer for good on the first commit.)  Its calls are
+    StoreIOError(ENOMEM), not damage; the committer waits and retries, naming the address
+    space, not a full disk."""
+    import json
+
+    path = str(tmp_path / "s")
+    s = tierstore.open(path, durability="none")
+    s.put("k", Blob(b"x"))
+    s.flush()
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r})\n" +
+                              _WRITER_IN_LITTLE_ADDRESS_SPACE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-1500:]
+        for b in range(0, 240_000, 4_000):
+            s.put_many([(f"k{j:09d}" + "p" * 200, Blob(b"y")) for j in range(b, b + 4_000)])
+            s.flush()
+            if s._engine.index.file_bytes()[0] > 80 << 20:
+                break
+        out, err = child.communicate("\n", timeout=120)
+    finally:
+        child.kill()
+        s.close()
+    assert child.returncode == 0, err[-1500:]
+    got = json.loads(out)
+    assert got["errors"] and all(e == ["StoreIOError", 12, False] for e in got["errors"]), got
+    assert got["committer"] == "None" and "disk is full" not in err and "damaged" not in err, (got, err[-1500:])
+    assert not os.path.isdir(os.path.join(path, "quarantine"))
