@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import unicodedata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import __version__
@@ -79,18 +79,6 @@ def _jsonable(x: Any) -> Any:
 
 def _print_json(data: Any, indent: int | None = 2) -> None:
     print(json.dumps(_jsonable(data), indent=indent, allow_nan=False))
-
-
-def _print_json_streaming(head: dict[str, Any], name: str, items: Iterable[Any]) -> None:
-    """``head`` with a last member ``name``, the list of ``items``, printed as ``_print_json``
-    prints it, one item at a time as ``items`` yields it (a large listing is never held whole)."""
-    before, after = json.dumps(_jsonable({**head, name: []}), indent=2, allow_nan=False).rsplit("[]", 1)
-    sys.stdout.write(before + "[")
-    n = 0
-    for n, item in enumerate(items, 1):
-        body = json.dumps(_jsonable(item), indent=2, allow_nan=False).replace("\n", "\n    ")
-        sys.stdout.write(("\n    " if n == 1 else ",\n    ") + body)
-    print(("\n  ]" if n else "]") + after)
 
 
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None:

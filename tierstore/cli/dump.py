@@ -10,7 +10,7 @@ return plain dicts for ``--json``; this module never writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..engine import segment as seglib
@@ -62,16 +62,21 @@ def dump_segment(path: str, *, io: PosixIO = DEFAULT_IO, verify: bool = True) ->
     """Header and records of one segment file, where its log ends (``end``) and the damage on
     the way (``damaged``: each record whose payload fails its checksums, with its header, and
     each run of bytes that does not decode; the scan goes on after it, as reads do)."""
-    out: dict[str, Any] = {}
-    for kind, item in segment_events(path, io=io, verify=verify):
+    return _gathered(segment_events(path, io=io, verify=verify))[0]
+
+
+def _gathered(events: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``segment_events`` (of one segment or several) gathered into one dict per segment."""
+    out: list[dict[str, Any]] = []
+    for kind, item in events:
         if kind == "segment":
-            out.update(item)
+            out.append(dict(item))
             if "error" not in item["header"]:
-                out["records"], out["damaged"] = [], []
+                out[-1]["records"], out[-1]["damaged"] = [], []
         elif kind == "end":
-            out["end"] = item
+            out[-1]["end"] = item
         else:
-            out["records" if kind == "record" else "damaged"].append(item)
+            out[-1]["records" if kind == "record" else "damaged"].append(item)
     return out
 
 
@@ -181,14 +186,7 @@ def dump_store(path: str, key: str | bytes | None = None, *, namespace: str = "d
     from .. import open as open_store
 
     if key is None:
-        seg_dir = os.path.join(path, fmt.SEGMENTS_DIR)
-        segments = []
-        for s in seglib.list_segments(DEFAULT_IO, seg_dir):
-            try:
-                segments.append(dump_segment(os.path.join(seg_dir, seglib.segment_name(s))))
-            except FileNotFoundError:  # (retired since the listing: see store_segment_events)
-                continue
-        return {"path": path, "segments": segments}
+        return {"path": path, "segments": _gathered(store_segment_events(path))}
     with open_store(path, create=False, readonly=True) as store:
         for attempt in range(3):  # the object moves if a compaction retires its segment meanwhile
             info = store.info(key, namespace=namespace)
