@@ -66,6 +66,7 @@ from .lock import (
     writer_active,
 )
 from .log import Appended, Log
+from .memtable import Memtable
 from .options import Options
 
 DURABILITY = ("sync", "group", "none")
@@ -257,7 +258,7 @@ class Engine:
                                          dram_tier=dram_tier)
         self._lock_fd = -1
         self._listeners: list[WriteListener] = []
-        self._mem: dict[tuple[bytes, bytes], Op] = {}  # newest unapplied record per key
+        self._mem = Memtable()  # newest unapplied record per key
         self._refs_seen = False  # the store holds (or held) session references
         self._sealed_sizes: dict[int, int] = {}  # disk_bytes: sealed segments never grow
         self._shrinking = 0  # disk_bytes: what is left of retired segments being shrunk away
@@ -392,7 +393,7 @@ class Engine:
         self._refuse_newer_segments()
         if self.readonly:
             for op in scan.ops:
-                self._mem[(op.namespace, op.key)] = op
+                self._mem.set(op.namespace, op.key, op)
             return
         if scan.ops:
             self.index.apply(scan.ops, scan.last, durable=True)
@@ -803,7 +804,7 @@ class Engine:
         for listener in self._listeners:
             listener((op.namespace, op.key), op.location.header if op.location is not None else None)
         with self._pending_lock:
-            self._mem[(op.namespace, op.key)] = op
+            self._mem.set(op.namespace, op.key, op)
             self._pending.append(op)
             if self._oldest_pending is None:
                 self._oldest_pending = time.monotonic()
@@ -941,10 +942,9 @@ class Engine:
             have = {op.lsn for op in self._pending}
             ops = [op for op in ops if op.lsn not in have]
             for op in ops:
-                k = (op.namespace, op.key)
-                m = self._mem.get(k)
+                m = self._mem.get((op.namespace, op.key))
                 if m is None or m.lsn < op.lsn:
-                    self._mem[k] = op
+                    self._mem.set(op.namespace, op.key, op)
             self._pending = list(heapq.merge(self._pending, ops, key=lambda o: o.lsn))
             if ops and self._oldest_pending is None:
                 self._oldest_pending = time.monotonic()
@@ -1023,9 +1023,9 @@ class Engine:
             for k in dropped:
                 older = [op for op in self._pending if (op.namespace, op.key) == k]
                 if older:
-                    self._mem[k] = older[-1]
+                    self._mem.set(*k, older[-1])
                 else:
-                    self._mem.pop(k, None)
+                    self._mem.drop(*k)
 
     # -- the committer ------------------------------------------------------------------------
 
@@ -1242,10 +1242,9 @@ class Engine:
             del self._pending[:n]
             self._oldest_pending = time.monotonic() if self._pending else None
             for op in batch:
-                k = (op.namespace, op.key)
-                m = self._mem.get(k)
+                m = self._mem.get((op.namespace, op.key))
                 if m is not None and m.lsn <= last.lsn:
-                    del self._mem[k]
+                    self._mem.drop(op.namespace, op.key)
 
     # -- looking up ---------------------------------------------------------------------------
 
@@ -1288,33 +1287,57 @@ class Engine:
         *before* the index snapshot (as ``lookup`` does): the committer deletes entries once
         applied, so an entry missing here is in any snapshot taken after."""
         with self._pending_lock:
-            return {k: m for (n, k), m in self._mem.items() if n == ns and k.startswith(prefix)}
+            return dict(self._mem.scan(ns, prefix)) if prefix else self._mem.of(ns)
 
-    @_index_reads
     def keys(self, ns: bytes, *, prefix: bytes = b"", after: bytes | None = None,
              limit: int | None = None) -> dict[bytes, int]:
         """key -> flags of the objects in namespace ``ns`` whose key starts with ``prefix``,
-        past ``after``, the first ``limit`` of them, in key order."""
+        past ``after``, the first ``limit`` of them, in key order.  Costs the keys listed (and
+        the unapplied deletes among them), not the size of the namespace or of the memtable."""
+        out: dict[bytes, int] = {}
+        if limit is not None and limit <= 0:
+            return out
+        while True:
+            page, exact_to = self._keys_page(ns, prefix, after, None if limit is None else limit - len(out))
+            out.update(page)
+            if exact_to is None or (limit is not None and len(out) >= limit):
+                return out
+            after = exact_to  # (rare: records applied and overwritten between the two reads)
+
+    @_index_reads
+    def _keys_page(self, ns: bytes, prefix: bytes, after: bytes | None,
+                   limit: int | None) -> tuple[dict[bytes, int], bytes | None]:
+        """Up to ``limit`` keys of ``keys``, and None when the answer is complete (no more keys),
+        else the key up to which it is (a page shorter than ``limit`` then goes on from there).
+        The memtable is read up to its ``limit``-th put (every key before it is known there),
+        the index to ``limit`` keys and as many more as there are unapplied deletes among them;
+        the answer is exact up to the first of the two ends."""
         assert self.index is not None
-        mem = self._memtable(ns, prefix)
+        with self._pending_lock:  # (before the snapshot: see _memtable)
+            mem = self._mem.scan(ns, prefix, after, limit)
+        mem_end = mem[-1][0] if limit is not None and sum(m.location is not None for _, m in mem) >= limit else None
         with self.index.read() as view:
             applied = view.applied().lsn
-            mem = {k: m for k, m in mem.items() if m.lsn > applied and (after is None or k > after)}
-            gone = sum(1 for m in mem.values() if m.location is None)  # (read as many more: they may be listed)
+            mem = [(k, m) for k, m in mem if m.lsn > applied]
+            gone = sum(1 for _, m in mem if m.location is None)  # (read as many more: they may be listed)
             found = view.keys(ns, prefix, after=after, limit=None if limit is None else limit + gone)
+        index_end = found[-1][0] if limit is not None and len(found) == limit + gone and found else None
+        ends = [e for e in (mem_end, index_end) if e is not None]
+        exact_to = min(ends) if ends else None
         out: dict[bytes, int] = dict(found)
-        if not mem:
-            return out  # (in key order already)
-        for k, m in mem.items():
+        if not mem and exact_to is None:
+            return out, None  # (in key order already)
+        for k, m in mem:
             if m.location is None:
                 out.pop(k, None)
             else:
                 out[k] = m.location.header.flags
         ordered = sorted(out)
-        if limit is not None and len(found) == limit + gone and found:
-            last = found[-1][0]  # the listing was cut there: a pending key past it may not be next
-            ordered = [k for k in ordered if k <= last]
-        return {k: out[k] for k in ordered[:limit]}
+        if exact_to is not None:
+            ordered = [k for k in ordered if k <= exact_to]
+        if limit is not None and len(ordered) >= limit:
+            return {k: out[k] for k in ordered[:limit]}, None
+        return {k: out[k] for k in ordered}, exact_to
 
     @_index_reads
     def sessions(self, ns: bytes) -> list[bytes]:
@@ -1340,14 +1363,12 @@ class Engine:
         """Names of the namespaces holding at least one object (reserved ones left out), sorted:
         one pass over the memtable, one index snapshot, a few entries read per namespace."""
         assert self.index is not None
-        with self._pending_lock:
-            pending = list(self._mem.items())  # (before the snapshot)
+        with self._pending_lock:  # (before the snapshot)
+            pending = {ns: self._mem.of(ns) for ns in self._mem.namespaces() if not ns.startswith(b"\x00")}
         with self.index.read() as view:
             applied = view.applied().lsn
-            by_ns: dict[bytes, dict[bytes, Op]] = {}
-            for (ns, k), m in pending:
-                if m.lsn > applied and not ns.startswith(b"\x00"):
-                    by_ns.setdefault(ns, {})[k] = m
+            by_ns = {ns: live for ns, ops in pending.items()
+                     if (live := {k: m for k, m in ops.items() if m.lsn > applied})}
             names = set(view.namespaces()) | set(by_ns)
             return sorted(n for n in names if _live_under(view, n, b"", by_ns.get(n, {})))
 
@@ -1359,14 +1380,15 @@ class Engine:
         with self.index.read() as view:
             names = set(view.namespaces())
         with self._pending_lock:
-            names.update(n for (n, _), m in self._mem.items() if m.location is not None and not n.startswith(b"\x00"))
+            names.update(n for n in self._mem.namespaces()
+                         if not n.startswith(b"\x00") and any(m.location is not None for m in self._mem.of(n).values()))
         return [n for n in sorted(names)[:limit] if n != exclude and self.lookup(n, k) is not None]
 
     @_index_reads
-    def prefix_run(self, ns: bytes, keys: Iterable[bytes]) -> int:
+    def prefix_run(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` exist in ``ns``: one index get per key up to the first miss."""
         assert self.index is not None
-        mem = self._memtable(ns)  # before the snapshot (see _memtable)
+        mem = self._pending_for(ns, keys)  # before the snapshot (see _memtable)
         with self.index.read() as view:
             applied = view.applied().lsn
             pending = {k: m.location is not None for k, m in mem.items() if m.lsn > applied}
