@@ -194,7 +194,7 @@ def test_the_live_store_and_the_simulator_make_the_same_evictions(tmp_path, poli
     ops = list(tr.read_trace(log))
     assert evictions > 20 and sum(o["op"] == "evict" for o in ops) == evictions
     r = sim.simulate(ops, dram_bytes=0, ssd_bytes=8 * MiB, policy=policy, follow=True)
-    assert r["mismatches"] == []
+    assert r["mismatches"] == [] and r["ssd_evictions"] == evictions  # (it said 0: a new user's try)
     # twin: a trace whose evictions the policy would not have made is caught
     first = next(i for i, o in enumerate(ops) if o["op"] == "evict")
     ops[first] = {**ops[first], "key": "k89"}
@@ -349,3 +349,88 @@ def test_a_trace_of_puts_and_reads_during_an_eviction_replays_to_the_same_decisi
     assert r["evictions_checked"] > 0 and r["mismatches"] == [], r["mismatches"]
     assert [o["op"] for o in ops if o.get("key") == "fresh"] == ["put", "get"]
     assert r["ssd_hits"] == 2 and r["misses"] == 0  # (fresh, then k0 after the flush)
+
+
+def test_layers_streamed_are_reads_the_trace_and_the_disk_budget_see(tmp_path):
+    """A new user's try: ``stream_layers`` hits were neither traced nor told to the SSD budget's
+    policy, so an object read only layer by layer was evicted by LRU as if never read."""
+    import numpy as np
+
+    kv = KVCache(np.ones((4, 2, 2, 64, 64), np.float16))
+    kept = {}
+    for how in ("get", "stream"):
+        log = str(tmp_path / f"{how}.jsonl")
+        with tierstore.open(str(tmp_path / how), ssd_bytes="4MiB", ssd_policy="lru", trace_to=log,
+                            durability="none") as s:
+            for i in range(12):
+                s.put(f"k{i}", kv)
+            for i in range(12, 40):
+                if how == "get":
+                    s.get("k0")
+                else:
+                    assert [lid for lid, _ in s.stream_layers("k0")] == [0, 1, 2, 3]
+                s.put(f"k{i}", kv)
+                s.flush()
+            kept[how] = s.contains("k0")
+            gets = s.stats()["counters"]["gets"]
+        hits = [o for o in lines(log) if o["op"] == "get"]
+        assert len(hits) == 28 and all(o["hit"] and o["key"] == "k0" and o["tokens"] == 64 for o in hits)
+        assert gets >= 28
+    assert kept == {"get": True, "stream": True}
+
+
+def test_hostile_traces_and_arguments_are_bad_input_not_tracebacks(tmp_path, capsys):
+    """From a new user's try of simulate: each of these ended in a traceback (exit 1, no JSON)
+    or was accepted."""
+    t = tmp_path / "t.jsonl"
+    for body, why in (('{"op":"get","ns":"\\ud800","key":"k"}\n', ":1: ns is not UTF-8"),
+                      ('{"op":"put","ns":"a","key":"k\\udfff","bytes":1}\n', ":1: key is not UTF-8"),
+                      ('{"op":"drop","session":"\\ud800"}\n', ":1: session is not UTF-8")):
+        t.write_text(body)
+        assert cli(["simulate", "--trace", str(t), "--json"]) == 2
+        assert why in json.loads(capsys.readouterr().out)["error"]
+    t.write_bytes(b'{"op":"put","ns":"a","key":"k","bytes":10}\n\n\xff\xfe\n')
+    assert cli(["simulate", "--trace", str(t), "--json"]) == 2
+    assert ":3: not a trace line (not UTF-8" in json.loads(capsys.readouterr().out)["error"]
+    good = tmp_path / "good.jsonl"  # twin: a valid trace replays
+    good.write_text('{"op":"put","ns":"a","key":"k","bytes":10}\n{"op":"get","ns":"a","key":"k"}\n')
+    for share in ("nan%", "inf%", "1e400%", "-inf%"):
+        for tier in ("--ssd", "--dram"):
+            assert cli(["simulate", "--trace", str(good), f"{tier}={share}", "--json"]) == 2
+            assert "a share is a number" in json.loads(capsys.readouterr().out)["error"]
+    for models in ("a=inf", "a=1e400", "a=nan"):
+        assert cli(["simulate", "--trace", str(good), "--models", models, "--json"]) == 2
+        capsys.readouterr()
+    assert cli(["simulate", "--trace", str(good), "--policy", "lru", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["gets"] == 1
+    # --save that cannot be written is a bad argument (exit 2), found before the trace is made
+    assert cli(["simulate", "--generate", "agent", "--save", str(tmp_path / "no" / "x.jsonl"), "--json"]) == 2
+    assert "--save" in json.loads(capsys.readouterr().out)["error"]
+    sg = tmp_path / "sg.json"
+    for value in ("null", "3", "[1, 2]"):
+        sg.write_text('[{"conversations": [{"from": "human", "value": ' + value + '}]}]')
+        assert cli(["simulate", "--sharegpt", str(sg), "--json"]) == 2
+        assert "a turn's value is its text" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_trace_ends_at_its_truncated_line_for_the_reader_and_for_a_reopen(tmp_path, caplog):
+    path, log = str(tmp_path / "s"), str(tmp_path / "trace.jsonl")
+    with tierstore.open(path, trace_to=log, trace_bytes=300) as s:
+        for i in range(10):
+            s.put(f"k{i}", Blob(b"v"))
+    size = os.path.getsize(log)
+    assert lines(log)[-1]["op"] == "truncated"
+    for bound in (300, 10_000):  # a reopen, with the same bound or a larger one, adds nothing after it
+        with caplog.at_level(logging.WARNING, logger="tierstore.trace"), \
+                tierstore.open(path, trace_to=log, trace_bytes=bound) as s:
+            s.get("k0")
+        assert os.path.getsize(log) == size and any("already ended" in m for m in caplog.messages)
+    with open(log, "a") as f:  # lines after a truncated one (written by hand) are not replayed
+        f.write('{"op":"get","ns":"default","key":"k0"}\n')
+    ops = list(tr.read_trace(log))
+    assert ops[-1]["op"] == "truncated" and not any(o["op"] == "get" for o in ops)
+    os.unlink(log)  # twin: a trace that did not end goes on after a reopen
+    for _ in range(2):
+        with tierstore.open(path, trace_to=log) as s:
+            s.get("k0")
+    assert [o["op"] for o in lines(log)] == ["get", "get"]

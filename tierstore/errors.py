@@ -87,6 +87,11 @@ class NotFound(TierstoreError, KeyError):
     def hint(self, value: str | None) -> None:
         self._hint_from, self._hint = None, value
 
+    def rehint(self, hint_from: Callable[[], str | None]) -> None:
+        """Work the hint out with ``hint_from`` instead (when read): a scoped handle's misses name
+        only the namespaces it may read."""
+        self._hint_from, self._hint = hint_from, None
+
 
 class StoreNotFound(TierstoreError, FileNotFoundError):
     """No store exists at the path and ``create=False`` was given."""

@@ -76,6 +76,7 @@ from .tiers.capacity import (
 )
 from .tiers.config import TIER_OPTIONS, tier_options
 from .tiers.hierarchy import Hierarchy, wanted_extents
+from .tiers.policy import session_id
 from .tiers.remote import (
     REMOTE_OPTIONS,
     Remote,
@@ -133,6 +134,11 @@ def cache_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
     if not engine.may_have_refs:
         return ()
     return tuple(s for s in engine.sessions_of(ns, k) if s != fmt.ANCHOR_SESSION)
+
+
+def policy_sessions(engine: Engine, ns: bytes, k: bytes) -> tuple[bytes, ...]:
+    """``cache_sessions`` as the tiers' policies know them (``policy.session_id``)."""
+    return tuple(session_id(ns, s) for s in cache_sessions(engine, ns, k))
 
 
 # engines (shared by a process's handles on a store) with a writable remote tier -> the fd of their
@@ -326,7 +332,7 @@ class Store:
                                    options=self.options, io=_io, dram_tier=tiers["dram_bytes"] is not None,
                                    agree=budget_settings(capacity))
         try:
-            self._tiers = Hierarchy(self._engine, sessions=functools.partial(cache_sessions, self._engine), **tiers)
+            self._tiers = Hierarchy(self._engine, sessions=functools.partial(policy_sessions, self._engine), **tiers)
             if capacity is not None and not readonly:  # a read-only handle evicts nothing
                 self._capacity = Capacity(self._engine, pinned=self._tiers.pinned, transcode=self._lossy_copy,
                                           **capacity)
@@ -1019,7 +1025,7 @@ class Store:
         if self._tiers is not None:
             for t in self._tiers.tiers().values():
                 with t.lock:
-                    t.policy.session_ended(sess)
+                    t.policy.session_ended(session_id(ns, sess))
         if where is not None:
             engine.settle(where)
         self._remote_deleted(ns, gone)
@@ -1802,7 +1808,7 @@ class Store:
         t = self._cache_tier(tier)
         sess = encode_session(session)
         with t.lock:
-            t.policy.session_active(sess)
+            t.policy.session_active(session_id(encode_namespace(namespace), sess))
         for w in self._watchers:
             w.session_active(encode_namespace(namespace), sess)
         ns = encode_namespace(namespace)
@@ -1836,11 +1842,19 @@ class Store:
         start = hdr.meta["layer_start"]
         count = hdr.meta["shape"][0]
         pos = list(range(count)) if layers is None else blk.select_layers(layers, start, count)
+        counters = self._counters
+        counters["gets"] += 1  # (a read: the policies and a trace are told, as of a get)
+        for w in self._watchers:
+            w.touched(hdr.namespace, hdr.key, hdr.record_len, tokens_of(hdr))
 
         def read_layer(lid: int) -> Any:
             if fetched is not None:  # (the whole record, fetched and checked once)
-                return self._read_fetched(fetched, ns, layers=lid, rows=None, device=device, out=None).data[0]
-            return self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None, device=device)[0].data[0]
+                data = self._read_fetched(fetched, ns, layers=lid, rows=None, device=device, out=None).data[0]
+            else:
+                data = self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None,
+                                  device=device)[0].data[0]
+            counters["bytes_read"] += sum(hdr.extent_lengths[i] for i in wanted_extents(hdr, lid, None))
+            return data
 
         assert self._tiers is not None
         return self._streamed(self._tiers.stream([start + p for p in pos], read_layer))

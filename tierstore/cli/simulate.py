@@ -9,6 +9,7 @@ It owns the command's arguments and output; the replay is ``tiers.simulate``, th
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -28,8 +29,8 @@ def tier_size(text: str, data: int, name: str) -> int:
             share = float(text[:-1]) / 100.0
         except ValueError:
             raise InvalidObject(f"--{name}: a size like 4GiB or a share like 10%, got {text!r}") from None
-        if share < 0:
-            raise InvalidObject(f"--{name}: a share must not be negative, got {text!r}")
+        if not math.isfinite(share) or share < 0:
+            raise InvalidObject(f"--{name}: a share is a number from 0%, got {text!r}")
         return int(data * share)
     return 0 if text == "0" else parse_size(text, f"--{name}")
 
@@ -54,6 +55,11 @@ def load_ops(args: Any) -> tuple[list[dict[str, Any]], str]:
 
 
 def run(args: Any) -> dict[str, Any]:
+    if args.save:  # (before the trace is read or generated: a path that cannot be written is a bad argument)
+        try:
+            open(args.save, "a").close()  # (nothing written yet: an existing file is kept as it is)
+        except OSError as e:
+            raise InvalidObject(f"--save {args.save}: {e.strerror}", path=args.save) from None
     ops, source = load_ops(args)
     if args.save:
         with open(args.save, "w", encoding="utf-8") as f:
@@ -108,7 +114,7 @@ def parse_pairs(text: str, option: str, example: str, *, below: float | None = N
             value = float(number)
         except ValueError:
             value = -1.0
-        if not sep or not ns.strip() or not value > 0 or (below is not None and not value < below) \
+        if not sep or not ns.strip() or not 0 < value < math.inf or (below is not None and not value < below) \
                 or ns.strip() in out:
             bound = f" under {below:g}" if below is not None else ""
             raise InvalidObject(f"{option}: namespace=number pairs like {example} (each namespace once, each number "
@@ -150,8 +156,9 @@ def text(result: dict[str, Any]) -> None:
                 print(f"    evicted by the store {', '.join(m['store'])}; first in the policy's order "
                       f"{', '.join(m['policy'])}")
             if bad:
-                print("    (the replay follows the store only with its settings -- --ssd, --retain for retained "
-                      "namespaces, --models -- and a trace of one run: trace_to= appends to a file that exists)")
+                print("    (the replay follows the store only with its settings -- --retain for retained "
+                      "namespaces, --models -- and a trace of one run: trace_to= appends to a file that exists; "
+                      "--ssd does not matter: the trace's evict lines decide)")
     print("slow tier: bytes of reads that missed DRAM and SSD (recomputed, or fetched from a remote tier); "
           "miss seconds: what those misses cost (docs/placement.md, the cost model's C)")
 

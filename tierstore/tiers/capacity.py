@@ -280,7 +280,7 @@ class Capacity:
             for _, ns, k, nbytes, tokens in held:
                 if tokens:
                     self.policy.cost_hint((ns, k), tokens)
-                self.policy.admitted((ns, k), nbytes, tuple(sessions.get((ns, k), ())))
+                self.policy.admitted((ns, k), nbytes, tuple(pol.session_id(ns, s) for s in sessions.get((ns, k), ())))
                 self._known.add((ns, k))
 
     def _adopt(self) -> None:
@@ -347,7 +347,7 @@ class Capacity:
     def _admit(self, ns: bytes, k: bytes, nbytes: int, sessions: tuple[bytes, ...], tokens: int) -> None:
         if tokens:
             self.policy.cost_hint((ns, k), tokens)
-        self.policy.admitted((ns, k), nbytes, sessions)
+        self.policy.admitted((ns, k), nbytes, tuple(pol.session_id(ns, s) for s in sessions))
         if self.follower is not None:
             self.follower.admitted(ns, k, nbytes, sessions, tokens)
 
@@ -393,13 +393,13 @@ class Capacity:
 
     def session_active(self, ns: bytes, sess: bytes) -> None:
         with self._policy_lock:
-            self.policy.session_active(sess)
+            self.policy.session_active(pol.session_id(ns, sess))
             if self.follower is not None:
                 self.follower.session_active(ns, sess)
 
     def session_ended(self, ns: bytes, sess: bytes) -> None:
         with self._policy_lock:
-            self.policy.session_ended(sess)
+            self.policy.session_ended(pol.session_id(ns, sess))
             if self.follower is not None:
                 self.follower.session_ended(ns, sess)
 
@@ -1003,7 +1003,7 @@ class Capacity:
                     with self._policy_lock:
                         if tokens:
                             self.policy.cost_hint(key, tokens)
-                        self.policy.readmitted(key, n, sessions)  # (a copy is not a use)
+                        self.policy.readmitted(key, n, tuple(pol.session_id(ns, s) for s in sessions))  # (not a use)
                         if self.follower is not None:
                             self.follower.downtiered(ns, k, n, tokens, sessions)
                 taken += n
@@ -1032,7 +1032,7 @@ class Capacity:
                 self._known.add(key)
                 if tokens:  # (priced as every admission is: by the tokens it holds)
                     self.policy.cost_hint(key, tokens)
-                self.policy.readmitted(key, loc.header.record_len, sessions)
+                self.policy.readmitted(key, loc.header.record_len, tuple(pol.session_id(key[0], s) for s in sessions))
 
     # -- figures --------------------------------------------------------------------------------
 

@@ -9,8 +9,10 @@ at all, before a promotion is tried.  ``tier.Tier`` does the capacity accounting
 pinned entries; nothing here does I/O.  Policies are not thread-safe on their own: a Tier
 calls them under its lock.
 
-Entry keys are opaque hashable values; ``sessions`` are the session ids (bytes) holding a
-reference on the object (SPEC.md §5.4), empty for an object put without a session.
+Entry keys are opaque hashable values; ``sessions`` are the sessions (``session_id``: the
+namespace and the session's name, bytes) holding a reference on the object (SPEC.md §5.4),
+empty for an object put without a session.  Two namespaces' sessions of one name are two
+sessions: one tenant's ``drop_session`` or ``prefetch_session`` never moves another's objects.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from ..errors import InvalidObject
+
+
+def session_id(ns: bytes, sess: bytes) -> bytes:
+    """A session as policies know it: the namespace's length, the namespace, the session's
+    name (as reference keys spell them, SPEC.md §5.4: one spelling per pair, none shared)."""
+    return bytes((len(ns),)) + ns + sess
 
 
 class Policy:

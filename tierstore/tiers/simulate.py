@@ -243,6 +243,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
             ssd.remove(k)
             if dram is not None:
                 dram.remove(k)
+        ssd.evictions += n  # (the store's evictions, replayed)
         pending_evicts.clear()
 
     for i, op in enumerate(ops):
@@ -256,7 +257,7 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         if kind == "put":
             nbytes, tokens = int(op.get("bytes", 0)), int(op.get("tokens", 0))
             sizes[key] = (nbytes, tokens)
-            sess = (op["session"].encode("utf-8"),) if op.get("session") else ()
+            sess = (pol.session_id(key[0], op["session"].encode("utf-8")),) if op.get("session") else ()
             sessions[key] = sess
             store(key, nbytes, tokens, sess)
         elif kind == "get":
@@ -296,11 +297,12 @@ def simulate(ops: Iterable[dict[str, Any]], *, dram_bytes: int, ssd_bytes: int, 
         elif kind == "downtier" and follow:  # the store kept a lossy copy of what it just evicted
             n, tokens = int(op.get("bytes", 0)), int(op.get("tokens", 0))
             ssd.remove(key)  # the store admits a copy with every session that references it
-            ssd.hold(key, n, tokens, tuple(x.encode("utf-8") for x in op.get("sessions", ())), use=False)
+            ssd.hold(key, n, tokens, tuple(pol.session_id(key[0], x.encode("utf-8")) for x in op.get("sessions", ())),
+                     use=False)
             lossy.add(key)
             f["bytes_written_ssd"] += n
         elif kind in ("session", "drop"):
-            sess_id = op["session"].encode("utf-8")
+            sess_id = pol.session_id(op["ns"].encode("utf-8"), op["session"].encode("utf-8"))
             for t in (ssd, dram):
                 if t is not None:
                     (t.policy.session_active if kind == "session" else t.policy.session_ended)(sess_id)

@@ -61,6 +61,17 @@ def key_fields(k: bytes) -> dict[str, str]:
         return {"key_hex": k.hex()}
 
 
+def _ends_truncated(path: str) -> bool:
+    """Whether the trace file's last line is a ``truncated`` line (a recording that ended)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 256))
+            tail = f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        return json.loads(tail).get("op") == "truncated"
+    except (OSError, ValueError, AttributeError):  # (not readable, or not a trace line: it did not end so)
+        return False
+
+
 class TraceWriter:
     """Appends one line per operation to ``path``; thread-safe.  Told what a handle does by
     the same calls as the SSD budget (``admitted``, ``touched``, ``missed``, ``removed``,
@@ -74,10 +85,13 @@ class TraceWriter:
         except OSError as e:
             raise InvalidObject(f"trace_to={path!r}: {e.strerror}", path=path) from None
         self._written = self._file.tell()
-        self.truncated = self._written >= max_bytes
+        ended = self._written > 0 and _ends_truncated(path)
+        self.truncated = self._written >= max_bytes or ended
         if self.truncated:  # (the bound counts what the file holds: a reopen adds nothing)
-            _log.warning("trace_to=%s already holds %d bytes, trace_bytes=%d: nothing more is traced (move the "
-                         "file away, or raise trace_bytes)", path, self._written, max_bytes)
+            _log.warning("trace_to=%s %s: nothing more is traced (move the file away%s)", path,
+                         "already ended at its size bound (a truncated line)" if ended else
+                         f"already holds {self._written} bytes, trace_bytes={max_bytes}",
+                         "" if ended else ", or raise trace_bytes")
 
     def _write(self, fields: dict[str, Any]) -> None:
         line = json.dumps({"t": round(time.time(), 6), **fields}, separators=(",", ":")) + "\n"
@@ -135,8 +149,12 @@ def read_trace(path: str) -> Iterator[dict[str, Any]]:
     """The operations of a trace file, checked: InvalidObject naming the line on anything that
     is not a trace line (JSON object, known ``op``, ``ns`` and a key where the op needs them)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidObject(f"{path}:{n}: not a trace line (not UTF-8 text)", path=path) from None
                 if not line.strip():
                     continue
                 try:
@@ -144,15 +162,29 @@ def read_trace(path: str) -> Iterator[dict[str, Any]]:
                 except ValueError as e:
                     raise InvalidObject(f"{path}:{n}: not JSON ({e})", path=path) from None
                 yield check_op(op, f"{path}:{n}")
-    except UnicodeDecodeError:
-        raise InvalidObject(f"{path}: not a trace (not UTF-8 text)", path=path) from None
+                if op["op"] == "truncated":
+                    return  # (the recording stopped there: nothing after it was recorded)
     except OSError as e:
         raise InvalidObject(f"{path}: cannot read the trace ({e.strerror})", path=path) from None
+
+
+def _utf8(value: Any) -> bool:
+    """A JSON string that is UTF-8 text (JSON may hold lone surrogates, which no name is)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_op(op: Any, where: str) -> dict[str, Any]:
     if not isinstance(op, dict) or op.get("op") not in OPS:
         raise InvalidObject(f"{where}: a trace line is a JSON object with op one of {', '.join(OPS)}")
+    for f in ("ns", "key", "session"):
+        if isinstance(op.get(f), str) and not _utf8(op[f]):
+            raise InvalidObject(f"{where}: {f} is not UTF-8 text (a lone surrogate): {op[f][:40]!r}")
+    if isinstance(op.get("sessions"), list) and not all(_utf8(x) for x in op["sessions"] if isinstance(x, str)):
+        raise InvalidObject(f"{where}: a session of sessions is not UTF-8 text (a lone surrogate)")
     if op["op"] in ("put", "get", "delete", "evict", "downtier"):
         keyed = isinstance(op.get("key"), str) != isinstance(op.get("key_hex"), str)
         if not isinstance(op.get("ns"), str) or not keyed:

@@ -191,6 +191,10 @@ def sharegpt(path: str, *, zipf_a: float = 1.0, seed: int = 0, chunk_tokens: int
     for item in data[:limit]:
         turns = item.get("conversations") if isinstance(item, dict) else None
         if isinstance(turns, list):
+            if any(isinstance(t, dict) and not isinstance(t.get("value", ""), str) for t in turns):
+                bad = next(t["value"] for t in turns if isinstance(t, dict) and not isinstance(t.get("value", ""), str))
+                raise InvalidObject(f"{path}: conversation {len(convs) + 1}: a turn's value is its text (a string), "
+                                    f"got {type(bad).__name__}", path=path)
             lens = [len(t.get("value", "")) // CHARS_PER_TOKEN for t in turns if isinstance(t, dict)]
             if lens:
                 convs.append(lens)
