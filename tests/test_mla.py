@@ -127,3 +127,49 @@ def test_a_store_an_older_minor_began_gets_a_new_segment_before_any_append(store
     with tierstore.open(store_path) as s:  # a store this version began: appends go on in place
         s.put("d", MLACache(latent))
         assert s.info("d").segment == s.info("c").segment
+
+
+def test_layer_selections_are_ids_never_truncated_floats(store_path, latent):
+    """From a new user's try: ``layers=[1.5]`` read layer 1 (``int()`` of each item), ``[True]``
+    layer 1; a slice's open start meant id 0, so ``slice(None, None)`` of an object stored from
+    layer 5 was refused."""
+    with tierstore.open(store_path) as s:
+        s.put("m", MLACache(latent, layer_start=5))
+        for bad in ([6.5], [True], [5.0], ["6"], slice(5.5, 7), slice(None, 7.0)):
+            with pytest.raises(InvalidObject, match="layers"):
+                s.get("m", layers=bad)
+            with pytest.raises(InvalidObject, match="layers"):
+                list(s.stream_layers("m", layers=bad))
+        for sel, ids in ((slice(None, None), [5, 6, 7, 8]), (slice(-2, None), [7, 8]), (slice(6, 8), [6, 7]),
+                         ([np.int64(6), 7], [6, 7]), (range(5, 7), [5, 6]), (8, [8])):
+            got = s.get("m", layers=sel)
+            assert got.layer_start == ids[0] and np.array_equal(got.data, latent[ids[0] - 5 : ids[-1] - 4])
+            assert [lid for lid, _ in s.stream_layers("m", layers=sel)] == ids
+
+
+def test_layer_ids_past_2_63_are_refused_before_anything_is_written(store_path, latent):
+    """``layer_start`` of 2^64 failed inside msgpack (OverflowError); ids past 2^64 were stored."""
+    kv = np.zeros((2, 2, 1, 4, 8), np.float16)
+    with tierstore.open(store_path) as s:
+        for obj in (MLACache(latent[:3], layer_start=2**64 - 1), MLACache(latent[:1], layer_start=2**63),
+                    tierstore.KVCache(kv, layer_start=2**64), tierstore.KVCache(kv, layer_start=2**63 - 1)):
+            with pytest.raises(InvalidObject, match="2\\^63"):
+                s.put("m", obj)
+        assert s.keys() == []
+        s.put("top", MLACache(latent[:2], layer_start=2**63 - 2))  # twin: the largest ids fit
+        assert [lid for lid, _ in s.stream_layers("top")] == [2**63 - 2, 2**63 - 1]
+
+
+def test_a_codec_can_be_evaluated_on_an_mla_sample(latent):
+    from tierstore.codecs import evaluate
+
+    for sample, kind in ((latent, None), (MLACache(latent), None), (latent, "mla")):
+        r = evaluate("int8", sample, kind=kind)
+        assert not r["bit_exact"] and 0 < r["rel_l2"] < 0.02 and r["ratio"] > 1.9
+        assert evaluate("zstd", sample, kind=kind)["bit_exact"]
+    with pytest.raises(InvalidObject, match="no codec 'int4' for mla"):
+        evaluate("int4", latent)
+    with pytest.raises(InvalidObject, match="got shape"):
+        evaluate("int8", latent, kind="kv")
+    with pytest.raises(InvalidObject, match="kind="):
+        evaluate("int8", MLACache(latent), kind="vectors")

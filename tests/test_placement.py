@@ -100,7 +100,8 @@ def test_read_trace_names_the_bad_line_and_reads_a_good_file(tmp_path):
             list(tr.read_trace(str(bad)))
     good = tmp_path / "good.jsonl"  # twin: a valid file reads
     good.write_text('{"op": "put", "ns": "a", "key": "k", "bytes": 10, "session": "s"}\n\n'
-                    '{"op": "session", "session": "s"}\n{"op": "get", "ns": "a", "key_hex": "6b", "hit": true}\n')
+                    '{"op": "session", "ns": "a", "session": "s"}\n'
+                    '{"op": "get", "ns": "a", "key_hex": "6b", "hit": true}\n')
     assert [o["op"] for o in tr.read_trace(str(good))] == ["put", "session", "get"]
 
 

@@ -1691,3 +1691,25 @@ def test_fsck_remote_without_permission_to_read_every_key_is_remote_down_not_dam
     tier = RemoteTier(f"redis://ro:pw@127.0.0.1:{server.port}/0", origin=bytes(16), policy="read-only")
     assert tier.verify(b"m")["values"] == 3  # the twin: what it may read is checked
     tier.close(0)
+
+
+def test_layers_streamed_from_the_server_count_one_read(tmp_path, server):
+    """stream_layers of an object only the server holds: one get, its layers' bytes once, one
+    trace line (each layer counted as a get of the whole record, then the call once more: 5
+    gets, the bytes twice, 5 trace lines -- a cold review)."""
+    x = kv(0)
+    a = node(tmp_path, "a", server.url)
+    b = node(tmp_path, "b", server.url, trace_to=str(tmp_path / "b.jsonl"))
+    try:
+        a.put(b"h", tierstore.KVCache(x), namespace="m")
+        a.flush()
+        before = dict(b.stats()["counters"])
+        got = [layer for _, layer in b.stream_layers(b"h", namespace="m")]
+        after = b.stats()["counters"]
+        assert np.array_equal(np.stack([np.asarray(g) for g in got]), x)
+        assert after["gets"] - before["gets"] == 1 and after["bytes_read"] - before["bytes_read"] == x.nbytes
+    finally:
+        b.close()
+        a.close()
+    with open(tmp_path / "b.jsonl") as f:
+        assert sum('"op":"get"' in line for line in f) == 1

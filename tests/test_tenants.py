@@ -89,26 +89,50 @@ def test_one_tenants_sessions_never_move_another_tenants_objects_in_the_eviction
         assert alone["b"] == 10 and alone["c"] < 10  # (b's session is the active one)
 
 
-def test_a_handle_releases_only_the_pins_it_took(store_path):
+def test_a_tenant_releases_only_the_pins_it_took(store_path):
     with tierstore.open(store_path, dram_bytes=MiB) as s:
         s.put("prompt", Blob(b"p" * 1000), namespace="system")
         a = s.namespace("tenant-a", shared=["system"])
         b = s.namespace("tenant-b", shared=["system"], readonly=True)
         for _ in range(2):  # before and after a's pin: b learns nothing, releases nothing
-            with pytest.raises(tierstore.InvalidObject, match="this handle holds no pin"):
+            with pytest.raises(tierstore.InvalidObject, match="'tenant-b' holds no pin"):
                 b.unpin("prompt", namespace="system")
             a.pin("prompt", namespace="system")
         a.unpin(b"prompt", namespace="system")  # (a bytes key is the same key)
         with b.pinned("prompt", namespace="system"):
-            a.unpin("prompt", namespace="system")  # a's second pin
+            # a handle made per request: the tenant's pin taken through another handle is its own
+            s.namespace("tenant-a", shared=["system"]).unpin("prompt", namespace="system")
             with pytest.raises(tierstore.InvalidObject):
                 a.unpin("prompt", namespace="system")
             assert s.stats()["tiers"]["dram"]["pinned_objects"] == 1
         assert s.stats()["tiers"]["dram"]["pinned_objects"] == 0  # b's pin went with its block
         with pytest.raises(tierstore.NotFound):
             a.pin("missing")
-        with pytest.raises(tierstore.InvalidObject):
+        with pytest.raises(tierstore.InvalidObject, match="holds no pin"):
             a.unpin("missing")  # a failed pin is not held
+        with pytest.raises(tierstore.InvalidObject, match="tier must be one of"):
+            a.unpin("prompt", namespace="system", tier="bogus")
+
+
+def test_a_full_tier_or_a_failed_future_tells_a_tenant_nothing_of_the_others(store_path):
+    """Pins and prefetches into a full DRAM tier: the tier's StoreFull named the pinned bytes
+    (another tenant's) through a handle's ``pin``, ``pinned`` and ``prefetch``'s Future."""
+    with tierstore.open(store_path, dram_bytes=MiB) as s:
+        bob, alice = s.namespace("tenant-bob"), s.namespace("tenant-alice")
+        bob.put("big", Blob(os.urandom(700_000)))
+        bob.pin("big")
+        alice.put("mine", Blob(os.urandom(700_000)))
+        for call in (lambda: alice.pin("mine"), lambda: alice.prefetch(["mine"]).result(timeout=60)):
+            with pytest.raises(tierstore.StoreFull) as e:
+                call()
+            assert "700" not in str(e.value) and "pinned" not in str(e.value) and e.value.namespace == "tenant-alice"
+        with pytest.raises(tierstore.StoreFull) as owner:  # the store's owner sees the figures
+            s.pin("mine", namespace="tenant-alice")
+        assert "pinned" in str(owner.value)
+        with pytest.raises(tierstore.NotFound) as miss:  # a Future's miss is scoped as a call's
+            bob.prefetch(["mine"]).result(timeout=60)
+        assert miss.value.hint is None
+        assert alice.put_async("k", Blob(b"x")).result(timeout=60) is None  # twin: a Future that succeeds
 
 
 def test_a_full_store_tells_a_tenant_nothing_of_the_others(store_path):

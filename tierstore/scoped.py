@@ -13,46 +13,58 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .errors import AccessDenied, InvalidObject, NotFound, ReadOnlyError, StoreFull
 from .names import check_namespace, encode_key
 from .objects import Blob, KVCache, ObjectInfo, Vectors
+from .tiers.hierarchy import CACHE_TIERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _reads(fn: F) -> F:
-    """A read: a miss's hint names only namespaces this handle may read (the Store's names any)."""
+def _scoped(fn: F) -> F:
+    """What comes back from the Store names no other tenant: a miss's hint names only
+    namespaces this handle may read, a ``StoreFull`` gives none of the store's figures (other
+    tenants' pinned bytes, retained namespaces' names: the operator's, in ``Store.stats()``),
+    and so do the exceptions of a Future it returns (``prefetch``, ``put_async``)."""
 
     @functools.wraps(fn)
-    def read(self: "NamespaceHandle", *args: Any, **kwargs: Any) -> Any:
+    def call(self: "NamespaceHandle", *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs)
         except NotFound as e:
-            e.rehint(functools.partial(self._held_where, e.key, e.namespace))
-            raise
-
-    return read  # type: ignore[return-value]
-
-
-def _writes(fn: F) -> F:
-    """A write: a full store is told without the store's figures (other tenants' bytes, pins,
-    retained namespaces' names) -- those are for the store's operator (``Store.stats()``)."""
-
-    @functools.wraps(fn)
-    def write(self: "NamespaceHandle", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
+            raise self._scoped_error(e) from None
         except StoreFull as e:
-            raise StoreFull(("the store's index cannot grow now: the write is kept and applied once there is room"
-                             if e.index_full else "the store has no room for this write"), namespace=self.name,
-                            index_full=e.index_full,
-                            hint="delete objects of this namespace, or ask the store's operator for room") from None
+            raise self._scoped_error(e) from None
+        return self._scoped_future(out) if isinstance(out, Future) else out
 
-    return write  # type: ignore[return-value]
+    return call  # type: ignore[return-value]
+
+
+class TenantPins:
+    """The pins each tenant took through its handles (one ledger per Store): a tenant releases
+    only its own, whichever handle of it took them.  ``Store.unpin`` does not see it."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str, bytes, str], int] = {}  # (tenant, namespace, key, tier) -> pins
+        self._lock = threading.Lock()
+
+    def took(self, pid: tuple[str, str, bytes, str]) -> None:
+        with self._lock:
+            self._held[pid] = self._held.get(pid, 0) + 1
+
+    def release(self, pid: tuple[str, str, bytes, str]) -> bool:
+        """Take one of the tenant's pins off the ledger; False if it holds none."""
+        with self._lock:
+            held = self._held.get(pid, 0)
+            if held <= 1:
+                self._held.pop(pid, None)
+            else:
+                self._held[pid] = held - 1
+            return held > 0
 
 
 class NamespaceHandle:
@@ -69,7 +81,8 @@ class NamespaceHandle:
     method of the same name, scoped.
     """
 
-    def __init__(self, store: Any, namespace: str, *, shared: Iterable[str] = (), readonly: bool = False) -> None:
+    def __init__(self, store: Any, namespace: str, *, shared: Iterable[str] = (), readonly: bool = False,
+                 pins: TenantPins | None = None) -> None:
         check_namespace(namespace)
         if isinstance(shared, (str, bytes)):  # one name, not its letters
             raise InvalidObject(f"shared must be a list of namespace names, got the string {shared!r}",
@@ -82,8 +95,7 @@ class NamespaceHandle:
         self._store = store
         self.name = namespace
         self.readonly = readonly or bool(getattr(store, "readonly", False))  # (over a read-only store: too)
-        self._pins: dict[tuple[str, bytes, str], int] = {}  # (namespace, key, tier) -> pins this handle holds
-        self._pins_lock = threading.Lock()
+        self._pins = pins if pins is not None else TenantPins()  # (the Store's: shared by a tenant's handles)
 
     @property
     def shared(self) -> frozenset[str]:
@@ -102,6 +114,36 @@ class NamespaceHandle:
         if namespace in self._shared:
             return namespace
         raise AccessDenied(f"this handle may not read namespace {namespace!r}", namespace=namespace)
+
+    def _scoped_error(self, e: Exception) -> Exception:
+        """``e`` (NotFound or StoreFull from the Store) as this handle may tell it."""
+        if isinstance(e, NotFound):
+            e.rehint(functools.partial(self._held_where, e.key, e.namespace))
+            return e
+        assert isinstance(e, StoreFull)
+        what = ("the store's index cannot grow now: the write is kept and applied once there is room"
+                if e.index_full else "the store has no room for this (a disk budget, a cache tier or the disk is full)")
+        return StoreFull(what, namespace=self.name, index_full=e.index_full, errno=getattr(e, "errno", None),
+                         hint="delete objects of this namespace, or ask the store's operator for room")
+
+    def _scoped_future(self, fut: Future) -> Future:
+        """A Future of the Store's, its exception scoped as the handle's own calls' are."""
+        out: Future = Future()
+
+        def settle(f: Future) -> None:
+            try:
+                if f.cancelled():
+                    out.cancel()
+                elif (e := f.exception()) is None:
+                    out.set_result(f.result())
+                else:
+                    out.set_exception(self._scoped_error(e) if isinstance(e, (NotFound, StoreFull)) else e)
+            except InvalidStateError:  # (the caller cancelled ours first)
+                pass
+
+        out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)
+        fut.add_done_callback(settle)
+        return out
 
     def _held_where(self, key: Any, asked: Any) -> str | None:
         """For a miss: the other namespaces this handle may read that hold ``key``."""
@@ -125,94 +167,84 @@ class NamespaceHandle:
 
     # -- reads -------------------------------------------------------------------------------
 
-    @_reads
+    @_scoped
     def get(self, key: str | bytes, *, namespace: str | None = None, layers: Any = None, rows: Any = None,
             device: str | None = None, out: Any = None) -> KVCache | Vectors | Blob:
         return self._store.get(key, namespace=self._read_ns(namespace), layers=layers, rows=rows, device=device,
                                out=out)
 
-    @_reads
+    @_scoped
     def get_many(self, keys: Any, *, namespace: str | None = None, layers: Any = None, rows: Any = None,
                  device: str | None = None, out: Any = None) -> list[Any]:
         return self._store.get_many(keys, namespace=self._read_ns(namespace), layers=layers, rows=rows,
                                     device=device, out=out)
 
-    @_reads
+    @_scoped
     def contains(self, key: str | bytes, *, namespace: str | None = None) -> bool:
         return self._store.contains(key, namespace=self._read_ns(namespace))
 
-    @_reads
+    @_scoped
     def contains_many(self, keys: Any, *, namespace: str | None = None) -> list[bool]:
         return self._store.contains_many(keys, namespace=self._read_ns(namespace))
 
     def __contains__(self, key: str | bytes) -> bool:
         return self.contains(key)
 
-    @_reads
+    @_scoped
     def keys(self, *, namespace: str | None = None, prefix: str | bytes | None = None,
              after: str | bytes | None = None, limit: int | None = None) -> list[str | bytes]:
         return self._store.keys(namespace=self._read_ns(namespace), prefix=prefix, after=after, limit=limit)
 
-    @_reads
+    @_scoped
     def sessions(self, *, namespace: str | None = None) -> list[str]:
         return self._store.sessions(namespace=self._read_ns(namespace))
 
-    @_reads
+    @_scoped
     def info(self, key: str | bytes, *, namespace: str | None = None) -> ObjectInfo:
         return self._store.info(key, namespace=self._read_ns(namespace))
 
-    @_reads
+    @_scoped
     def match_prefix(self, hashes: Any, *, namespace: str | None = None) -> int:
         return self._store.match_prefix(hashes, namespace=self._read_ns(namespace))
 
-    @_reads
+    @_scoped
     def session_keys(self, session: str, *, namespace: str | None = None) -> list[str | bytes]:
         return self._store.session_keys(session, namespace=self._read_ns(namespace))
 
     # -- cache tiers (reads: its own namespace and the shared ones) --------------------------
 
-    @_reads
+    @_scoped
     def prefetch(self, keys: Any, *, namespace: str | None = None, tier: str = "dram", layers: Any = None) -> Any:
         return self._store.prefetch(keys, namespace=self._read_ns(namespace), tier=tier, layers=layers)
 
-    @_reads
+    @_scoped
     def prefetch_session(self, session: str, *, tier: str = "dram") -> Any:
         return self._store.prefetch_session(session, namespace=self.name, tier=tier)
 
-    @_reads
+    @_scoped
     def stream_layers(self, key: str | bytes, *, namespace: str | None = None, device: str | None = None,
                       layers: Any = None) -> Iterator[tuple[int, Any]]:
         return self._store.stream_layers(key, namespace=self._read_ns(namespace), device=device, layers=layers)
 
-    @_reads
+    @_scoped
     def pin(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram", layers: Any = None) -> None:
-        """``Store.pin``, counted in this handle: ``unpin`` releases only pins this handle took."""
+        """``Store.pin``, on this tenant's ledger: ``unpin`` releases only pins the tenant took
+        (through this handle or another of the same namespace)."""
         ns = self._read_ns(namespace)
         self._store.pin(key, namespace=ns, tier=tier, layers=layers)
-        pid = (ns, encode_key(key)[0], tier)
-        with self._pins_lock:
-            self._pins[pid] = self._pins.get(pid, 0) + 1
+        self._pins.took((self.name, ns, encode_key(key)[0], tier))
 
+    @_scoped
     def unpin(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram") -> None:
-        """Release one pin this handle took (``InvalidObject`` if it holds none on the key: another
-        handle's pins are not this one's to release, nor to learn of)."""
+        """Release one pin this tenant took (``InvalidObject`` if it holds none on the key:
+        another tenant's pins are not this one's to release, nor to learn of)."""
         ns = self._read_ns(namespace)
-        pid = (ns, encode_key(key)[0], tier)
-        with self._pins_lock:
-            held = self._pins.get(pid, 0)
-            if not held:
-                raise InvalidObject(f"this handle holds no pin on {key!r} in namespace {ns!r} in the {tier} tier",
-                                    key=key, namespace=ns, hint="a handle releases the pins it took with pin()")
-            if held == 1:
-                del self._pins[pid]
-            else:
-                self._pins[pid] = held - 1
-        try:
-            self._store.unpin(key, namespace=ns, tier=tier)
-        except BaseException:
-            with self._pins_lock:
-                self._pins[pid] = self._pins.get(pid, 0) + 1
-            raise
+        if tier not in CACHE_TIERS:
+            raise InvalidObject(f"tier must be one of {', '.join(CACHE_TIERS)}, got {tier!r}")
+        if not self._pins.release((self.name, ns, encode_key(key)[0], tier)):
+            raise InvalidObject(f"namespace {self.name!r} holds no pin on {key!r} in namespace {ns!r} in the {tier} "
+                                f"tier", key=key, namespace=ns, hint="a tenant releases the pins it took with pin()")
+        self._store.unpin(key, namespace=ns, tier=tier)
 
     @contextmanager
     def pinned(self, key: str | bytes, *, namespace: str | None = None, tier: str = "dram",
@@ -226,31 +258,31 @@ class NamespaceHandle:
 
     # -- writes ------------------------------------------------------------------------------
 
-    @_writes
+    @_scoped
     def put(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str | None = None,
             meta: dict[str, Any] | None = None, session: str | None = None, codec: str | None = None) -> None:
         self._store.put(key, obj, namespace=self._write_ns(namespace), meta=meta, session=session, codec=codec)
 
-    @_writes
+    @_scoped
     def put_many(self, items: Any, *, namespace: str | None = None, session: str | None = None,
                  codec: str | None = None) -> None:
         self._store.put_many(items, namespace=self._write_ns(namespace), session=session, codec=codec)
 
-    @_writes
+    @_scoped
     def put_async(self, key: str | bytes, obj: KVCache | Vectors | Blob, *, namespace: str | None = None,
                   meta: dict[str, Any] | None = None, session: str | None = None,
                   codec: str | None = None) -> Future:
         return self._store.put_async(key, obj, namespace=self._write_ns(namespace), meta=meta, session=session,
                                      codec=codec)
 
-    @_writes
+    @_scoped
     def delete(self, key: str | bytes, *, namespace: str | None = None) -> bool:
         return self._store.delete(key, namespace=self._write_ns(namespace))
 
-    @_writes
+    @_scoped
     def delete_many(self, keys: Any, *, namespace: str | None = None) -> list[bool]:
         return self._store.delete_many(keys, namespace=self._write_ns(namespace))
 
-    @_writes
+    @_scoped
     def drop_session(self, session: str, *, namespace: str | None = None) -> int:
         return self._store.drop_session(session, namespace=self._write_ns(namespace))

@@ -65,7 +65,7 @@ from .names import (
     key_list,
 )
 from .objects import Blob, KVCache, MLACache, ObjectInfo, Vectors, stored_blob
-from .scoped import NamespaceHandle
+from .scoped import NamespaceHandle, TenantPins
 from .tiers.capacity import (
     CAPACITY_OPTIONS,
     RESERVE_SHARE,
@@ -316,6 +316,7 @@ class Store:
         self.readonly = readonly
         self.durability = durability
         self._dicts: dict[bytes, bytes] = {}  # zstd dictionaries read so far
+        self._tenant_pins = TenantPins()  # (the pins tenants took through their handles: Store.namespace)
         self._counters = {"puts": 0, "gets": 0, "deletes": 0, "bytes_written": 0, "bytes_read": 0, "dedup_puts": 0}
         self._deletes_begun = self._deletes_ended = 0  # deletes (and delete_many calls) of this handle: see
         # _cache_fetched
@@ -1066,7 +1067,7 @@ class Store:
         """A handle scoped to namespace ``name`` (a tenant's view): it reads and writes ``name``,
         reads the ``shared`` namespaces, and cannot name any other (``AccessDenied``)."""
         self._check_open()
-        return NamespaceHandle(self, name, shared=shared, readonly=readonly or self.readonly)
+        return NamespaceHandle(self, name, shared=shared, readonly=readonly or self.readonly, pins=self._tenant_pins)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -1317,8 +1318,9 @@ class Store:
             self._remote.count("not_cached")
 
     def _read_fetched(self, reader: Any, ns: bytes, *, layers: Any, rows: Any, device: str | None,
-                      out: Any) -> Any:
-        """An object (or its layers / rows) from a fetched record (checksums verified at fetch)."""
+                      out: Any, delivered: bool = True) -> Any:
+        """An object (or its layers / rows) from a fetched record (checksums verified at fetch);
+        ``delivered=False``: not counted as a get (``stream_layers`` counts its call once)."""
         hdr = reader.hdr
         out, device = _destination(hdr, layers, rows, out, device)
         dicts = None if hdr.codec == fmt.CODEC_RAW else functools.partial(self._dictionary, ns)
@@ -1326,7 +1328,7 @@ class Store:
         if out is not None and not isinstance(out, blk.LayerDest) and obj.data is not out:
             arrays.copy_into(out, obj.data)
             obj.data = out
-        return self._delivered(obj, Location(0, 0, hdr), layers, rows)
+        return self._delivered(obj, Location(0, 0, hdr), layers, rows) if delivered else obj
 
     def _remote_has(self, ns: bytes, ks: list[bytes], *, raise_down: bool = False, sound: bool = True) -> list[bool]:
         """Whether the remote holds an object (not a tombstone) for each key; False where it
@@ -1849,7 +1851,8 @@ class Store:
 
         def read_layer(lid: int) -> Any:
             if fetched is not None:  # (the whole record, fetched and checked once)
-                data = self._read_fetched(fetched, ns, layers=lid, rows=None, device=device, out=None).data[0]
+                data = self._read_fetched(fetched, ns, layers=lid, rows=None, device=device, out=None,
+                                          delivered=False).data[0]
             else:
                 data = self._read(key, namespace, ns, k, loc, same=True, layers=lid, rows=None,
                                   device=device)[0].data[0]

@@ -56,10 +56,12 @@ def load_ops(args: Any) -> tuple[list[dict[str, Any]], str]:
 
 def run(args: Any) -> dict[str, Any]:
     if args.save:  # (before the trace is read or generated: a path that cannot be written is a bad argument)
-        try:
-            open(args.save, "a").close()  # (nothing written yet: an existing file is kept as it is)
-        except OSError as e:
-            raise InvalidObject(f"--save {args.save}: {e.strerror}", path=args.save) from None
+        where = os.path.dirname(os.path.abspath(args.save))
+        why = ("its directory does not exist" if not os.path.isdir(where) else "it is a directory"
+               if os.path.isdir(args.save) else "it cannot be written"
+               if not os.access(args.save if os.path.exists(args.save) else where, os.W_OK) else None)
+        if why is not None:
+            raise InvalidObject(f"--save {args.save}: {why}", path=args.save)
     ops, source = load_ops(args)
     if args.save:
         with open(args.save, "w", encoding="utf-8") as f:

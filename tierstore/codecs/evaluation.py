@@ -16,19 +16,32 @@ from .registry import decode, encode, parse
 
 
 def evaluate(spec: str, sample: Any, *, kind: str | None = None, queries: Any = None) -> dict[str, Any]:
-    """Encode and decode ``sample`` (a KV chunk ``[layers, 2, H, T, D]`` or vectors ``[n, dim]``,
-    numpy, float16/bfloat16/float32) with codec ``spec``: ratio to the raw bytes, encode and
-    decode MB/s (of raw bytes, one thread), relative L2 error, max error over the declared
-    bound, and for KV the attention-output error ``|softmax(QK^T/sqrt d)V - exact| / |exact|``
-    (with ``queries`` ``[layers, H, T, D]``, else K as queries)."""
+    """Encode and decode ``sample`` (a KV chunk ``[layers, 2, H, T, D]``, an MLA latent cache
+    ``[layers, tokens, dim]`` or vectors ``[n, dim]``: a numpy array of float16/32/64, or a
+    ``KVCache`` / ``MLACache`` / ``Vectors`` holding one) with codec ``spec``: ratio to the raw
+    bytes, encode and decode MB/s (of raw bytes, one thread), relative L2 error, and for KV the
+    attention-output error ``|softmax(QK^T/sqrt d)V - exact| / |exact|`` (with ``queries``
+    ``[layers, H, T, D]``, else K as queries).  ``kind`` ("kv", "mla", "vectors") is read from
+    the object, else from the array's rank (5, 3, 2)."""
+    from ..objects import KVCache, MLACache, Vectors  # (the objects import the codecs)
+
+    if isinstance(sample, (KVCache, MLACache, Vectors)):
+        given = {KVCache: "kv", MLACache: "mla", Vectors: "vectors"}[type(sample)]
+        if kind is not None and kind != given:
+            raise InvalidObject(f"evaluate: kind={kind!r} given for a {type(sample).__name__}")
+        kind, sample = given, sample.data
     arr = np.asarray(sample)
-    kind = kind or ("kv" if arr.ndim == 5 else "vectors")
+    ranks = {"kv": 5, "mla": 3, "vectors": 2}
+    kind = kind or {5: "kv", 3: "mla", 2: "vectors"}.get(arr.ndim)
+    if kind not in ranks or arr.ndim != ranks[kind]:
+        raise InvalidObject(f"evaluate takes a KV chunk [layers, 2, H, T, D], an MLA cache [layers, tokens, dim] or "
+                            f"vectors [n, dim]; got shape {list(arr.shape)}" + (f" for kind={kind!r}" if kind else ""))
     choice = parse(spec, kind)
     dtype = {np.dtype("float16"): "float16", np.dtype("float32"): "float32",
              np.dtype("float64"): "float64"}.get(arr.dtype)
     if dtype is None:
         raise InvalidObject(f"evaluate takes float16/32/64 numpy samples, got {arr.dtype}")
-    parts = [arr[i] for i in range(arr.shape[0])] if kind == "kv" else [arr]
+    parts = [arr[i] for i in range(arr.shape[0])] if kind in ("kv", "mla") else [arr]
     exts = [Extent(kind, p.shape, dtype, i) for i, p in enumerate(parts)]
     raws = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts]
     t0 = time.perf_counter()

@@ -147,8 +147,8 @@ _ALL = [
           {"level": 1}),
     Codec(fmt.CODEC_KV_INT8, "int8", False, ("kv", "mla"),
           "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = absmax / 127 per channel over the chunk's tokens "
-          "(float16, rounded up); V (and an MLA latent): s <= 1.0906 * absmax / 127 per token (one-byte log scale, "
-          ">= 2^-22.5)",
+          "(float16, rounded up); V (and an MLA latent): s <= max(1.0906 * absmax / 127, 2^-22.5) per token "
+          "(one-byte log scale)",
           "1.96 (head_dim 32), 1.99 (128)"),
     Codec(fmt.CODEC_KV_INT4, "int4", False, ("kv",),
           "|x - x'| <= 0.5 * s + stored-dtype rounding, s = (max - min) / 15 (float16, rounded up) per group of 32: "

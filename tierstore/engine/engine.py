@@ -1318,9 +1318,13 @@ class Engine:
         mem_end = mem[-1][0] if limit is not None and sum(m.location is not None for _, m in mem) >= limit else None
         with self.index.read() as view:
             applied = view.applied().lsn
+            scanned = len(mem)
             mem = [(k, m) for k, m in mem if m.lsn > applied]
             gone = sum(1 for _, m in mem if m.location is None)  # (read as many more: they may be listed)
             found = view.keys(ns, prefix, after=after, limit=None if limit is None else limit + gone)
+        if self.readonly and len(mem) < scanned:  # (no committer forgets what the writer applied since)
+            with self._pending_lock:
+                self._mem.prune(ns, applied)
         index_end = found[-1][0] if limit is not None and len(found) == limit + gone and found else None
         ends = [e for e in (mem_end, index_end) if e is not None]
         exact_to = min(ends) if ends else None

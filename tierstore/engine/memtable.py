@@ -101,6 +101,17 @@ class Memtable:
         else:
             del sp.fresh[k]  # (dropped before a listing sorted it in)
 
+    def prune(self, ns: bytes, applied: int) -> int:
+        """Forget ``ns``'s records at or below LSN ``applied`` (the index holds them): a read-only
+        handle's memtable, which no committer empties; how many went."""
+        sp = self._spaces.get(ns)
+        if sp is None:
+            return 0
+        gone = [k for k, m in sp.live.items() if m.lsn <= applied]
+        for k in gone:
+            self.drop(ns, k)
+        return len(gone)
+
     def namespaces(self) -> list[bytes]:
         """The namespaces holding unapplied records."""
         return list(self._spaces)

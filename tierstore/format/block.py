@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -104,6 +105,9 @@ def encode_block(obj: Any, user_meta: dict[str, Any] | None, *, vector_extent_by
     else:
         raise InvalidObject(f"expected a KVCache, MLACache, Vectors or Blob, got {type(obj).__name__}",
                             hint="wrap arrays as tierstore.KVCache(kv) / tierstore.Vectors(emb) / tierstore.Blob(b)")
+    if kind in fmt.LAYERED_KINDS and meta["layer_start"] + meta["shape"][0] > fmt.LAYER_ID_LIMIT:
+        raise InvalidObject(f"layer ids past 2^63 - 1: layer_start {meta['layer_start']} and "
+                            f"{meta['shape'][0]} layers (SPEC.md §5.2)")
     if user_meta:
         meta["meta"] = user_meta
     return Block(kind, meta, extents, align, logical, keep)
@@ -175,15 +179,20 @@ def select_layers(layers: Any, start: int, count: int) -> list[int]:
     elif isinstance(layers, slice):
         if layers.step == 0:
             raise InvalidObject("layers: a slice step cannot be zero")
-        sel = list(range(start + count))[layers]
+        for bound in (layers.start, layers.stop, layers.step):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, np.integer))):
+                raise InvalidObject(f"layers: a slice's bounds are ints, got {layers!r}")
+        # absolute ids; an open start is the first stored layer (negative bounds count from the end)
+        lo = layers.start if layers.start is not None or (layers.step or 1) < 0 else start
+        sel = list(range(start + count))[slice(lo, layers.stop, layers.step)]
     else:
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
             raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, got {layers!r}")
         if hasattr(layers, "__len__") and len(layers) > count:
             raise InvalidObject(f"layers selects {len(layers)} layers; the object holds {count} "
                                 f"([{start}, {start + count}))")
-        try:
-            sel = [int(x) for x in layers]
+        try:  # (operator.index: 1.5 or True is not a layer id; int() read 1.5 as layer 1)
+            sel = [operator.index(x) if not isinstance(x, bool) else operator.index(None) for x in layers]
         except (TypeError, ValueError):
             raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, "
                                 f"got {layers!r}") from None

@@ -204,6 +204,6 @@ def check_op(op: Any, where: str) -> dict[str, Any]:
     if op["op"] == "downtier" and not (isinstance(op.get("sessions", []), list) and
                                        all(isinstance(x, str) for x in op.get("sessions", []))):
         raise InvalidObject(f"{where}: a downtier's sessions are a list of session ids")
-    if op["op"] in ("session", "drop") and not isinstance(op.get("session"), str):
-        raise InvalidObject(f"{where}: a {op['op']} needs session")
+    if op["op"] in ("session", "drop") and not (isinstance(op.get("session"), str) and isinstance(op.get("ns"), str)):
+        raise InvalidObject(f"{where}: a {op['op']} needs ns and session (a session is one namespace's)")
     return op
