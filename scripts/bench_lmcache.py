@@ -126,19 +126,25 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--remote", action="store_true", help="the remote tier vs LMCache's Redis backend")
     args = ap.parse_args()
-    server = None
+    if args.reps < 1 or args.tokens < CHUNK or args.tokens % CHUNK:
+        ap.error(f"--reps must be 1 or more and --tokens a positive multiple of {CHUNK} (LMCache's chunk), "
+                 f"got --reps {args.reps} --tokens {args.tokens}")
+    server = scratch = None
     kinds = ("tierstore", "tierstore-none", "lmcache-disk", "lmcache-odirect")
     if args.remote:
         from pathlib import Path
 
         from tierstore.bench.servers import RedisServer
-        server = RedisServer(Path(tempfile.mkdtemp(prefix="bench-redis-"))).start()
+        scratch = tempfile.mkdtemp(prefix="bench-redis-")
+        server = RedisServer(Path(scratch)).start()
         kinds = ("tierstore-remote", "lmcache-redis")
     try:
         run(args, kinds, server.url if server else None)
     finally:
         if server is not None:
             server.stop()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, kinds: tuple[str, ...], url: str | None) -> None:

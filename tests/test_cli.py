@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -338,6 +339,50 @@ def test_bad_arguments_with_json_say_so_as_json(capsys):
 def test_bench_makes_its_scratch_directory(tmp_path):
     code, out = run("bench", "--quick", "--section", "codecs", "--json", "--path", str(tmp_path / "new" / "dir"))
     assert code == 0, out
+
+
+def test_bench_checks_where_it_writes_before_it_runs(tmp_path):
+    """A new user's try: --out naming a file was found after the whole run (exit 3), and with
+    --json the results were lost."""
+    (tmp_path / "afile").write_text("x")
+    for option in ("--out", "--path"):
+        for where in (tmp_path / "afile", tmp_path / "afile" / "x"):
+            t0 = time.monotonic()
+            code, out = run("bench", "--quick", "--section", "chunk", "--json", option, str(where))
+            assert code == 2 and option in json.loads(out.splitlines()[0])["error"], out
+            assert time.monotonic() - t0 < 60  # (refused before the run; not a timing claim: the run takes minutes)
+
+
+def test_bench_stopped_by_sigterm_stops_its_server_and_removes_its_scratch(tmp_path):
+    """SIGTERM (a timeout, a CI job's end) left the remote section's redis-server running and
+    its scratch directory (73 MB) behind: nothing turned the signal into the cleanup Ctrl-C ran."""
+    import signal
+
+    scratch = tmp_path / "scratch"
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "bench", "--quick", "--section", "remote",
+                             "--path", str(scratch)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        servers: list[int] = []
+        while not servers and time.monotonic() < deadline:  # (wait for the section's server)
+            out = subprocess.run(["pgrep", "-P", str(proc.pid), "redis-server"], capture_output=True, text=True)
+            servers = [int(p) for p in out.stdout.split()]
+            time.sleep(0.2)
+        assert servers, "the remote section started no redis-server"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in servers:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"redis-server {pid} outlived the bench")
+    assert list(scratch.iterdir()) == []  # (--path itself is the user's: what the run made in it is gone)
 
 
 def test_clearing_an_empty_quarantine_beside_a_writer_does_not_say_it_waits(store_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -27,12 +28,17 @@ from .common import pyplot
 from .prefix import bench_prefix
 from .report import markdown, plot, print_report
 
+DEFAULT_SECTIONS = ["chunk", "blobs", "batches", "prefix", "codecs", "tiers"]
+OTHER_SECTIONS = ["transformers", "remote", "writers", "placement", "paged"]  # (run with --section: slower or heavier)
+
 
 def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = True, out: str | None = None,
               quiet: bool = False, sections: list[str] | None = None) -> dict[str, Any]:
     say = (lambda *a: None) if quiet else print
+    if out:  # (before the run, which takes minutes: a place it cannot write is found now)
+        os.makedirs(out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=path)
-    sections = sections or ["chunk", "blobs", "batches", "prefix", "codecs", "tiers"]
+    sections = sections or DEFAULT_SECTIONS
     result: dict[str, Any] = {"quick": quick, "machine": {"cpus": os.cpu_count()}}
     try:
         if "chunk" in sections:
@@ -84,11 +90,11 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
     if not quiet:
         print_report(result)
     if out:
-        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
-        if pyplot() is None:
-            say("plots skipped: matplotlib is not installed (pip install 'tierstore[bench]')")
+        if pyplot() is None:  # (on stderr: a --json run prints nothing else there)
+            print("tierstore bench: plots skipped: matplotlib is not installed (pip install 'tierstore[bench]')",
+                  file=sys.stderr)
         else:
             if "chunk" in result:
                 plot(result, os.path.join(out, "benchmarks.png"))
@@ -101,7 +107,7 @@ def run_bench(path: str | None = None, *, quick: bool = False, peers: bool = Tru
             if "placement" in result:
                 from .placement import plot_placement
                 plot_placement(result["placement"], os.path.join(out, "placement.png"))
-        say(f"results: {os.path.join(out, 'results.json')}, {os.path.join(out, 'results.md')}")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(markdown(result))
+        say(f"results: {os.path.join(out, 'results.json')}, {os.path.join(out, 'results.md')}")
     return result

@@ -29,8 +29,8 @@ def bench_codecs(say: Callable[..., None]) -> dict[str, Any]:
 
     kv_path, emb_path = sample_paths()
     npz = np.load(kv_path)
-    if "kv" in npz:  # the slice in tests/data: [layers, 2, H, T, D], no queries
-        pairs = [(npz["kv"], None)]
+    if "kv" in npz:  # the slice in tests/data: [layers, 2, H, T, D] and its queries [layers, H, T, D]
+        pairs = [(npz["kv"], npz["q"] if "q" in npz.files else None)]
     else:
         docs = sorted({k.rsplit("_", 1)[0] for k in npz.files})
         pairs = [(np.stack([npz[d + "_k"], npz[d + "_v"]], axis=1), npz[d + "_q"]) for d in docs]

@@ -183,7 +183,7 @@ def markdown_placement(r: dict[str, Any]) -> list[str]:
     for shape, t in sim_r["traces"].items():
         for p, x in t["runs"].items():
             vs_lru = f"{x['slow_vs_lru']}x" if x["slow_vs_lru"] else "-"
-            vs_best = f"{x['slow_vs_belady']}x" if x["slow_vs_belady"] else "- (Belady: 0)"
+            vs_best = f"{x['slow_vs_belady']}x" if x["slow_vs_belady"] is not None else "- (Belady: 0)"
             lines.append(f"| {shape} | {p} | {x['misses']:,} | {x['bytes_slow'] / 2**30:,.1f} | "
                          f"{x['recompute_tokens']:,} | {x['miss_seconds']:,.2f} | {vs_lru} | {vs_best} | "
                          f"{x.get('lossy_hits', 0):,} |")

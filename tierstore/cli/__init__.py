@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import threading
 import unicodedata
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -33,6 +34,7 @@ from .. import __version__
 from ..errors import (
     CorruptionError,
     FormatVersionError,
+    InvalidObject,
     NotFound,
     ReadOnlyError,
     StoreIOError,
@@ -651,12 +653,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import signal
+
     from ..bench import run_bench
 
-    if args.path is not None:
-        os.makedirs(args.path, exist_ok=True)  # a scratch directory: made if missing
-    result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
-                       sections=args.section)
+    for option, where in (("--path", args.path), ("--out", args.out)):  # (bad arguments: before the run)
+        if where is not None:
+            try:
+                os.makedirs(where, exist_ok=True)  # made if missing
+            except OSError as e:
+                raise InvalidObject(f"{option} {where}: {e.strerror}", path=where) from None
+            if not os.access(where, os.W_OK):
+                raise InvalidObject(f"{option} {where}: not writable", path=where)
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM (timeout, a CI job's end): clean up as Ctrl-C does
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if main else None  # (a section's finally stops its servers)
+    try:
+        result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
+                           sections=args.section)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
     if args.json:
         _print_json(result)
     return EXIT_OK
@@ -722,7 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--section", action="append",
                     choices=["chunk", "blobs", "batches", "prefix", "codecs", "tiers", "transformers", "remote",
                              "writers", "placement", "paged"],
-                    help="run only this section (repeat --section for several)")
+                    help="run only this section (repeat --section for several); without it: chunk, blobs, "
+                         "batches, prefix, codecs, tiers (transformers, remote, writers, placement and paged run "
+                         "only when named)")
     sp = add("fsck", cmd_fsck, "check a store: index against segments both ways and the checksum of every live "
                                "object; exit code 1 on any error")
     sp.add_argument("path", nargs="?", default=None)
