@@ -356,16 +356,16 @@ def expected_lengths(kind: int, meta: dict[str, Any]) -> list[int]:
         shape, dt = meta.get("shape"), meta.get("dtype")
         if not ints(shape) or len(shape) != 5 or shape[1] != 2 or dt not in range(1, 7):
             raise FormatError("kv metadata")
-        if type(meta.get("layer_start")) is not int or not 0 <= meta["layer_start"] <= 2**63 - shape[0]:
-            raise FormatError("kv layer_start")  # (every layer id below 2^63, §5.2)
+        if type(meta.get("layer_start")) is not int or meta["layer_start"] < 0:
+            raise FormatError("kv layer_start")
         layer = int(np.prod(shape[1:], dtype=object)) * np.dtype(DTYPES[dt][1]).itemsize
         return [layer] * shape[0]
     if kind == 5:  # 1.4: [layers, tokens, dim], one extent per layer
         shape, dt = meta.get("shape"), meta.get("dtype")
         if not ints(shape) or len(shape) != 3 or dt not in range(1, 7):
             raise FormatError("mla metadata")
-        if type(meta.get("layer_start")) is not int or not 0 <= meta["layer_start"] <= 2**63 - shape[0]:
-            raise FormatError("mla layer_start")  # (every layer id below 2^63, §5.2)
+        if type(meta.get("layer_start")) is not int or meta["layer_start"] < 0:
+            raise FormatError("mla layer_start")
         return [shape[1] * shape[2] * np.dtype(DTYPES[dt][1]).itemsize] * shape[0]
     if kind == 2:
         shape, dt, rpe = meta.get("shape"), meta.get("dtype"), meta.get("rows_per_extent")

@@ -136,9 +136,10 @@ def main() -> None:
 
         from tierstore.bench.servers import RedisServer
         scratch = tempfile.mkdtemp(prefix="bench-redis-")
-        server = RedisServer(Path(scratch)).start()
         kinds = ("tierstore-remote", "lmcache-redis")
     try:
+        if scratch is not None:
+            server = RedisServer(Path(scratch)).start()  # (in the try: a failed start leaves no directory)
         run(args, kinds, server.url if server else None)
     finally:
         if server is not None:

@@ -158,12 +158,21 @@ def test_layer_ids_past_2_63_are_refused_before_anything_is_written(store_path, 
         assert s.keys() == []
         s.put("top", MLACache(latent[:2], layer_start=2**63 - 2))  # twin: the largest ids fit
         assert [lid for lid, _ in s.stream_layers("top")] == [2**63 - 2, 2**63 - 1]
+        # and are selected by slices too (a slice listed every id below the object's: OverflowError)
+        for sel, first in ((slice(None, None), 2**63 - 2), (slice(-1, None), 2**63 - 1), (2**63 - 1, 2**63 - 1)):
+            assert s.get("top", layers=sel).layer_start == first
+        assert [lid for lid, _ in s.stream_layers("top", layers=slice(None, None))] == [2**63 - 2, 2**63 - 1]
+        with pytest.raises(InvalidObject, match="outside the stored layers"):
+            s.get("top", layers=slice(0, 2))
 
 
 def test_a_codec_can_be_evaluated_on_an_mla_sample(latent):
     from tierstore.codecs import evaluate
 
-    for sample, kind in ((latent, None), (MLACache(latent), None), (latent, "mla")):
+    class Mine(MLACache):  # (a subclass: its kind by isinstance)
+        pass
+
+    for sample, kind in ((latent, None), (MLACache(latent), None), (latent, "mla"), (Mine(latent), None)):
         r = evaluate("int8", sample, kind=kind)
         assert not r["bit_exact"] and 0 < r["rel_l2"] < 0.02 and r["ratio"] > 1.9
         assert evaluate("zstd", sample, kind=kind)["bit_exact"]

@@ -170,3 +170,31 @@ def test_a_namespace_that_is_not_a_plain_str_is_refused(store_path):
                 a.get("k", namespace=bad)
             with pytest.raises(tierstore.AccessDenied):
                 a.put("k", Blob(b"x"), namespace=bad)
+
+
+def test_a_handles_future_cancels_and_runs_as_the_stores_does(store_path):
+    """A handle's Future was a copy that could always be cancelled: cancel() said True while the
+    put or the promotion went on (and its result or error was lost to the caller)."""
+    import threading
+
+    with tierstore.open(store_path, dram_bytes=MiB) as s:
+        a = s.namespace("a")
+        a.put("k", Blob(os.urandom(100_000)))
+        hold, inside = threading.Event(), threading.Event()
+        real = s._tiers.promote  # (held inside the tier thread: the Store's Future is running)
+
+        def slow(*args, **kwargs):
+            inside.set()
+            hold.wait(30)
+            return real(*args, **kwargs)
+
+        s._tiers.promote = slow
+        try:
+            fut = a.prefetch(["k"])
+            assert inside.wait(30) and fut.running() and not fut.done()
+            assert fut.cancel() is False  # (work under way: as the Store's own Future says)
+        finally:
+            hold.set()
+            s._tiers.promote = real
+        assert fut.result(timeout=30) == 100_000 and not fut.cancelled() and not fut.running()
+        assert a.put_async("j", Blob(b"x")).result(timeout=30) is None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -42,6 +42,31 @@ def _scoped(fn: F) -> F:
         return self._scoped_future(out) if isinstance(out, Future) else out
 
     return call  # type: ignore[return-value]
+
+
+class _ScopedFuture(Future):
+    """The Future of a Store call made through a handle: it completes when the Store's does,
+    with its result, or its exception scoped (``NotFound``, ``StoreFull``).  ``cancel()`` and
+    ``running()`` are the Store's Future's: work under way is not cancelled, and says so."""
+
+    def __init__(self, inner: Future, scope: Callable[[Exception], Exception]) -> None:
+        super().__init__()
+        self._inner, self._scope = inner, scope
+        inner.add_done_callback(self._settle)
+
+    def cancel(self) -> bool:
+        return self._inner.cancel()  # (ours follows, in _settle)
+
+    def running(self) -> bool:
+        return self._inner.running() and not self.done()
+
+    def _settle(self, inner: Future) -> None:
+        if inner.cancelled():
+            Future.cancel(self)
+        elif (e := inner.exception()) is None:
+            self.set_result(inner.result())
+        else:
+            self.set_exception(self._scope(e) if isinstance(e, (NotFound, StoreFull)) else e)
 
 
 class TenantPins:
@@ -128,22 +153,7 @@ class NamespaceHandle:
 
     def _scoped_future(self, fut: Future) -> Future:
         """A Future of the Store's, its exception scoped as the handle's own calls' are."""
-        out: Future = Future()
-
-        def settle(f: Future) -> None:
-            try:
-                if f.cancelled():
-                    out.cancel()
-                elif (e := f.exception()) is None:
-                    out.set_result(f.result())
-                else:
-                    out.set_exception(self._scoped_error(e) if isinstance(e, (NotFound, StoreFull)) else e)
-            except InvalidStateError:  # (the caller cancelled ours first)
-                pass
-
-        out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)
-        fut.add_done_callback(settle)
-        return out
+        return _ScopedFuture(fut, self._scoped_error)
 
     def _held_where(self, key: Any, asked: Any) -> str | None:
         """For a miss: the other namespaces this handle may read that hold ``key``."""

@@ -77,7 +77,11 @@ class RedisServer:
                 [binary("redis-server"), *ports, "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "no", *self.args],
                 stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # (interrupted or failed while it starts: nothing is left running)
+            self.kill()
+            raise
         return self
 
     def cli(self, *argv: str, password: str | None = None) -> str:
@@ -147,15 +151,20 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self) -> "RedisCluster":
-        for n in self.nodes:
-            n.args = (*n.args, "--cluster-config-file", str(n.dir / "nodes.conf"))
-            n.start()
-        out = subprocess.run([binary("redis-cli"), "--cluster", "create",
-                              *[f"127.0.0.1:{n.port}" for n in self.nodes], "--cluster-replicas", str(self.replicas),
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
-        self.wait_ok()
+        try:
+            for n in self.nodes:
+                n.args = (*n.args, "--cluster-config-file", str(n.dir / "nodes.conf"))
+                n.start()
+            out = subprocess.run([binary("redis-cli"), "--cluster", "create",
+                                  *[f"127.0.0.1:{n.port}" for n in self.nodes], "--cluster-replicas",
+                                  str(self.replicas), "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+            self.wait_ok()
+        except BaseException:  # (interrupted or failed while it starts: no node is left running)
+            for n in self.nodes:
+                n.kill()
+            raise
         return self
 
     def alive(self) -> list[RedisServer]:

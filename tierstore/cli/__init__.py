@@ -657,8 +657,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ..bench import run_bench
 
-    for option, where in (("--path", args.path), ("--out", args.out)):  # (bad arguments: before the run)
-        if where is not None:
+    for option, where in (("--out", args.out), ("--path", args.path)):  # (bad arguments: before the run)
+        if where:  # (--out "": no output, as before)
             try:
                 os.makedirs(where, exist_ok=True)  # made if missing
             except OSError as e:
@@ -669,14 +669,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def stop(signum: int, frame: Any) -> None:  # SIGTERM (timeout, a CI job's end): clean up as Ctrl-C does
         raise SystemExit(128 + signum)
 
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, stop) if main else None  # (a section's finally stops its servers)
+    # (a section's finally stops its servers; a SIGTERM the caller ignores stays ignored)
+    main = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
+    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
-        result = run_bench(args.path, quick=args.quick, peers=not args.no_peers, out=args.out, quiet=args.json,
-                           sections=args.section)
+        result = run_bench(args.path or None, quick=args.quick, peers=not args.no_peers, out=args.out or None,
+                           quiet=args.json, sections=args.section)
     finally:
         if main:
-            signal.signal(signal.SIGTERM, before)
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
     if args.json:
         _print_json(result)
     return EXIT_OK

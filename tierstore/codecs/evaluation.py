@@ -26,7 +26,7 @@ def evaluate(spec: str, sample: Any, *, kind: str | None = None, queries: Any = 
     from ..objects import KVCache, MLACache, Vectors  # (the objects import the codecs)
 
     if isinstance(sample, (KVCache, MLACache, Vectors)):
-        given = {KVCache: "kv", MLACache: "mla", Vectors: "vectors"}[type(sample)]
+        given = "kv" if isinstance(sample, KVCache) else "mla" if isinstance(sample, MLACache) else "vectors"
         if kind is not None and kind != given:
             raise InvalidObject(f"evaluate: kind={kind!r} given for a {type(sample).__name__}")
         kind, sample = given, sample.data

@@ -161,7 +161,8 @@ _ALL = [
           "channel and per V token (per token of an MLA latent)", "1.94"),
     Codec(fmt.CODEC_KV_ANS, "kvq-ans", False, ("kv",),
           "|x - x'| <= 0.5 * s + stored-dtype rounding; K: s = (max - min) / (B - 1) per channel over the chunk's "
-          "tokens (float16: min rounded down, s up); V: s <= 1.0906 * absmax / (B/2 - 1) per token; B = bins of the "
+          "tokens (float16: min rounded down, s up); V: s <= max(1.0906 * absmax, 127 * 2^-22.5) / (B/2 - 1) per "
+          "token; B = bins of the "
           "layer", "3.5 at 6% attention error (bins=32/26, the default); 4.9 (bins=12/12)",
           {"bins": [32, 26], "shallow": 2}),
     Codec(fmt.CODEC_VEC_FP16, "fp16", False, ("vectors",),

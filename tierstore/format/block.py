@@ -182,9 +182,14 @@ def select_layers(layers: Any, start: int, count: int) -> list[int]:
         for bound in (layers.start, layers.stop, layers.step):
             if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, np.integer))):
                 raise InvalidObject(f"layers: a slice's bounds are ints, got {layers!r}")
-        # absolute ids; an open start is the first stored layer (negative bounds count from the end)
+        # absolute ids; an open start is the first stored layer (negative bounds count from the end);
+        # a range, sliced arithmetically: no list of every id below the object's (ids reach 2^63)
         lo = layers.start if layers.start is not None or (layers.step or 1) < 0 else start
-        sel = list(range(start + count))[slice(lo, layers.stop, layers.step)]
+        ids = range(start + count)[slice(lo, layers.stop, layers.step)]
+        if ids and not (start <= min(ids[0], ids[-1]) and max(ids[0], ids[-1]) < start + count):
+            raise InvalidObject(f"layers {_shown(list(ids[:3]) if len(ids) > 3 else list(ids))}"
+                                f"{'...' if len(ids) > 3 else ''} outside the stored layers [{start}, {start + count})")
+        sel = list(ids)
     else:
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
             raise InvalidObject(f"layers must be an int, a range, a slice or a sequence of ints, got {layers!r}")

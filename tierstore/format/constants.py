@@ -134,7 +134,7 @@ KEY_MAX_BYTES = 400  # 1 + 100 + 400 = 501 <= LMDB's 511-byte key limit
 META_MAX_BYTES = 1 << 20  # the msgpack metadata block of one record
 HEADER_MAX_BYTES = 2 << 20  # a whole record header (fixed part + key + meta + extents)
 MAX_EXTENTS = 1 << 16
-LAYER_ID_LIMIT = 1 << 63  # every layer id (layer_start + position, §5.2) is below it: a signed 64-bit int
+LAYER_ID_LIMIT = 1 << 63  # writers keep every layer id (layer_start + position, §5.2) below it: an int64
 MAX_RANK = 8
 
 # --- SPEC.md §5.4 Session references ------------------------------------------------------

@@ -790,8 +790,6 @@ def expected_extent_lengths(kind: int, meta: dict[str, Any], **where: Any) -> li
         isz = _itemsize(meta, fmt.FLOAT_DTYPES, **where)
         if _req(meta, "layer_start", int, **where) < 0:
             raise CorruptionError("negative layer_start", **where)
-        if meta["layer_start"] + shape[0] > fmt.LAYER_ID_LIMIT:
-            raise CorruptionError("layer ids past 2^63 - 1 (layer_start + layers > 2^63)", **where)
         layer = _checked_product(shape[1:] + [isz], **where)
         _checked_product([layer, shape[0]], **where)
         return [layer] * shape[0]
