@@ -260,7 +260,7 @@ def test_refuses_sliding_window_models_and_bad_arguments(store_path):
         model = _model()
         static = transformers.StaticCache(config=model.config, max_cache_len=64)
         with torch.no_grad():
-            model(_ids(40), past_key_values=static, use_cache=True)
+            model(_ids(40), use_cache=True, **{pc.cache_argument: static})  # (the release's name for it)
         with pytest.raises(InvalidObject, match="StaticLayer"):  # (its layers are not DynamicLayers)
             pc.save(_ids(40), static)
         assert store.keys(namespace=pc.namespace) == []
