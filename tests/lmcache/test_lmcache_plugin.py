@@ -350,6 +350,41 @@ def test_max_bytes_bounds_each_worker_and_never_evicts_another_workers_chunks(pa
         close(e)
 
 
+SAME_WORKER = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_lmcache_plugin import engine, wait_stored, close, LAYERS, HEADS, DIM
+path, seed = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(seed)
+eng = engine(path, torch.randn(LAYERS, 2, 32, HEADS, DIM), extra={{"tierstore.max_bytes": int(sys.argv[3])}})
+for i in range(15):  # prompts of 2 chunks, back to back
+    tokens = torch.arange(100000 * seed + 32 * i, 100000 * seed + 32 * (i + 1))
+    eng.store(tokens)
+    wait_stored(eng, tokens, 32)
+close(eng)
+"""
+
+
+def test_processes_of_one_worker_id_keep_to_one_max_bytes(path):
+    """Two serving processes of worker id 0 (two single-GPU instances on one path) storing at once
+    each evicted from a view of the other's chunks taken once a second: chunks the other had
+    already evicted (deleting nothing) and never the ones it stored since -- the store kept 2x
+    max_bytes for good (a new user's try: 8 chunks under a limit of 4).  At most the limit and a
+    batch of the other's now."""
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+    code = SAME_WORKER.format(tests=os.path.dirname(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", code, path, str(seed), str(4 * chunk_bytes)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": "0"}) for seed in (1, 2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    import tierstore
+
+    with tierstore.open(path, readonly=True) as s:
+        assert 4 <= _chunks(s)["model-7bw0"] <= 4 + 2
+
+
 def test_two_workers_on_one_store(path):
     a, b = torch.randn(LAYERS, 2, 32, HEADS, DIM), torch.randn(LAYERS, 2, 32, HEADS, DIM)
     tokens = torch.arange(32)
@@ -430,6 +465,13 @@ def test_layerwise_mode_is_refused(path):
 def test_bad_configuration_names_the_key(path):
     with pytest.raises(tierstore.InvalidObject, match="tierstore.path"):
         TierstoreBackend(config=LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "extra_config": {}}))
+    os.makedirs(path, exist_ok=True)
+    afile = os.path.join(path, "afile")
+    open(afile, "w").close()
+    for where in (afile, os.path.join(afile, "kv")):  # (a new user's try: neither message named the key)
+        with pytest.raises(tierstore.TierstoreError, match="tierstore.path"):
+            TierstoreBackend(config=LMCacheEngineConfig.from_dict({"chunk_size": CHUNK,
+                                                                  "extra_config": {"tierstore.path": where}}))
     with pytest.raises(tierstore.InvalidObject, match="tierstore.max_bytes"):
         TierstoreBackend(config=LMCacheEngineConfig.from_dict(
             {"chunk_size": CHUNK, "extra_config": {"tierstore.path": path, "tierstore.max_bytes": "lots"}}))

@@ -47,7 +47,7 @@ CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
 SETTINGS = ("path", "max_bytes", "codec", "durability", "remote", "remote_policy")  # extra_config tierstore.*
 MAX_BYTES_MIN = 4096  # tierstore.max_bytes below this holds no chunk (a bare number mistaken for GB)
-SYNC_S = 1.0  # at the limit, how often to take in what other processes stored or removed (seconds)
+SYNC_S = 0.1  # at the limit, how often (at most) to take in what other processes stored or removed (seconds)
 
 
 def _setting(config: Any, name: str, default: Any = None) -> Any:
@@ -136,8 +136,16 @@ class TierstoreBackend(StoragePluginInterface):
             self.store = open_store(path, durability=durability, **remote)
         except InvalidObject as e:  # the extra_config key the store's option came from
             key = next((f"{CONFIG_PREFIX}{name}" for name in ("remote_policy", "durability", "remote")
-                        if name in e.message), None)
-            raise InvalidObject(f"{key}: {e.message}" if key else e.message, hint=e.hint) from None
+                        if name in e.message), f"{CONFIG_PREFIX}path")
+            message = e.message.replace("remote_policy given without remote=",
+                                        f"given without {CONFIG_PREFIX}remote").replace("remote=: ", "")
+            raise InvalidObject(f"{key}: {message}", hint=e.hint) from None
+        except TierstoreError as e:  # (a path that is a file, damage that stops the open, ...): the key named
+            e.message = f"{CONFIG_PREFIX}path={path!r}: {e.message}"
+            e.args = (e.message,)
+            raise
+        except OSError as e:
+            raise InvalidObject(f"{CONFIG_PREFIX}path={path!r}: {e.strerror or e}", path=path) from None
         self._lock = threading.Lock()
         self._putting: set[CacheEngineKey] = set()
         self._pins: dict[tuple[str, bytes], int] = {}
@@ -213,19 +221,33 @@ class TierstoreBackend(StoragePluginInterface):
             t0 = time.monotonic()
             self._sync()  # (at most a tenth of the time: a big store takes a while to list)
             self._sync_s = time.monotonic() - t0
-        with self._lock:
-            used = self._used()
-            for nk in list(self._lru):
-                if used + incoming <= self.max_bytes:
-                    break
-                if self._pins.get(nk):
-                    continue
-                used -= self._lru.pop(nk)
-                victims.setdefault(nk[0], []).append(nk[1])
-        for vns, keys in victims.items():
-            for i in range(0, len(keys), 1024):
-                self.store.delete_many(keys[i : i + 1024], namespace=vns)
-        if victims:
+        evicted = False
+        for _ in range(2):  # (a second round after a listing when the first found its view stale)
+            victims.clear()
+            with self._lock:
+                used = self._used()
+                for nk in list(self._lru):
+                    if used + incoming <= self.max_bytes:
+                        break
+                    if self._pins.get(nk):
+                        continue
+                    used -= self._lru.pop(nk)
+                    victims.setdefault(nk[0], []).append(nk[1])
+            stale = False
+            for vns, keys in victims.items():
+                for i in range(0, len(keys), 1024):
+                    gone = self.store.delete_many(keys[i : i + 1024], namespace=vns)
+                    stale |= not all(gone)
+            evicted |= bool(victims)
+            if not stale:
+                break
+            # a victim was gone already: another process of this worker id evicted it, and what it
+            # stored since is not in this view -- freeing nothing, this put would keep the store
+            # past max_bytes for good (two processes: twice the limit).  List the store, evict again.
+            t0 = time.monotonic()
+            self._sync()
+            self._sync_s = time.monotonic() - t0
+        if evicted:
             st = self.store.stats()
             if st["dead_bytes"] > st["live_bytes"] // 3:
                 self.store.compact(min_dead_ratio=0.25)
