@@ -47,7 +47,9 @@ CONFIG_PREFIX = "tierstore."
 DEFAULT_DURABILITY = "group"
 SETTINGS = ("path", "max_bytes", "codec", "durability", "remote", "remote_policy")  # extra_config tierstore.*
 MAX_BYTES_MIN = 4096  # tierstore.max_bytes below this holds no chunk (a bare number mistaken for GB)
-SYNC_S = 0.1  # at the limit, how often (at most) to take in what other processes stored or removed (seconds)
+SYNC_S = 1.0  # at the limit, how often (at most) to take in what other processes stored or removed (seconds)
+SYNC_SHARED_S = 0.1  # ... while another process of this worker id was seen storing or evicting ...
+SHARED_FOR_S = 60.0  # ... in the last minute
 
 
 def _setting(config: Any, name: str, default: Any = None) -> Any:
@@ -135,8 +137,9 @@ class TierstoreBackend(StoragePluginInterface):
         try:
             self.store = open_store(path, durability=durability, **remote)
         except InvalidObject as e:  # the extra_config key the store's option came from
+            said = e.message.replace(str(path), "")  # (a path holding "remote" is still the path's error)
             key = next((f"{CONFIG_PREFIX}{name}" for name in ("remote_policy", "durability", "remote")
-                        if name in e.message), f"{CONFIG_PREFIX}path")
+                        if name in said), f"{CONFIG_PREFIX}path")
             message = e.message.replace("remote_policy given without remote=",
                                         f"given without {CONFIG_PREFIX}remote").replace("remote=: ", "")
             raise InvalidObject(f"{key}: {message}", hint=e.hint) from None
@@ -152,6 +155,7 @@ class TierstoreBackend(StoragePluginInterface):
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # (ns, key) -> stored bytes, oldest first
         self._synced: float | None = None  # when the LRU order last took in the store's contents
         self._sync_s = 0.0  # how long that took
+        self._shared_at = -SHARED_FOR_S  # when a listing last found another process's stores or evictions
         wid, world = getattr(metadata, "worker_id", None), getattr(metadata, "world_size", None)
         self._worker = (int(wid), int(world)) if isinstance(wid, int) and isinstance(world, int) else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lmcache")
@@ -196,15 +200,24 @@ class TierstoreBackend(StoragePluginInterface):
                 except NotFound:  # removed since the listing
                     continue
                 fresh.append((info.lsn, (ns, k), info.logical_bytes))
+        others = False
         with self._lock:
             for ns, mine in held.items():
                 if ns in listed or self._mine(ns):  # (a namespace not listed is empty now)
                     for k in mine - listed.get(ns, set()):
-                        self._lru.pop((ns, k), None)
+                        others |= self._lru.pop((ns, k), None) is not None
             for _, nk, size in sorted(fresh):
                 if nk not in self._lru:
                     self._lru[nk] = size
+                    others = True
+        if others and self._synced is not None:  # (the first listing takes in an earlier run's chunks)
+            self._shared_at = time.monotonic()
         self._synced = time.monotonic()
+
+    def _timed_sync(self) -> None:
+        t0 = time.monotonic()
+        self._sync()
+        self._sync_s = time.monotonic() - t0
 
     def _used(self) -> int:
         return sum(self._lru.values())
@@ -216,11 +229,11 @@ class TierstoreBackend(StoragePluginInterface):
         victims: dict[str, list[bytes]] = {}
         with self._lock:
             used = self._used()
+        now = time.monotonic()
+        every = SYNC_SHARED_S if now - self._shared_at < SHARED_FOR_S else SYNC_S
         if self._synced is None or (used + incoming > self.max_bytes and
-                                    time.monotonic() - self._synced >= max(SYNC_S, 10 * self._sync_s)):
-            t0 = time.monotonic()
-            self._sync()  # (at most a tenth of the time: a big store takes a while to list)
-            self._sync_s = time.monotonic() - t0
+                                    now - self._synced >= max(every, 10 * self._sync_s)):
+            self._timed_sync()  # (at most a tenth of the time: a big store takes a while to list)
         evicted = False
         for _ in range(2):  # (a second round after a listing when the first found its view stale)
             victims.clear()
@@ -243,10 +256,12 @@ class TierstoreBackend(StoragePluginInterface):
                 break
             # a victim was gone already: another process of this worker id evicted it, and what it
             # stored since is not in this view -- freeing nothing, this put would keep the store
-            # past max_bytes for good (two processes: twice the limit).  List the store, evict again.
-            t0 = time.monotonic()
-            self._sync()
-            self._sync_s = time.monotonic() - t0
+            # past max_bytes (two processes: twice the limit, for good, before).  List the store and
+            # evict again -- within the tenth of the time listings may take; else at the next put.
+            self._shared_at = time.monotonic()
+            if time.monotonic() - self._synced < 10 * self._sync_s:
+                break
+            self._timed_sync()
         if evicted:
             st = self.store.stats()
             if st["dead_bytes"] > st["live_bytes"] // 3:
