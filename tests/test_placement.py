@@ -332,7 +332,9 @@ def test_a_trace_of_puts_and_reads_during_an_eviction_replays_to_the_same_decisi
         _pause_eviction_walk(s, deciding, go)
         try:
             i = 30
-            while not deciding.wait(0.01):
+            # (a put at a time, each given 2 s to wake the eviction thread: on a busy host a 10 ms wait
+            # let puts run on past the strict bound, and the next put then waited for the paused walk)
+            while not deciding.wait(2 if i > 30 else 0):
                 s.put(f"k{i}", Blob(os.urandom(200_000)))
                 i += 1
                 assert i < 60, "the eviction thread never woke"

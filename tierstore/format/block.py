@@ -186,9 +186,14 @@ def select_layers(layers: Any, start: int, count: int) -> list[int]:
         # a range, sliced arithmetically: no list of every id below the object's (ids reach 2^63)
         lo = layers.start if layers.start is not None or (layers.step or 1) < 0 else start
         ids = range(start + count)[slice(lo, layers.stop, layers.step)]
-        if ids and not (start <= min(ids[0], ids[-1]) and max(ids[0], ids[-1]) < start + count):
-            raise InvalidObject(f"layers {_shown(list(ids[:3]) if len(ids) > 3 else list(ids))}"
-                                f"{'...' if len(ids) > 3 else ''} outside the stored layers [{start}, {start + count})")
+        asc = ids if ids.step > 0 else ids[::-1]
+        below = asc[: max(0, -(-(start - asc.start) // asc.step))]  # (the ids under start, and past the end)
+        above = asc[max(0, -(-(start + count - asc.start) // asc.step)):]
+        if below or above:
+            n = len(below) + len(above)
+            head = [*below[:8], *above[: max(0, 8 - len(below))]]
+            raise InvalidObject(f"layers [{', '.join(map(str, head))}{f', ... ({n - 8} more)' if n > 8 else ''}] "
+                                f"outside the stored layers [{start}, {start + count})")
         sel = list(ids)
     else:
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
