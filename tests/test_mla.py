@@ -182,3 +182,17 @@ def test_a_codec_can_be_evaluated_on_an_mla_sample(latent):
         evaluate("int8", latent, kind="kv")
     with pytest.raises(InvalidObject, match="kind="):
         evaluate("int8", MLACache(latent), kind="vectors")
+
+
+def test_slices_of_an_older_record_past_2_63_are_refused_cleanly():
+    """Writers before 2026-12-04 wrote layer ids up to 2^64 + layers, which readers still read
+    (SPEC.md §5.2): a slice outside such a record is InvalidObject (len() of its range overflowed:
+    OverflowError), one inside it selects."""
+    from tierstore.format.block import select_layers
+
+    for start in (2**63 + 5, 2**64):
+        for sel in (slice(0, None), slice(None, None, -1), slice(1, None)):
+            with pytest.raises(InvalidObject, match="outside the stored layers"):
+                select_layers(sel, start, 3)
+        assert select_layers(slice(None, None), start, 3) == [0, 1, 2]
+        assert select_layers(slice(-1, None), start, 3) == [2]

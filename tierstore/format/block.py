@@ -187,13 +187,11 @@ def select_layers(layers: Any, start: int, count: int) -> list[int]:
         lo = layers.start if layers.start is not None or (layers.step or 1) < 0 else start
         ids = range(start + count)[slice(lo, layers.stop, layers.step)]
         asc = ids if ids.step > 0 else ids[::-1]
-        below = asc[: max(0, -(-(start - asc.start) // asc.step))]  # (the ids under start, and past the end)
-        above = asc[max(0, -(-(start + count - asc.start) // asc.step)):]
-        if below or above:
-            n = len(below) + len(above)
-            head = [*below[:8], *above[: max(0, 8 - len(below))]]
-            raise InvalidObject(f"layers [{', '.join(map(str, head))}{f', ... ({n - 8} more)' if n > 8 else ''}] "
-                                f"outside the stored layers [{start}, {start + count})")
+        below = asc[: max(0, -(-(start - asc.start) // asc.step))]  # (the ids under start: none past the end)
+        if below:
+            n = (below.stop - below.start + below.step - 1) // below.step  # (len() overflows past 2^63)
+            raise InvalidObject(f"layers [{', '.join(map(str, below[:8]))}{f', ... ({n - 8} more)' if n > 8 else ''}]"
+                                f" outside the stored layers [{start}, {start + count})")
         sel = list(ids)
     else:
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):

@@ -137,9 +137,9 @@ class TierstoreBackend(StoragePluginInterface):
         try:
             self.store = open_store(path, durability=durability, **remote)
         except InvalidObject as e:  # the extra_config key the store's option came from
-            said = e.message.replace(str(path), "")  # (a path holding "remote" is still the path's error)
-            key = next((f"{CONFIG_PREFIX}{name}" for name in ("remote_policy", "durability", "remote")
-                        if name in said), f"{CONFIG_PREFIX}path")
+            key = f"{CONFIG_PREFIX}path" if e.path is not None else next(  # (an error about the path says so)
+                (f"{CONFIG_PREFIX}{name}" for name in ("remote_policy", "durability", "remote") if name in e.message),
+                f"{CONFIG_PREFIX}path")
             message = e.message.replace("remote_policy given without remote=",
                                         f"given without {CONFIG_PREFIX}remote").replace("remote=: ", "")
             raise InvalidObject(f"{key}: {message}", hint=e.hint) from None
