@@ -353,17 +353,22 @@ def test_max_bytes_bounds_each_worker_and_never_evicts_another_workers_chunks(pa
 SAME_WORKER = """
 import sys, time, torch
 sys.path.insert(0, {tests!r})
-from test_lmcache_plugin import engine, wait_stored, close, LAYERS, HEADS, DIM
+from test_lmcache_plugin import backend_of, engine, close, LAYERS, HEADS, DIM
 path, seed = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(seed)
 eng = engine(path, torch.randn(LAYERS, 2, 32, HEADS, DIM), extra={{"tierstore.max_bytes": int(sys.argv[3])}})
-for i in range(16):  # prompts of 2 chunks, back to back; the last one after the other process is done
-    if i == 15:
-        time.sleep(1.5 * seed)
-    tokens = torch.arange(100000 * seed + 32 * i, 100000 * seed + 32 * (i + 1))
-    eng.store(tokens)
-    wait_stored(eng, tokens, 32)
-close(eng)
+try:
+    for i in range(16):  # prompts of 2 chunks, back to back; the last one after the other process is done
+        if i == 15:
+            time.sleep(1.5 * seed)
+        eng.store(torch.arange(100000 * seed + 32 * i, 100000 * seed + 32 * (i + 1)))
+        # (the put done -- not found: under a limit of 4 chunks the other process may evict them at once)
+        deadline = time.monotonic() + 60
+        while backend_of(eng)._putting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not backend_of(eng)._putting, "a put never finished"
+finally:
+    close(eng)
 """
 
 
@@ -385,7 +390,7 @@ def test_processes_of_one_worker_id_keep_to_one_max_bytes(path):
     import tierstore
 
     with tierstore.open(path, readonly=True) as s:
-        assert _chunks(s)["model-7bw0"] == 4
+        assert 4 <= _chunks(s)["model-7bw0"] <= 4 + 2  # (4 when the two last puts do not overlap; 8 before)
 
 
 def test_two_workers_on_one_store(path):
