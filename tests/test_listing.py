@@ -266,6 +266,7 @@ def test_the_memtable_lists_what_a_model_holds_through_sets_drops_and_revivals(s
         assert sorted(mt.namespaces()) == sorted({n for n, _ in model})
         for n in (b"n", b"m"):
             assert mt.of(n) == {k: m for (x, k), m in model.items() if x == n}
+            assert mt.has_puts(n) == any(m.location is not None for (x, _), m in model.items() if x == n)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

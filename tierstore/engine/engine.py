@@ -1384,8 +1384,7 @@ class Engine:
         with self.index.read() as view:
             names = set(view.namespaces())
         with self._pending_lock:
-            names.update(n for n in self._mem.namespaces()
-                         if not n.startswith(b"\x00") and any(m.location is not None for m in self._mem.of(n).values()))
+            names.update(n for n in self._mem.namespaces() if not n.startswith(b"\x00") and self._mem.has_puts(n))
         return [n for n in sorted(names)[:limit] if n != exclude and self.lookup(n, k) is not None]
 
     @_index_reads

@@ -116,6 +116,11 @@ class Memtable:
         """The namespaces holding unapplied records."""
         return list(self._spaces)
 
+    def has_puts(self, ns: bytes) -> bool:
+        """Whether an unapplied record of ``ns`` is a put (not a delete)."""
+        sp = self._spaces.get(ns)
+        return sp is not None and any(m.location is not None for m in sp.live.values())
+
     def of(self, ns: bytes) -> dict[bytes, Op]:
         """key -> record of every unapplied record of ``ns`` (a copy)."""
         sp = self._spaces.get(ns)
