@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,7 @@ def _writer(path: str, wfd: int, round_: int) -> None:
     """The child: two writer threads (puts, deletes; thread 0 also compacts) and an ack pipe.
     Each thread owns its keys, so the order of one key's operations is known."""
     store = tierstore.open(path, durability="sync", segment_bytes="256KiB", lock_timeout=5)
+    os.write(wfd, b"ready\n")
 
     def emit(line: str) -> None:
         os.write(wfd, (line + "\n").encode())  # one write under PIPE_BUF: atomic
@@ -147,9 +149,15 @@ def _kill_value(key: str, round_: int, i: int) -> bytes:
     return f"{key}/{round_}/{i}|".encode() * (1 + (i * 37) % 500)
 
 
+READY_S = 60.0  # how long a forked writer may take to open the store
+
+
 def _run_and_kill(writer, path: str, round_: int, rnd: random.Random) -> list[str]:
     """Fork ``writer(path, pipe_fd, round_)``, SIGKILL it after a random moment, and return the
-    lines it wrote to the pipe (the last one possibly cut)."""
+    lines it wrote to the pipe (the last one possibly cut).  The moment counts from the writer's
+    ``ready`` line (the store is open), except in every eighth round, which kills it at a moment
+    counted from the fork (during its open, often): on a busy host an open can take longer than
+    any moment drawn, and the rounds would then test nothing but opens."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -159,10 +167,19 @@ def _run_and_kill(writer, path: str, round_: int, rnd: random.Random) -> list[st
         finally:
             os._exit(0)
     os.close(w)
+    chunks = []
+    if round_ % 8:
+        deadline = time.monotonic() + READY_S
+        while b"ready\n" not in b"".join(chunks):
+            left = deadline - time.monotonic()
+            ready = left > 0 and select.select([r], [], [], left)[0]
+            assert ready, f"round {round_}: the writer did not open the store in {READY_S} s"
+            data = os.read(r, 1 << 16)
+            assert data, f"round {round_}: the writer exited before it opened the store"
+            chunks.append(data)
     time.sleep(rnd.uniform(0.005, 0.12))
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    chunks = []
     while data := os.read(r, 1 << 16):
         chunks.append(data)
     os.close(r)
@@ -213,6 +230,7 @@ def _chunk(key: str) -> bytes:
 def _session_writer(path: str, wfd: int, round_: int) -> None:
     """The child: one thread of session puts, drops, deletes and compactions, acked on a pipe."""
     store = tierstore.open(path, durability="sync", segment_bytes="256KiB", lock_timeout=5)
+    os.write(wfd, b"ready\n")
     rnd = random.Random(round_)
     for _ in range(10**9):
         key, sess, r = f"c{rnd.randrange(6)}", f"s{rnd.randrange(4)}", rnd.random()
