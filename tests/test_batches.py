@@ -273,6 +273,67 @@ def test_put_async_futures_finish_before_close(store_path):
         assert len(s.keys()) == 8
 
 
+def test_put_async_futures_are_running_and_cannot_be_cancelled(store_path):
+    """cancel() of a queued sync said True while the put stayed stored (and result() then raised
+    CancelledError for an object in the store): the Future is running when returned."""
+    import concurrent.futures as cf
+
+    with tierstore.open(store_path, durability="none") as s:
+        futures = [s.put_async(f"k{i}", Blob(b"x" * 10)) for i in range(50)]
+        assert not any(f.cancel() for f in futures)
+        done, not_done = cf.wait(futures, timeout=30)
+        assert len(done) == 50 and not not_done
+        assert all(f.result() is None for f in futures) and all(s.contains_many([f"k{i}" for i in range(50)]))
+
+
+SHUTDOWN_SCRIPT = """
+import atexit, sys, threading
+import numpy as np
+import tierstore
+from tierstore import Blob, KVCache
+
+path, where = sys.argv[1], sys.argv[2]
+s = tierstore.open(path, dram_bytes=0)
+kv = np.arange(2 * 2 * 2 * 64 * 64, dtype=np.float16).reshape(2, 2, 2, 64, 64)
+s.put("a", KVCache(kv)); s.put("b", KVCache(kv))
+
+def late():
+    fut = s.put_async("late", Blob(b"1"))
+    print("put_async", fut.done(), fut.result(timeout=30))
+    big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: written by the I/O threads
+    s.put("big", KVCache(big.reshape(1, 2, 1, 2 << 20, 1)))
+    print("big", np.array_equal(s.get("big").data.reshape(-1), big))
+    print("get_many", all(np.array_equal(o.data, kv) for o in s.get_many(["a", "b"])))
+    print("stream", [i for i, _ in s.stream_layers("a")])
+    s.close()
+
+if where == "thread":
+    threading.Thread(target=late).start()  # the main thread ends now
+else:
+    atexit.register(late)
+"""
+
+
+@pytest.mark.parametrize("where", ["thread", "atexit"])
+def test_calls_work_after_the_main_thread_ended(tmp_path, where):
+    """Once the main thread has ended (a server whose main thread only started its workers) or
+    in an atexit handler, Python's thread pools refuse new work: put_async raised RuntimeError
+    with its put made, a 16 MiB put raised it, get_many said the open store was closed, and
+    stream_layers raised RuntimeError.  Each now works, in the calling thread."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    src = str(__import__("pathlib").Path(tierstore.__file__).parents[1])
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "s"), where], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "PYTHONPATH": src})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.split("\n")[:4] == ["put_async True None", "big True", "get_many True", "stream [0, 1]"]
+    with tierstore.open(tmp_path / "s") as s:
+        assert sorted(s.keys()) == ["a", "b", "big", "late"]
+
+
 # -- get(out=) ----------------------------------------------------------------------------------
 
 

@@ -198,3 +198,34 @@ def test_a_handles_future_cancels_and_runs_as_the_stores_does(store_path):
             s._tiers.promote = real
         assert fut.result(timeout=30) == 100_000 and not fut.cancelled() and not fut.running()
         assert a.put_async("j", Blob(b"x")).result(timeout=30) is None
+
+
+def test_a_handles_cancelled_future_is_done_for_concurrent_futures_wait(store_path):
+    """A handle's Future cancelled while queued was never reported done to concurrent.futures'
+    wait() / as_completed() (wait() without a timeout hung); the running twin completes."""
+    import concurrent.futures as cf
+    import threading
+
+    with tierstore.open(store_path, dram_bytes=MiB) as s:
+        a = s.namespace("a")
+        a.put("k", Blob(os.urandom(1000)))
+        hold = threading.Event()
+        real = s._tiers.promote
+
+        def slow(*args, **kwargs):
+            hold.wait(30)
+            return real(*args, **kwargs)
+
+        s._tiers.promote = slow
+        try:
+            busy = [a.prefetch(["k"]) for _ in range(s._tiers.executor._max_workers)]  # every tier thread held
+            queued = a.prefetch(["k"])
+            assert queued.cancel() is True
+            done, _ = cf.wait([queued], timeout=5)
+            assert done == {queued} and queued.cancelled()
+            assert list(cf.as_completed([queued], timeout=5)) == [queued]
+        finally:
+            hold.set()
+            s._tiers.promote = real
+        done, not_done = cf.wait(busy, timeout=30)
+        assert len(done) == len(busy) and not not_done

@@ -63,6 +63,7 @@ class _ScopedFuture(Future):
     def _settle(self, inner: Future) -> None:
         if inner.cancelled():
             Future.cancel(self)
+            self.set_running_or_notify_cancel()  # (wakes concurrent.futures.wait / as_completed)
         elif (e := inner.exception()) is None:
             self.set_result(inner.result())
         else:

@@ -42,6 +42,7 @@ from .engine.engine import Engine, open_engine
 from .engine.fileio import PosixIO, io_error
 from .engine.index import Location
 from .engine.options import Options
+from .engine.threads import submit
 from .errors import (
     CorruptionError,
     InvalidObject,
@@ -1481,7 +1482,7 @@ class Store:
                 pool = tiers.readers()
                 for n in aside:
                     try:
-                        futures[n] = pool.submit(read, n)
+                        futures[n] = submit(pool, read, n)
                     except RuntimeError:  # (the pool was shut down: closed meanwhile)
                         raise StoreClosed("the store was closed during get_many", path=self.path) from None
             for n, loc in enumerate(locs):

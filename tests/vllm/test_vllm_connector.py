@@ -175,13 +175,35 @@ def test_bad_options_are_clear_errors(tmp_path):
     for extra, match in (({"chunk_token": 64}, "unknown .*'chunk_token' \\(did you mean 'chunk_tokens'\\?\\)"),
                          ({"max_pending_byte": "1GiB"}, "did you mean 'max_pending_bytes'"),
                          ({"namespace": "a/b"}, "namespace"), ({"namespace": ""}, "namespace"),
-                         ({"chunk_tokens": "256"}, "chunk_tokens")):
+                         ({"chunk_tokens": "256"}, "chunk_tokens"), ({"path": 12345}, "path is the store's directory"),
+                         ({"tp_rank": "x"}, "tp_rank is this worker's rank"), ({"tp_rank": -5}, "tp_rank"),
+                         ({"tp_rank": True}, "tp_rank"), ({"tp_rank": 1}, "tp_rank"),  # (tensor parallel 1)
+                         ({"pp_rank": 1}, "pp_rank")):
         cfg = make_config(tmp_path, tmp_path / "kv", extra=extra)  # refused at start, for both roles
         for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
             with pytest.raises(ValueError, match=match):
                 KVConnectorFactory.create_connector(cfg, role, kv_cache_config())
-    cfg = make_config(tmp_path, tmp_path / "kv", extra={"namespace": "vllm-a", "max_pending_bytes": "1GiB"})
+    cfg = make_config(tmp_path, tmp_path / "kv", extra={"namespace": "vllm-a", "max_pending_bytes": "1GiB",
+                                                        "tp_rank": 0, "pp_rank": 0})
     KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())  # the valid twin
+    assert not (tmp_path / "12345").exists()
+
+
+def test_max_pending_bytes_under_one_chunk_is_refused_when_the_chunk_is_known(tmp_path):
+    """A chunk here is 2 layers x 2 x 2 heads x 32 tokens x 16 dims x 2 bytes = 8 KiB: a bound of
+    8191 bytes would drop every save, and is refused once the worker knows its layers (a role
+    that only loads keeps no saves, and is not); 8192 bytes is the valid twin."""
+    for bound, role, refused in ((8191, "kv_both", True), (8191, "kv_consumer", False), (8192, "kv_both", False)):
+        cfg = make_config(tmp_path, tmp_path / "kv", extra={"max_pending_bytes": bound}, role=role)
+        w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+        try:
+            if refused:
+                with pytest.raises(ValueError, match="max_pending_bytes=8191 is less than one chunk .*8192 bytes"):
+                    w.register_kv_caches(paged_caches(True))
+            else:
+                w.register_kv_caches(paged_caches(True))
+        finally:
+            w.shutdown()
 
 
 # -- many steps: chunked prefill, preemption, decode (a model runner's bookkeeping, played here) ---

@@ -68,6 +68,7 @@ from .lock import (
 from .log import Appended, Log
 from .memtable import Memtable
 from .options import Options
+from .threads import submit
 
 DURABILITY = ("sync", "group", "none")
 _log = logging.getLogger("tierstore")
@@ -757,14 +758,28 @@ class Engine:
 
     def sync_async(self, where: Appended) -> Future:
         """A Future completing once the log is durable up to ``where`` (one thread syncs for
-        every caller: a sync covers all writes appended before it, so they share it)."""
+        every caller: a sync covers all writes appended before it, so they share it).  It is
+        running when returned: ``cancel()`` is False (the write it reports on is made; a
+        cancelled sync would only hide when it became durable)."""
         log = self.log
         assert log is not None
+        done: Future = Future()
+        done.set_running_or_notify_cancel()
         with self._syncer_lock:
             if self._syncer is None:
                 self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-sync")
             self.counters["sync_requests"] += 1
-            return self._syncer.submit(log.sync, where)
+            sync = submit(self._syncer, log.sync, where)
+
+        def settle(f: Future) -> None:
+            e = f.exception()
+            if e is None:
+                done.set_result(f.result())
+            else:
+                done.set_exception(e)
+
+        sync.add_done_callback(settle)
+        return done
 
     def appended_at(self, loc: Location) -> Appended:
         """The append position of the record at ``loc`` (to ``settle`` a write that found its

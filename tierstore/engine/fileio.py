@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import StoreFull, StoreIOError
+from .threads import submit
 
 EINTR_RETRIES = 100  # consecutive EINTRs tolerated by one transfer before it fails
 PARALLEL_MIN = 8 << 20  # transfers at least this large are split across the I/O threads
@@ -243,7 +244,7 @@ def write_all_parallel(io: PosixIO, fd: int, bufs: Sequence[memoryview | bytes],
     total = sum(memoryview(b).nbytes for b in bufs)
     if executor is None or total < PARALLEL_MIN:
         return write_all(io, fd, bufs, offset)
-    futures = [executor.submit(write_all, io, fd, iov, off) for off, iov in split_iov(bufs, offset, PARALLEL_CHUNK)]
+    futures = [submit(executor, write_all, io, fd, iov, off) for off, iov in split_iov(bufs, offset, PARALLEL_CHUNK)]
     return sum(f.result() for f in futures)
 
 

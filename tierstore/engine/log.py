@@ -20,6 +20,7 @@ from ..format import constants as fmt
 from ..format import record as rec
 from .fileio import PAGE, DirectIO, PosixIO, io_error, write_all, write_all_parallel
 from .segment import aligned_buffer, new_segment_header, read_segment_header, segment_name
+from .threads import submit
 
 
 class Appended(NamedTuple):
@@ -323,7 +324,7 @@ class Log:
             if self.executor is None:
                 write_all(self.io, self.dfd, [buf[:n]], start + pos)
             else:
-                futures.append(self.executor.submit(write_all, self.io, self.dfd, [buf[:n]], start + pos))
+                futures.append(submit(self.executor, write_all, self.io, self.dfd, [buf[:n]], start + pos))
         error = None
         for f in futures:  # wait for every write before the buffers can be reused or returned
             e = f.exception()

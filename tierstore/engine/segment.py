@@ -31,6 +31,7 @@ from .fileio import (
     io_error,
     read_all,
 )
+from .threads import submit
 
 CREATOR = b"tierstore-py"
 
@@ -360,7 +361,7 @@ def verify_extents(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader) -> 
                 e += 1
             return min(e, len(lengths) - 1)  # cut short: the extent being read
         if pos + n < end:
-            pending = _verify_pool.submit(read, 1 - k, pos + n)
+            pending = submit(_verify_pool, read, 1 - k, pos + n)
         view = memoryview(bufs[k])[:n]
         for i in range(e, len(lengths)):  # the extents this piece overlaps
             a, b = max(offsets[i], pos), min(offsets[i] + lengths[i], pos + n)
@@ -492,7 +493,7 @@ def _verify(hdr: rec.RecordHeader, wanted: Sequence[tuple[int, memoryview]], whe
 def _run_all(executor: Any, fn: Callable[[Any], None], items: list[Any]) -> None:
     """fn over items: all but the first on the executor, the first on this thread.  Returns
     (or raises the first error) only once every call has finished with its buffers."""
-    futures = [executor.submit(fn, it) for it in items[1:]]
+    futures = [submit(executor, fn, it) for it in items[1:]]
     error: BaseException | None = None
     try:
         fn(items[0])
@@ -532,7 +533,7 @@ def _read_split(io: PosixIO, fd: int, offset: int, hdr: rec.RecordHeader, item: 
             raise CorruptionError("record extends past the end of its segment", **where)
         return rec.crc32c(view)
 
-    future = executor.submit(part, half, n)
+    future = submit(executor, part, half, n)
     try:
         first = part(0, half)
     finally:

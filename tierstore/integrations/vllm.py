@@ -56,6 +56,7 @@ import difflib
 import hashlib
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -203,6 +204,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         path = extra.get("path")
         if not path:
             raise ValueError("TierstoreConnector needs kv_connector_extra_config.path (the store's directory)")
+        if not isinstance(path, (str, os.PathLike)):  # (a number was opened as a directory of that name, here)
+            raise ValueError(f"kv_connector_extra_config.path is the store's directory, a string; got "
+                             f"{type(path).__name__} {path!r}")
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk = extra.get("chunk_tokens", 256)
         if type(self._chunk) is not int or self._chunk <= 0 or self._chunk % self._block_size:
@@ -242,6 +246,11 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._saves = kv_role in ("kv_both", "kv_producer")
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
+        for name, size in (("tp_rank", self._tp), ("pp_rank", self._pp)):  # checked now, in both roles
+            rank = extra.get(name)
+            if rank is not None and (type(rank) is not int or not 0 <= rank < size):
+                raise ValueError(f"kv_connector_extra_config.{name} is this worker's rank, an int in [0, {size}) "
+                                 f"(the parallel size is {size}); got {rank!r}")
         self._vllm_config, self._model_id = vllm_config, extra.get("model_id")
         # the order a chunk stores its layers in (register_kv_caches follows it)
         self._layer_names = tuple(name for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()
@@ -350,12 +359,12 @@ class TierstoreConnector(KVConnectorBase_V1):
                 raise RuntimeError("vLLM's process groups are not this configuration's")
             tp_rank, pp_rank = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
         except (AssertionError, AttributeError, ImportError, RuntimeError):  # no process group
-            tp_rank, pp_rank = int(extra.get("tp_rank", -1)), int(extra.get("pp_rank", -1))
-            if (tp_rank < 0 and self._tp > 1) or (pp_rank < 0 and self._pp > 1):
+            tp_rank, pp_rank = extra.get("tp_rank"), extra.get("pp_rank")  # (checked in __init__)
+            if (tp_rank is None and self._tp > 1) or (pp_rank is None and self._pp > 1):
                 raise ValueError(f"TierstoreConnector cannot tell this worker's ranks (tensor parallel {self._tp}, "
                                  f"pipeline parallel {self._pp}): vLLM's process groups are not set up; give "
                                  f"kv_connector_extra_config tp_rank and pp_rank") from None
-            tp_rank, pp_rank = max(tp_rank, 0), max(pp_rank, 0)
+            tp_rank, pp_rank = tp_rank or 0, pp_rank or 0
         if not (0 <= tp_rank < self._tp and 0 <= pp_rank < self._pp):
             raise ValueError(f"TierstoreConnector: ranks tp {tp_rank} / pp {pp_rank} outside the parallel sizes "
                              f"{self._tp} / {self._pp}")
@@ -546,6 +555,14 @@ class TierstoreConnector(KVConnectorBase_V1):
             raise ValueError(f"TierstoreConnector stores a chunk's layers as one object; these layers differ "
                              f"in shape ({sorted(shapes)})")
         self._layer_index = {name: i for i, (name, _, _) in enumerate(self._layers)}
+        if self._saves and self._layers:  # (a budget under one chunk would drop every save, quietly)
+            _, tensor, paged = self._layers[0]
+            chunk_bytes = len(self._layers) * math.prod(paged.layout.chunk_shape(self._chunk)) * tensor.element_size()
+            if self._max_pending < chunk_bytes:
+                raise ValueError(f"kv_connector_extra_config.max_pending_bytes={self._max_pending} is less than one "
+                                 f"chunk of this model ({chunk_bytes} bytes: {self._chunk} tokens of "
+                                 f"{len(self._layers)} layers), so no chunk could ever be saved; raise it, or lower "
+                                 f"chunk_tokens")
 
     def _key(self, keys: list[bytes]) -> bytes:
         return keys[self._worker]

@@ -30,6 +30,7 @@ from .. import arrays
 from .. import codecs as cdc
 from ..engine.engine import Engine
 from ..engine.index import Location
+from ..engine.threads import submit
 from ..errors import InvalidObject, StoreClosed
 from ..format import block as blk
 from ..format import constants as fmt
@@ -378,7 +379,7 @@ class Hierarchy:
             return e.nbytes if e is not None else 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self.executor.submit(fn, *args)
+        return submit(self.executor, fn, *args)
 
     def stream(self, layer_ids: list[int], read_layer: Callable[[int], Any],
                depth: int = 2) -> Iterator[tuple[int, Any]]:
@@ -389,7 +390,7 @@ class Hierarchy:
         try:
             for j, lid in enumerate(layer_ids):
                 while nxt < len(layer_ids) and nxt <= j + depth - 1:
-                    pending.append(self.executor.submit(read_layer, layer_ids[nxt]))
+                    pending.append(submit(self.executor, read_layer, layer_ids[nxt]))
                     nxt += 1
                 yield lid, pending[j].result()
         finally:
