@@ -287,39 +287,61 @@ def test_put_async_futures_are_running_and_cannot_be_cancelled(store_path):
 
 
 SHUTDOWN_SCRIPT = """
-import atexit, sys, threading
+import atexit, os, sys, threading
 import numpy as np
 import tierstore
 from tierstore import Blob, KVCache
 
 path, where = sys.argv[1], sys.argv[2]
-s = tierstore.open(path, dram_bytes=0)
 kv = np.arange(2 * 2 * 2 * 64 * 64, dtype=np.float16).reshape(2, 2, 2, 64, 64)
-s.put("a", KVCache(kv)); s.put("b", KVCache(kv))
+
+def filled(p):
+    st = tierstore.open(p, dram_bytes=0)
+    st.put("a", KVCache(kv)); st.put("b", KVCache(kv))
+    return st
+
+def work(st, tag):
+    fut = st.put_async("late", Blob(b"1"))
+    print(tag, "put_async", fut.done(), fut.result(timeout=30))
+    big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: written by the I/O threads
+    st.put("big", KVCache(big.reshape(1, 2, 1, 2 << 20, 1)))
+    print(tag, "big", np.array_equal(st.get("big").data.reshape(-1), big))
+    print(tag, "get_many", all(np.array_equal(o.data, kv) for o in st.get_many(["a", "b"])))
+    print(tag, "stream", [i for i, _ in st.stream_layers("a")], flush=True)
+    st.close()
+
+s = filled(path)
 
 def late():
-    fut = s.put_async("late", Blob(b"1"))
-    print("put_async", fut.done(), fut.result(timeout=30))
-    big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: written by the I/O threads
-    s.put("big", KVCache(big.reshape(1, 2, 1, 2 << 20, 1)))
-    print("big", np.array_equal(s.get("big").data.reshape(-1), big))
-    print("get_many", all(np.array_equal(o.data, kv) for o in s.get_many(["a", "b"])))
-    print("stream", [i for i, _ in s.stream_layers("a")])
-    s.close()
+    import concurrent.futures.thread as pools, time
+    deadline = time.monotonic() + 60
+    while not pools._shutdown:  # (a thread: until the ended main thread has closed the pools to new work)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if where == "fork":  # a child forked now: its main thread (this one) lives, its pools refuse work
+        pid = os.fork()
+        if pid == 0:
+            try:
+                work(filled(path + "-child"), "child")
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    work(s, "parent")
 
-if where == "thread":
-    threading.Thread(target=late).start()  # the main thread ends now
-else:
+if where == "atexit":
     atexit.register(late)
+else:
+    threading.Thread(target=late).start()  # the main thread ends now
 """
 
 
-@pytest.mark.parametrize("where", ["thread", "atexit"])
+@pytest.mark.parametrize("where", ["thread", "atexit", "fork"])
 def test_calls_work_after_the_main_thread_ended(tmp_path, where):
-    """Once the main thread has ended (a server whose main thread only started its workers) or
-    in an atexit handler, Python's thread pools refuse new work: put_async raised RuntimeError
-    with its put made, a 16 MiB put raised it, get_many said the open store was closed, and
-    stream_layers raised RuntimeError.  Each now works, in the calling thread."""
+    """Once the main thread has ended (a server whose main thread only started its workers), in
+    an atexit handler, or in a child forked then, Python's thread pools refuse new work:
+    put_async raised RuntimeError with its put made, a 16 MiB put raised it, get_many said the
+    open store was closed, and stream_layers raised RuntimeError.  Each now works, in the
+    calling thread."""
     import subprocess
     import sys
 
@@ -328,10 +350,44 @@ def test_calls_work_after_the_main_thread_ended(tmp_path, where):
     src = str(__import__("pathlib").Path(tierstore.__file__).parents[1])
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "s"), where], capture_output=True, text=True,
                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": src})
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-    assert out.stdout.split("\n")[:4] == ["put_async True None", "big True", "get_many True", "stream [0, 1]"]
-    with tierstore.open(tmp_path / "s") as s:
-        assert sorted(s.keys()) == ["a", "b", "big", "late"]
+    assert out.returncode == 0 and "Error" not in out.stderr, out.stderr
+    lines = ["put_async True None", "big True", "get_many True", "stream [0, 1]"]
+    tags = ["child", "parent"] if where == "fork" else ["parent"]
+    assert out.stdout.splitlines() == [f"{t} {line}" for t in tags for line in lines], out.stdout
+    for p in [tmp_path / "s"] + ([tmp_path / "s-child"] if where == "fork" else []):
+        with tierstore.open(p) as s:
+            assert sorted(s.keys()) == ["a", "b", "big", "late"]
+
+
+def test_prefetches_cancelled_by_close_are_done_for_concurrent_futures_wait(store_path):
+    """close() cancels the prefetches still queued; concurrent.futures' wait() / as_completed()
+    never heard of it (a pool shut down with cancel_futures does not tell them)."""
+    import concurrent.futures as cf
+
+    s = tierstore.open(store_path, dram_bytes="1MiB")
+    s.put("k", Blob(b"x" * 1000))
+    hold = threading.Event()
+    real = s._tiers.promote
+
+    def slow(*args, **kwargs):
+        hold.wait(30)
+        return real(*args, **kwargs)
+
+    s._tiers.promote = slow
+    busy = [s.prefetch(["k"]) for _ in range(s._tiers.executor._max_workers)]  # every tier thread held
+    queued = s.prefetch(["k"])
+    closing = threading.Thread(target=s.close)
+    closing.start()
+    for _ in range(3000):
+        if queued.cancelled():
+            break
+        threading.Event().wait(0.01)
+    hold.set()
+    closing.join(30)
+    assert queued.cancelled() and not closing.is_alive()
+    done, not_done = cf.wait([queued, *busy], timeout=5)
+    assert queued in done and not not_done
+    assert list(cf.as_completed([queued], timeout=5)) == [queued]
 
 
 # -- get(out=) ----------------------------------------------------------------------------------

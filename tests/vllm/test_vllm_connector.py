@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -168,7 +169,8 @@ def test_a_damaged_chunk_is_reported_and_recomputed_never_loaded(tmp_path):
     assert w.counters["load_errors"] == 1
 
 
-def test_bad_options_are_clear_errors(tmp_path):
+def test_bad_options_are_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (a path given as a number was opened as a directory of that name, here)
     cfg = make_config(tmp_path, tmp_path / "kv", chunk_tokens=24)
     with pytest.raises(ValueError, match="multiple of the block size"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
@@ -184,8 +186,9 @@ def test_bad_options_are_clear_errors(tmp_path):
             with pytest.raises(ValueError, match=match):
                 KVConnectorFactory.create_connector(cfg, role, kv_cache_config())
     cfg = make_config(tmp_path, tmp_path / "kv", extra={"namespace": "vllm-a", "max_pending_bytes": "1GiB",
-                                                        "tp_rank": 0, "pp_rank": 0})
-    KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())  # the valid twin
+                                                        "tp_rank": 0, "pp_rank": np.int64(0)})  # (numpy's ints too)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):  # the valid twin
+        KVConnectorFactory.create_connector(cfg, role, kv_cache_config()).shutdown()
     assert not (tmp_path / "12345").exists()
 
 

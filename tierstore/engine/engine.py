@@ -772,6 +772,10 @@ class Engine:
             sync = submit(self._syncer, log.sync, where)
 
         def settle(f: Future) -> None:
+            if f.cancelled():  # (nothing cancels the syncer's work; were it to, the caller still hears)
+                done.set_exception(StoreClosed("the sync of this put was cancelled: the store closed",
+                                               path=self.path))
+                return
             e = f.exception()
             if e is None:
                 done.set_result(f.result())

@@ -56,6 +56,7 @@ import difflib
 import hashlib
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -248,9 +249,16 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._pp = int(pc.pipeline_parallel_size)
         for name, size in (("tp_rank", self._tp), ("pp_rank", self._pp)):  # checked now, in both roles
             rank = extra.get(name)
-            if rank is not None and (type(rank) is not int or not 0 <= rank < size):
+            if rank is None:
+                continue
+            try:  # (an int of any kind -- JSON's, numpy's -- but not a bool or a string)
+                value = operator.index(rank) if not isinstance(rank, bool) else None
+            except TypeError:
+                value = None
+            if value is None or not 0 <= value < size:
                 raise ValueError(f"kv_connector_extra_config.{name} is this worker's rank, an int in [0, {size}) "
                                  f"(the parallel size is {size}); got {rank!r}")
+            extra[name] = value
         self._vllm_config, self._model_id = vllm_config, extra.get("model_id")
         # the order a chunk stores its layers in (register_kv_caches follows it)
         self._layer_names = tuple(name for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()

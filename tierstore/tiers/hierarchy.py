@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -30,7 +31,7 @@ from .. import arrays
 from .. import codecs as cdc
 from ..engine.engine import Engine
 from ..engine.index import Location
-from ..engine.threads import submit
+from ..engine.threads import shut, submit
 from ..errors import InvalidObject, StoreClosed
 from ..format import block as blk
 from ..format import constants as fmt
@@ -144,6 +145,8 @@ class Hierarchy:
         self.gpu = Tier("gpu", gpu_bytes, policy.fresh(), self.devio.io_path, on_evict=self._demote) \
             if gpu_bytes else None
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-tiers")
+        self._submitted: weakref.WeakSet[Future] = weakref.WeakSet()  # the callers' (prefetch): close reports them
+        self._submitted_lock = threading.Lock()
         self._readers: ThreadPoolExecutor | None = None
         self._readers_lock = threading.Lock()
         self._closed = False
@@ -164,11 +167,13 @@ class Hierarchy:
         return t
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        with self._submitted_lock:
+            submitted = list(self._submitted)
+        shut(self.executor, submitted)
         with self._readers_lock:
             self._closed = True
             if self._readers is not None:
-                self._readers.shutdown(wait=True, cancel_futures=True)
+                shut(self._readers)
 
     def readers(self) -> ThreadPoolExecutor:
         """The threads that read a batch's objects from the log side by side (``get_many``):
@@ -379,7 +384,11 @@ class Hierarchy:
             return e.nbytes if e is not None else 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return submit(self.executor, fn, *args)
+        """Work whose Future a caller gets (``prefetch``): cancelled at ``close`` if still queued."""
+        future = submit(self.executor, fn, *args)
+        with self._submitted_lock:
+            self._submitted.add(future)
+        return future
 
     def stream(self, layer_ids: list[int], read_layer: Callable[[int], Any],
                depth: int = 2) -> Iterator[tuple[int, Any]]:
