@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +104,24 @@ def open_files(prefix: str) -> list[str]:
         if target.startswith(prefix):
             out.append(target)
     return out
+
+
+@contextlib.contextmanager
+def promotions_held(store):
+    """In the block, every promotion of ``store``'s tier threads waits inside its thread (a
+    ``prefetch``'s Future is then running) until ``hold`` is set, at the latest when the block
+    ends.  Yields ``(inside, hold)``: ``inside`` is set once a promotion waits."""
+    inside, hold = threading.Event(), threading.Event()
+    real = store._tiers.promote
+
+    def slow(*args, **kwargs):
+        inside.set()
+        hold.wait(30)
+        return real(*args, **kwargs)
+
+    store._tiers.promote = slow
+    try:
+        yield inside, hold
+    finally:
+        hold.set()
+        store._tiers.promote = real

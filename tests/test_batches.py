@@ -18,7 +18,7 @@ import tierstore
 from tierstore import Blob, CorruptionError, InvalidObject, KVCache, Vectors
 from tierstore.format import constants as fmt
 
-from .conftest import needs_torch, segment_files
+from .conftest import needs_torch, promotions_held, segment_files
 from .test_crash_states import Explorer, _value, fast_tmp  # noqa: F401  (fixture)
 
 # -- crash states: a batch is all or nothing ------------------------------------------------
@@ -366,24 +366,17 @@ def test_prefetches_cancelled_by_close_are_done_for_concurrent_futures_wait(stor
 
     s = tierstore.open(store_path, dram_bytes="1MiB")
     s.put("k", Blob(b"x" * 1000))
-    hold = threading.Event()
-    real = s._tiers.promote
-
-    def slow(*args, **kwargs):
-        hold.wait(30)
-        return real(*args, **kwargs)
-
-    s._tiers.promote = slow
-    busy = [s.prefetch(["k"]) for _ in range(s._tiers.executor._max_workers)]  # every tier thread held
-    queued = s.prefetch(["k"])
-    closing = threading.Thread(target=s.close)
-    closing.start()
-    for _ in range(3000):
-        if queued.cancelled():
-            break
-        threading.Event().wait(0.01)
-    hold.set()
-    closing.join(30)
+    with promotions_held(s) as (_, hold):
+        busy = [s.prefetch(["k"]) for _ in range(s._tiers.executor._max_workers)]  # every tier thread held
+        queued = s.prefetch(["k"])
+        closing = threading.Thread(target=s.close)
+        closing.start()
+        for _ in range(3000):
+            if queued.cancelled():
+                break
+            threading.Event().wait(0.01)
+        hold.set()
+        closing.join(30)
     assert queued.cancelled() and not closing.is_alive()
     done, not_done = cf.wait([queued, *busy], timeout=5)
     assert queued in done and not not_done

@@ -15,6 +15,8 @@ import pytest
 import tierstore
 from tierstore import Blob
 
+from .conftest import promotions_held
+
 MiB = 1 << 20
 
 
@@ -175,27 +177,13 @@ def test_a_namespace_that_is_not_a_plain_str_is_refused(store_path):
 def test_a_handles_future_cancels_and_runs_as_the_stores_does(store_path):
     """A handle's Future was a copy that could always be cancelled: cancel() said True while the
     put or the promotion went on (and its result or error was lost to the caller)."""
-    import threading
-
     with tierstore.open(store_path, dram_bytes=MiB) as s:
         a = s.namespace("a")
         a.put("k", Blob(os.urandom(100_000)))
-        hold, inside = threading.Event(), threading.Event()
-        real = s._tiers.promote  # (held inside the tier thread: the Store's Future is running)
-
-        def slow(*args, **kwargs):
-            inside.set()
-            hold.wait(30)
-            return real(*args, **kwargs)
-
-        s._tiers.promote = slow
-        try:
+        with promotions_held(s) as (inside, _):  # (held inside the tier thread: the Store's Future is running)
             fut = a.prefetch(["k"])
             assert inside.wait(30) and fut.running() and not fut.done()
             assert fut.cancel() is False  # (work under way: as the Store's own Future says)
-        finally:
-            hold.set()
-            s._tiers.promote = real
         assert fut.result(timeout=30) == 100_000 and not fut.cancelled() and not fut.running()
         assert a.put_async("j", Blob(b"x")).result(timeout=30) is None
 
@@ -204,28 +192,16 @@ def test_a_handles_cancelled_future_is_done_for_concurrent_futures_wait(store_pa
     """A handle's Future cancelled while queued was never reported done to concurrent.futures'
     wait() / as_completed() (wait() without a timeout hung); the running twin completes."""
     import concurrent.futures as cf
-    import threading
 
     with tierstore.open(store_path, dram_bytes=MiB) as s:
         a = s.namespace("a")
         a.put("k", Blob(os.urandom(1000)))
-        hold = threading.Event()
-        real = s._tiers.promote
-
-        def slow(*args, **kwargs):
-            hold.wait(30)
-            return real(*args, **kwargs)
-
-        s._tiers.promote = slow
-        try:
+        with promotions_held(s):
             busy = [a.prefetch(["k"]) for _ in range(s._tiers.executor._max_workers)]  # every tier thread held
             queued = a.prefetch(["k"])
             assert queued.cancel() is True
             done, _ = cf.wait([queued], timeout=5)
             assert done == {queued} and queued.cancelled()
             assert list(cf.as_completed([queued], timeout=5)) == [queued]
-        finally:
-            hold.set()
-            s._tiers.promote = real
         done, not_done = cf.wait(busy, timeout=30)
         assert len(done) == len(busy) and not not_done
