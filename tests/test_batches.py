@@ -107,6 +107,24 @@ def test_put_many_checks_everything_before_writing(store_path, bad, codec):
         assert (s.stats()["next_lsn"], s.stats()["segment_bytes"]) == tail
 
 
+def test_put_many_checks_its_codec_argument_even_for_an_empty_batch(store_path):
+    """A codec no object could take was accepted with an empty batch, and blamed on item 0
+    otherwise; a codec that some kind takes is left to each item's kind (the twins)."""
+    with tierstore.open(store_path) as s:
+        for codec, match in ((3, "codec=3: no such codec"), ("nope", "no such codec; available: .*int8"),
+                             ("zstd:level=99", "zstd level"), ("raw+zstd", "not a codec")):
+            for items in ([], [("a", Blob(b"1"))]):
+                with pytest.raises(InvalidObject, match=match) as e:
+                    s.put_many(items, codec=codec)
+                assert "item 0" not in str(e.value)
+        for codec in ("int8", "zstd", "int8+zstd", "shuffle+zstd"):
+            s.put_many([], codec=codec)
+        s.put_many([("a", Blob(b"1"))], codec="zstd")
+        with pytest.raises(InvalidObject, match="item 0: no codec 'int8' for blob"):
+            s.put_many([("b", Blob(b"1"))], codec="int8")
+        assert s.keys() == ["a"]
+
+
 def test_put_many_of_a_dict_says_to_pass_its_items(store_path):
     """(A new user's try: "put_many item 0: expected (key, obj) ..., got str".)"""
     with tierstore.open(store_path) as s:

@@ -745,6 +745,8 @@ class Store:
         engine = self._engine
         ns = encode_namespace(namespace)
         sess = encode_session(session) if session is not None else None
+        if codec is not None:  # (checked as the argument it is: the items' kinds choose the codec)
+            cdc.check_any(codec)
         puts: list[tuple[bytes, int, rec.EncodedRecord]] = []
         seen: set[bytes] = set()
         try:

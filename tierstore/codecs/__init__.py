@@ -28,6 +28,7 @@ from .registry import (
     Choice,
     available,
     body_length,
+    check_any,
     check_params,
     decode,
     decode_torch,
@@ -39,7 +40,7 @@ from .zstd import dictionary_id, train_dictionary, zstd_bound, zstd_compress, zs
 
 __all__ = [
     "BY_ID", "BY_NAME", "COMPRESSED_MEDIA", "FP16_MAX", "LOSSY_DTYPES", "POST_ZSTD", "Choice", "Codec", "Extent",
-    "attention_error", "available", "body_length", "check_params", "decode", "decode_torch", "dictionary_id",
-    "encode", "evaluate", "from_float32", "kvq_bins", "max_length", "parse", "to_float32", "train_dictionary",
-    "zstd_bound", "zstd_compress", "zstd_decompress",
+    "attention_error", "available", "body_length", "check_any", "check_params", "decode", "decode_torch",
+    "dictionary_id", "encode", "evaluate", "from_float32", "kvq_bins", "max_length", "parse", "to_float32",
+    "train_dictionary", "zstd_bound", "zstd_compress", "zstd_decompress",
 ]

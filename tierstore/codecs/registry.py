@@ -252,6 +252,29 @@ def parse(spec: str | Choice, kind: str) -> Choice:
     return Choice(codec, params)
 
 
+def check_any(spec: str | Choice) -> None:
+    """InvalidObject unless ``spec`` parses for some kind of object: a batch's ``codec=``
+    checked before its items (whose kinds choose) are read, so that an empty batch, or a
+    name no codec has, is refused as the argument it is."""
+    if isinstance(spec, Choice):
+        return
+    name = spec.partition(":")[0] if isinstance(spec, str) else ""
+    base = name[: -len("+zstd")] if name.endswith("+zstd") and name != "shuffle+zstd" else name
+    kinds = sorted(k for n, k in BY_NAME if n == base)
+    if not kinds:
+        names = sorted({n for n, _ in BY_NAME})
+        raise InvalidObject(f"codec={spec!r}: no such codec; available: {', '.join(names)}")
+    error: InvalidObject | None = None
+    for kind in kinds:  # (a parameter one kind's codec refuses: that kind's error)
+        try:
+            parse(spec, kind)
+            return
+        except InvalidObject as e:
+            error = error or e
+    assert error is not None
+    raise error
+
+
 def check_params(codec: Codec, params: Any) -> None:
     """Validate stored parameters (a decoded record): the names a codec knows, sane values."""
     if not isinstance(params, dict):
