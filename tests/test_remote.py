@@ -624,6 +624,13 @@ def test_urls_are_checked_before_anything_opens(tmp_path):
     assert not (tmp_path / "s").exists()
     with pytest.raises(tierstore.InvalidObject):
         tierstore.open(str(tmp_path / "s"), remote_policy="write-back")  # without remote=
+    # an infinite (or past time_t) timeout passed the check, then every put, get and close() raised
+    # OverflowError from inside redis-py (a new user's try, 2026-12-04)
+    for name in ("remote_timeout", "remote_connect_timeout"):
+        for bad in (float("inf"), 1e12, 86400.5):
+            with pytest.raises(tierstore.InvalidObject, match=f"{name} must be at most 86400 seconds"):
+                tierstore.open(str(tmp_path / "s"), remote="redis://127.0.0.1:1/0", **{name: bad})
+    assert not (tmp_path / "s").exists()
     t = parse_url("rediss://user:pw@h:7000/2")
     assert t.tls and t.username == "user" and t.password == "pw" and t.db == 2 and "pw" not in t.shown
     assert not parse_url("redis://h").tls and parse_url("valkeys+cluster://a:1,b:2").cluster
@@ -696,6 +703,25 @@ def test_remote_sync_sends_what_the_server_lacks_and_fsck_checks_it(tmp_path, se
         counts = a.remote_sync()
         assert counts["checked"] == 4
     assert redis.Redis(port=server.port).get(remote_key(b"m", b"k0"))[5] & fmt.REMOTE_FLAG_TOMBSTONE
+
+
+def test_remote_sync_beside_the_node_that_sends_says_what_to_do(tmp_path, server):
+    """The hint was open()'s ("open this handle with remote_policy='read-only'"), which a command
+    line cannot follow; a day-long timeout is the valid twin of the caps."""
+    import subprocess
+    import sys
+
+    from tierstore.cli import EXIT_LOCKED, main
+
+    path = str(tmp_path / "a")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
+    with tierstore.open(path, remote=server.url, remote_timeout=86400, remote_connect_timeout=86400) as s:
+        s.put(b"k", tierstore.Blob(b"v"), namespace="m")
+        cli = subprocess.run([sys.executable, "-m", "tierstore", "remote-sync", path, "--remote", server.url],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": src})
+        assert cli.returncode == EXIT_LOCKED, cli.stderr
+        assert "call store.remote_sync() in that process" in cli.stderr and "remote_policy" not in cli.stderr
+    assert main(["remote-sync", path, "--remote", server.url]) == 0  # closed: the command runs
 
 
 def test_a_cluster_failover_keeps_serving_and_remote_sync_refills_what_it_lost(tmp_path):

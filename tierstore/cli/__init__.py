@@ -128,7 +128,15 @@ def _remote_fsck(args: argparse.Namespace) -> int:
 def cmd_remote_sync(args: argparse.Namespace) -> int:
     from ..store import Store
 
-    with Store(args.path, create=False, remote=args.remote) as store:
+    try:
+        store = Store(args.path, create=False, remote=args.remote)
+    except StoreLocked as e:
+        if "remote tier" not in e.message:
+            raise
+        e.hint = ("the node that writes the store with remote= sends what it holds: call store.remote_sync() "
+                  "in that process (docs/remote.md), or run this command once it has closed")
+        raise
+    with store:
         total = sum(len(store.keys(namespace=n)) for n in ([args.namespace] if args.namespace else store.namespaces()))
         from tqdm import tqdm
 

@@ -542,14 +542,7 @@ class RemoteTier:
     def __init__(self, url: str, *, origin: bytes, policy: str = "write-through", timeout: float = 2.0,
                  connect_timeout: float = 1.0, retry_s: float = 1.0, queue: int = QUEUE_DEFAULT,
                  state_path: str | None = None, stamps_path: str | None = None) -> None:
-        if policy not in POLICIES:
-            raise InvalidObject(f"remote_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        for name, value in (("remote_timeout", timeout), ("remote_connect_timeout", connect_timeout),
-                            ("remote_retry_s", retry_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidObject(f"{name} must be a positive number of seconds, got {value!r}")
-        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
-            raise InvalidObject(f"remote_queue must be a positive number of keys, got {queue!r}")
+        check_settings(policy=policy, timeout=timeout, connect_timeout=connect_timeout, retry_s=retry_s, queue=queue)
         self.target = parse_url(url)
         self.url = self.target.shown
         self.policy = policy
@@ -1364,6 +1357,25 @@ class PushQueue:
         self.save(clean=True, last=True)
 
 
+TIMEOUT_MAX_S = 86400.0  # a remote timeout's largest (an infinite one overflowed the socket's clock in redis-py)
+
+
+def check_settings(**settings: Any) -> None:
+    """InvalidObject for a bad ``Remote`` setting (``policy``, ``timeout``, ``connect_timeout``,
+    ``retry_s``, ``queue``: those given), named as ``tierstore.open``'s option."""
+    if "policy" in settings and settings["policy"] not in POLICIES:
+        raise InvalidObject(f"remote_policy must be one of {', '.join(POLICIES)}, got {settings['policy']!r}")
+    for name in ("timeout", "connect_timeout", "retry_s"):
+        if name not in settings:
+            continue
+        value, option = settings[name], "remote_" + name
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidObject(f"{option} must be a positive number of seconds, got {value!r}")
+        if name != "retry_s" and not value <= TIMEOUT_MAX_S:
+            raise InvalidObject(f"{option} must be at most {TIMEOUT_MAX_S:g} seconds (a day), got {value!r}")
+    queue = settings.get("queue", 1)
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+        raise InvalidObject(f"remote_queue must be a positive number of keys, got {queue!r}")
 REMOTE_OPTIONS = ("remote", "remote_policy", "remote_timeout", "remote_connect_timeout", "remote_retry_s",
                   "remote_queue")
 
@@ -1383,4 +1395,5 @@ def remote_options(options: dict[str, Any]) -> dict[str, Any] | None:
     for name, value in picked.items():
         out[{"remote_policy": "policy", "remote_timeout": "timeout", "remote_connect_timeout": "connect_timeout",
              "remote_retry_s": "retry_s", "remote_queue": "queue"}[name]] = value
+    check_settings(**{k: v for k, v in out.items() if k != "url"})  # (before anything is opened, as the URL)
     return out
