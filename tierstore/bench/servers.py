@@ -25,11 +25,27 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral() -> tuple[int, int]:
+    """The range the kernel draws client connections' local ports from (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is free too (so at most 55535)."""
+    """A free loopback port whose cluster bus port (+10000) is free too, both outside the
+    ephemeral range: a port in it, free when checked, was taken by some client connection's
+    local end before the server bound it ("Address already in use", a cluster node restarted
+    on its port most of all)."""
     rng = random.Random()
+    low, high = _ephemeral()
+    spans = [(lo, hi) for lo, hi in ((10000, low - 10000), (high + 1, 55536)) if lo < hi]
     for _ in range(1000):
-        port = rng.randrange(20000, 45000)
+        lo, hi = rng.choice(spans) if spans else (20000, 45000)
+        port = rng.randrange(lo, hi)
         if _free(port) and _free(port + 10000):
             return port
     raise RuntimeError("no free port pair found")
