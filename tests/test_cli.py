@@ -612,7 +612,8 @@ def test_fsck_says_of_damage_in_the_last_segment_what_a_writer_does_with_it(tmp_
         assert run("fsck", path)[0] == 0
     else:
         assert rc == 1 and "was synced" in text, text
-        run("recover", path)  # the header comes back from the index's copy of it
+        rc, text = run("recover", path)  # the header comes back from the index's copy of it
+        assert "the object is kept" in text and "is gone" not in text, text  # (it said both)
         assert run("fsck", path)[0] == 0
         with tierstore.open(path) as s:
             assert [s.get(f"k{i}").data[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
@@ -673,3 +674,19 @@ def test_dump_of_a_file_that_is_no_segment_is_bad_input(tmp_path, filled):
     copy.write_bytes(bytes(data))
     code, out = run("dump", str(copy))
     assert code == 1 and "bad header" in out
+
+
+def test_tools_pointed_at_a_directory_that_is_not_a_store_leave_nothing_there(tmp_path):
+    """`tierstore compact` of a wrong directory, and open(create=False), exited with "no store"
+    and left LOCK, APPEND and COMMIT in it (a new user's try, 2026-12-04); the twin: a store."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "mine.txt").write_text("someone's file")
+    rc, text = run("compact", str(d))
+    assert rc == 3 and "no store" in text, text
+    with pytest.raises(tierstore.StoreNotFound):
+        tierstore.open(d, create=False)
+    assert sorted(os.listdir(d)) == ["mine.txt"]
+    with tierstore.open(tmp_path / "s") as s:
+        s.put("k", Blob(b"v"))
+    assert run("compact", str(tmp_path / "s"))[0] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -595,13 +596,50 @@ def test_recover_consults_the_old_index_when_a_sealed_segment_lost_its_tail(tmp_
                 size = os.path.getsize(seg)
                 f.seek(at.offset)
                 f.write(bytes(size - at.offset))
-    repair.recover(path, lock_timeout=0)
+    result = repair.recover(path, lock_timeout=0)
     with tierstore.open(path, create=False) as s:
         assert not s.contains("y")
         assert not s.contains("x") or bytes(s.get("x").data) == b"NEW" * 10
         assert bytes(s.get("z").data) == b"Z" * 10
         if damage != "remove":
             assert bytes(s.get("keep").data) == b"K" * 30
+    # what is gone is named: the segment's objects when it is gone (its lost tail's replaced
+    # and deleted keys otherwise), never "no damage found" (a new user's try, 2026-12-04)
+    lost = sorted(k["key"] for k in result["lost_keys"])
+    stale = sorted(k["key"] for k in result["stale_keys_deleted"])
+    assert (lost, stale) == (["pad"] if damage == "remove" else [], ["x", "y"])
+
+
+def test_recover_names_the_objects_a_missing_segment_took(tmp_path, capsys):
+    """A middle segment removed: recover said "no damage found", exit 0, and fsck then "ok" --
+    its objects were gone without a word (fsck --fix the same).  Now both name each one; the
+    twin, an intact store, says "no damage found" and lists nothing."""
+    from tierstore.cli import main
+
+    def make(path):
+        with tierstore.open(path, segment_bytes="64KiB") as s:
+            for i in range(12):
+                s.put(f"k{i}", Blob(bytes([i]) * 20000), namespace="a")
+        return segment_files(path)
+
+    for command in (["recover"], ["fsck", "--fix"]):
+        path = str(tmp_path / command[0])
+        os.remove(make(path)[1])
+        capsys.readouterr()
+        assert main([*command, path]) in (0, 6)
+        out = capsys.readouterr().out
+        gone = [k for k in (f"k{i}" for i in range(12)) if f"a/{k}: LOST" in out]
+        with tierstore.open(path, create=False) as s:
+            assert sorted(gone) == sorted(set(f"k{i}" for i in range(12)) - set(s.keys(namespace="a")))
+        assert gone and "no damage found" not in out
+        assert main(["recover", path, "--json"]) == 0  # (a second recover: nothing more is lost)
+        assert json.loads(capsys.readouterr().out)["lost_keys"] == []
+    twin = str(tmp_path / "twin")
+    make(twin)
+    capsys.readouterr()
+    assert main(["recover", twin]) == 0
+    out = capsys.readouterr().out
+    assert "no damage found" in out and "LOST" not in out
 
 
 def test_recover_of_an_intact_store_keeps_every_object(tmp_path):

@@ -201,6 +201,10 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     def text_fix() -> None:
         if repaired is not None:
             print(f"repaired: {len(repaired['damage'])} damaged region(s) quarantined, index rebuilt")
+            for k in repaired["lost_keys"]:
+                print(f"  {k['namespace']}/{k['key']}: LOST (a segment gone or emptied held it)")
+            for k in repaired["stale_keys_deleted"]:
+                print(f"  {k['namespace']}/{k['key']}: deleted (its newer record was lost)")
         text()
 
     _emit(args, data, text_fix)
@@ -223,13 +227,20 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print(f"{path}: index rebuilt from {result['bytes_scanned'] / 2**20:.1f} MiB of segments "
               f"({result['records']} records, every checksum verified) in {result['seconds']:.2f} s")
         for d in result["damage"]:
-            what = f" ({d['namespace']}/{d['key']} is gone)" if d.get("key") is not None else ""
+            what = "" if d.get("key") is None or d.get("kept") else f" ({d['namespace']}/{d['key']} is gone)"
             q = f", quarantined to {d['quarantined_to']}" if d["quarantined_to"] else ""
             print(f"  segment {d['segment']} offset {d['offset']}: {d['reason']}; {d['bytes_dropped']} bytes "
                   f"dropped{q}{what}")
         for s in result["removed_segments"]:
-            print(f"  segment {s}: header never became durable; moved to quarantine/")
-        if not result["damage"] and not result["removed_segments"]:
+            print(f"  segment {s}: its header is not there (never made durable, or the file was emptied or cut); "
+                  "moved to quarantine/")
+        for k in result["lost_keys"]:
+            print(f"  {k['namespace']}/{k['key']}: LOST -- the previous index held it (LSN {k['lsn']}) and no record "
+                  "of it is left in the log (a segment gone or emptied)")
+        for k in result["stale_keys_deleted"]:
+            print(f"  {k['namespace']}/{k['key']}: deleted -- the record that replaced or deleted it was lost, and "
+                  "its older version is not brought back")
+        if not (result["damage"] or result["removed_segments"] or result["lost_keys"] or result["stale_keys_deleted"]):
             print("  no damage found")
         for b in result.get("blobs_without_dictionary", []):
             print(f"  {b['namespace']}/{b['key']}: needs zstd dictionary {b['dictionary']}, which was lost: moved to "

@@ -316,6 +316,11 @@ class Engine:
             os.makedirs(self.path, exist_ok=True)
         elif not os.path.isdir(self.path):
             raise InvalidObject(f"{self.path} exists and is not a directory", path=self.path)
+        elif not create and not self.readonly and not Index.exists(os.path.join(self.path, fmt.INDEX_DIR)) \
+                and not (os.path.isdir(self.seg_dir) and seglib.list_segments(io, self.seg_dir)):
+            # (before any lock file is made: `tierstore compact` of a wrong directory left LOCK,
+            # APPEND and COMMIT in it)
+            raise StoreNotFound(f"no store at {self.path}", path=self.path, hint=self._not_found_hint(create))
         elif create and not self.readonly and not Index.exists(os.path.join(self.path, fmt.INDEX_DIR)) \
                 and not (os.path.isdir(self.seg_dir) and seglib.list_segments(io, self.seg_dir)):
             others = sorted(set(os.listdir(self.path)) - STORE_ENTRIES)

@@ -53,6 +53,7 @@ class Damage:
     quarantined_to: str | None = None
     namespace: str | None = None  # the object that was lost, when its header could still be read
     key: str | None = None
+    kept: bool = False  # the object survived (its header restored from a copy): only bytes were set aside
 
 
 @dataclass
@@ -595,7 +596,7 @@ class _LogScanner:
         self.result.damage.append(Damage(seg, offset, f"{why}; restored from {source} "
                                                      "(every extent matches its checksums): the object is kept", 0,
                                          quarantined_to=qpath, namespace=hdr.namespace.decode("utf-8", "replace"),
-                                         key=shown_key(hdr.key)))
+                                         key=shown_key(hdr.key), kept=True))
         return True
 
     def _copy_of(self, seg: int, offset: int, expected: int | None, size: int) -> rec.RecordHeader | None:

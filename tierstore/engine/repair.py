@@ -114,20 +114,35 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
     finally:
         io.close(lock)
     stale: list[tuple[bytes, bytes, int]] = []
+    lost: list[tuple[bytes, bytes, int]] = []
     # consulted whether or not the scan found damage: a sealed segment cut at a record boundary, or
     # gone, reads as a clean end and an LSN gap, and the versions it held the newer records of
     # would come back (a cold review, 2026-12-03) -- but only an index of this store
     if previous is not None and previous[2] == scan.store_uuid and (scan.damage or in_log):
         known, applied = previous[0], previous[1].lsn
         idx = Index.open(os.path.join(root, fmt.INDEX_DIR), writable=False)
+        present: set[tuple[bytes, bytes]] = set()
         try:
             with idx.read() as view:
                 for ns, key, loc in view.items():
+                    present.add((ns, key))
                     was = known.get((ns, key))
                     if loc.header.lsn <= applied and (was is None or was > loc.header.lsn):
                         stale.append((ns, key, loc.header.lsn))
         finally:
             idx.close()
+        # objects the previous index held that no record of the log accounts for any more (a
+        # segment gone or emptied took them): named, not dropped in silence (a new user's try:
+        # recover said "no damage found" and fsck then "ok")
+        newest: dict[tuple[bytes, bytes], int] = {}
+        for op in scan.ops:
+            if op.lsn > newest.get((op.namespace, op.key), 0):
+                newest[(op.namespace, op.key)] = op.lsn
+        named = {(d.namespace, d.key) for d in scan.damage if d.key is not None}
+        lost = sorted((ns, key, lsn) for (ns, key), lsn in known.items()
+                      if not ns.startswith(b"\x00") and (ns, key) not in present and lsn <= applied
+                      and newest.get((ns, key), 0) <= lsn
+                      and (ns.decode("utf-8", "replace"), shown_key(key)) not in named)
     dangling: list[dict[str, str]] = []
     orphans: list[dict[str, Any]] = []
     deleted: list[tuple[bytes, bytes]] = []
@@ -157,6 +172,8 @@ def recover(path: str, *, io: PosixIO | None = None, lock_timeout: float = 60.0,
             "damage": [d.__dict__ for d in scan.damage], "removed_segments": scan.removed_segments,
             "stale_keys_deleted": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key)}
                                    for ns, key in deleted],
+            "lost_keys": [{"namespace": ns.decode("utf-8", "replace"), "key": shown_key(key), "lsn": lsn}
+                          for ns, key, lsn in lost],
             "next_lsn": scan.next_lsn, "old_index": scan.old_index, "references_dropped": dangling,
             "blobs_without_dictionary": orphans}
 
