@@ -659,7 +659,10 @@ def test_puts_reads_and_other_writers_go_on_while_an_eviction_decides(tmp_path):
         done: list[str] = []
         try:
             i = 30
-            while not deciding.wait(0.01):  # put until the budget wakes the eviction thread
+            # put until the budget wakes the eviction thread, giving it 2 s per put to reach its walk:
+            # on a busy host puts ran on past the bound meanwhile, and the put below then waited
+            # for the paused walk, as a put past the bound must (CI, 2026-12-04)
+            while not deciding.wait(2.0):
                 s.put(f"k{i}", Blob(payload(i, 200_000)))
                 i += 1
                 assert i < 60, "the eviction thread never woke"
