@@ -718,3 +718,43 @@ def test_a_writer_refuses_a_store_with_a_sealed_segment_of_a_newer_format(tmp_pa
             tierstore.open(path, create=False, readonly=True)
     out = subprocess.run([sys.executable, "-m", "tierstore", "recover", path], capture_output=True, text=True)
     assert out.returncode == 3, out.stderr
+
+
+@pytest.mark.parametrize("damaged", [True, False])
+def test_recover_keeps_an_index_changed_at_rest_in_quarantine_and_no_witness(tmp_path, damaged, monkeypatch):
+    """An index whose bytes changed at rest in a page (fsck: its checksum differs from the stamp)
+    passes LMDB's offline verifier, which does not read values: recover consulted it as its
+    witness (its LSNs decide which keys are stale) and replaced it unkept (a new user's try,
+    2026-12-04).  Now it is quarantined and not consulted; every object is kept.  Twin: an
+    intact index is consulted and simply replaced."""
+    from tierstore.engine.index import verify_lmdb
+
+    path = str(tmp_path / "s")
+    with tierstore.open(path) as s:
+        for i in range(50):
+            s.put(f"k{i}", Blob(bytes([i]) * 3000))
+    if damaged:
+        with open(os.path.join(path, "index", "data.mdb"), "r+b") as f:
+            f.seek(4096 * 4 + 2000)
+            chunk = f.read(64)
+            f.seek(4096 * 4 + 2000)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+        assert verify_lmdb(os.path.join(path, "index")) == []  # (what let it through)
+        assert not repair.fsck(path).ok
+    consulted = []
+    real = repair._previous_index
+    monkeypatch.setattr(repair, "_previous_index", lambda root: consulted.append(real(root)) or consulted[-1])
+    result = repair.recover(path, lock_timeout=0)
+    assert (consulted[0] is None) == damaged  # a witness only when sound
+    if damaged:
+        assert result["old_index"].startswith("quarantined to ") and "changed at rest" in result["old_index"]
+        kept = result["old_index"].split("quarantined to ", 1)[1].split(" (", 1)[0]
+        assert os.path.exists(os.path.join(kept, "data.mdb"))
+        with open(os.path.join(kept, "REASON.txt")) as f:
+            assert "changed at rest" in f.read()
+    else:
+        assert result["old_index"].startswith("replaced")
+    assert result["lost_keys"] == [] and result["stale_keys_deleted"] == []
+    with tierstore.open(path, create=False) as s:
+        assert {k: bytes(s.get(k).data) for k in s.keys()} == {f"k{i}": bytes([i]) * 3000 for i in range(50)}
+    assert repair.fsck(path, deep=True).ok

@@ -30,7 +30,7 @@ from ..format import constants as fmt
 from ..format import record as rec
 from . import segment as seglib
 from .fileio import PosixIO, write_all
-from .index import Applied, Index, Location, Op, stamp, verify_lmdb
+from .index import Applied, Index, Location, Op, stamp, untrusted
 
 
 class IndexAhead(TierstoreError):
@@ -867,20 +867,23 @@ def rebuild_index(io: PosixIO, root: str, *, repair: bool = False, verify_payloa
     if os.path.exists(final):
         # the old index is derived data: an intact one is simply replaced; a damaged one is kept
         # in quarantine/ for inspection (and said so in the scan's result)
-        problems = verify_lmdb(final) if Index.exists(final) else ["no data.mdb"]
-        if problems:
+        # (damaged: changed at rest since the stamp of its last clean close -- fsck's verdict --
+        # or, without a stamp, failing LMDB's verifier; it passed that verifier with bytes
+        # flipped in a page, and was replaced unkept: a new user's try, 2026-12-04)
+        problem = untrusted(final) if Index.exists(final) else "no data.mdb"
+        if problem:
             qdir = os.path.join(root, fmt.QUARANTINE_DIR)
             os.makedirs(qdir, exist_ok=True)
             dest = os.path.join(qdir, f"{_stamp()}-{fmt.INDEX_DIR}-{os.getpid()}")
             io.rename(final, dest)
-            why = f"index replaced by one rebuilt from the segments; it failed LMDB's verifier: {problems[0]}\n"
+            why = f"index replaced by one rebuilt from the segments; it was damaged: {problem}\n"
             # (an `index` that is a file, not a directory, gets its reason beside it)
             with open(os.path.join(dest, "REASON.txt") if os.path.isdir(dest) else dest + ".txt", "w") as f:
                 f.write(why)
-            scan.old_index = f"quarantined to {dest} ({problems[0]})"
+            scan.old_index = f"quarantined to {dest} ({problem})"
         else:
             shutil.rmtree(final)
-            scan.old_index = "replaced (it passed LMDB's verifier)"
+            scan.old_index = "replaced (it matched the stamp of its last clean close, or passed LMDB's verifier)"
     io.rename(tmp, final)
     io.fsync_dir(root)
     return scan

@@ -23,7 +23,7 @@ from ..format import record as rec
 from . import segment as seglib
 from .engine import Engine, open_engine, writing_in_process
 from .fileio import PosixIO
-from .index import WALKS, Applied, Index, Location, decode_location, verify_lmdb, walk_live
+from .index import WALKS, Applied, Index, Location, decode_location, untrusted, walk_live
 from .lock import acquire_writer_lock, writer_active
 from .options import Options
 from .recovery import base_disagrees, certified_after, check_applied, quarantine_bytes, rebuild_index, shown_key
@@ -32,9 +32,11 @@ from .recovery import base_disagrees, certified_after, check_applied, quarantine
 def _previous_index(root: str) -> tuple[dict[tuple[bytes, bytes], int], Applied, bytes | None, bool] | None:
     """The old index's view -- {(namespace, key): LSN}, its applied position, its store uuid and
     whether the writer that applied that position had synced it (``Index.applied_synced``) --
-    when the index is there and passes LMDB's offline verifier; None otherwise."""
+    when the index is there and sound: it matches the stamp of its last clean close, or, without
+    a stamp (a writer that did not close), passes LMDB's offline verifier; None otherwise (an
+    index changed at rest is no witness: its LSNs could delete live objects as stale)."""
     path = os.path.join(root, fmt.INDEX_DIR)
-    if not Index.exists(path) or verify_lmdb(path):
+    if not Index.exists(path) or untrusted(path):  # (changed at rest since its stamp: no witness)
         return None
     try:
         idx = Index.open(path, writable=False)
