@@ -379,3 +379,32 @@ def test_an_index_no_walk_could_judge_is_busy_not_damaged(tmp_path, monkeypatch,
     finally:
         idle.kill()
         idle.wait()
+
+
+def test_the_stamp_is_written_after_data_mdb_is_synced_and_unstamping_is_durable(tmp_path, monkeypatch):
+    """LMDB (metasync=False) leaves its last meta page to the OS, and the stamp was computed from
+    the page cache: a power cut after a clean close kept an older meta page beside a stamp of the
+    newer file, and the sound index was judged changed at rest (quarantined by recover, no
+    witness).  The close now syncs data.mdb before it stamps, and the directory after it stamps
+    and after a writer's open unstamps (a cold review, 2026-12-04; LMDB's own writes do not go
+    through FileIO, so the order of syncs is what is checked)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    path = str(tmp_path / "s")
+    index = os.path.realpath(os.path.join(path, "index"))
+    with tierstore.open(path) as s:
+        s.put("k", Blob(b"v"))
+        monkeypatch.setattr(os, "fsync", fsync)
+    order = [p for p in synced if p.startswith(index)]
+    data, tmp = os.path.join(index, "data.mdb"), os.path.join(index, "tierstore-checksum.tmp")
+    assert data in order and tmp in order and order.index(data) < order.index(tmp), order
+    assert index in order[order.index(tmp):], order  # the rename, durable
+    synced.clear()
+    with tierstore.open(path) as s:  # a writer's open unstamps, durably, before it writes
+        assert not os.path.exists(os.path.join(index, "tierstore-checksum"))
+        assert index in synced

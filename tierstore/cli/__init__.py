@@ -202,7 +202,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         if repaired is not None:
             print(f"repaired: {len(repaired['damage'])} damaged region(s) quarantined, index rebuilt")
             for k in repaired["lost_keys"]:
-                print(f"  {k['namespace']}/{k['key']}: LOST (a segment gone or emptied held it)")
+                print(f"  {k['namespace']}/{k['key']}: LOST (a segment gone, emptied or cut held it)")
             for k in repaired["stale_keys_deleted"]:
                 print(f"  {k['namespace']}/{k['key']}: deleted (its newer record was lost)")
         text()
@@ -236,7 +236,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
                   "moved to quarantine/")
         for k in result["lost_keys"]:
             print(f"  {k['namespace']}/{k['key']}: LOST -- the previous index held it (LSN {k['lsn']}) and no record "
-                  "of it is left in the log (a segment gone or emptied)")
+                  "of it is left in the log (a segment gone, emptied or cut)")
         for k in result["stale_keys_deleted"]:
             print(f"  {k['namespace']}/{k['key']}: deleted -- the record that replaced or deleted it was lost, and "
                   "its older version is not brought back")

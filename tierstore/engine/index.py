@@ -295,27 +295,45 @@ def _file_crc(path: str) -> tuple[int, int]:
     return size, crc
 
 
+def _sync(path: str) -> None:
+    """fsync a file or directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def stamp(path: str) -> None:
-    """Record data.mdb's size and checksum after a clean close (``trusted`` then need not walk it)."""
-    size, crc = _file_crc(os.path.join(path, "data.mdb"))
+    """Record data.mdb's size and checksum after a clean close (``trusted`` then need not walk it).
+    data.mdb is synced first (LMDB, opened with metasync=False, leaves its last meta page to the
+    OS: a power cut after the close kept an older page beside a stamp of the newer one, and the
+    sound index was judged changed at rest -- a cold review, 2026-12-04), the directory after."""
+    data = os.path.join(path, "data.mdb")
     tmp = os.path.join(path, STAMP_FILE + ".tmp")
     try:
+        _sync(data)
+        size, crc = _file_crc(data)
         with open(tmp, "w") as f:
             f.write(f"{size} {crc:08x}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, STAMP_FILE))
+        _sync(path)
     except OSError:  # (a full disk: no stamp -- the next open walks the index instead of trusting it)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 
 
 def unstamp(path: str) -> None:
-    """A writer is about to change data.mdb: the stamp no longer describes it."""
+    """A writer is about to change data.mdb: the stamp no longer describes it -- durably, before
+    the change (a stamp back after a power cut would vouch for a file changed since)."""
     try:
         os.unlink(os.path.join(path, STAMP_FILE))
     except FileNotFoundError:
-        pass
+        return
+    with contextlib.suppress(OSError):
+        _sync(path)
 
 
 def untrusted(path: str) -> str | None:
