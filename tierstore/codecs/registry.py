@@ -203,6 +203,11 @@ class Choice:
         return name + (f":{extra}" if extra else "")
 
 
+def _base_name(name: str) -> str:
+    """The codec a name runs first: ``int8`` of ``int8+zstd`` (``shuffle+zstd`` is one codec)."""
+    return name[: -len("+zstd")] if name.endswith("+zstd") and name != "shuffle+zstd" else name
+
+
 def parse(spec: str | Choice, kind: str) -> Choice:
     """``"int8"``, ``"int8+zstd"``, ``"zstd:level=9"``, ``"int4:group=64"`` -> a Choice for ``kind``."""
     if isinstance(spec, Choice):
@@ -213,9 +218,7 @@ def parse(spec: str | Choice, kind: str) -> Choice:
         raise InvalidObject(f"a codec is named by a string such as 'int8' or 'zstd:level=9', got {spec!r}")
     name, _, args = spec.partition(":")
     params: dict[str, Any] = {}
-    base = name
-    if name.endswith("+zstd") and name != "shuffle+zstd":
-        base = name[: -len("+zstd")]
+    base = _base_name(name)
     codec = BY_NAME.get((base, kind))
     if codec is None:
         names = sorted({c.name for c in _ALL if kind in c.kinds})
@@ -258,8 +261,7 @@ def check_any(spec: str | Choice) -> None:
     name no codec has, is refused as the argument it is."""
     if isinstance(spec, Choice):
         return
-    name = spec.partition(":")[0] if isinstance(spec, str) else ""
-    base = name[: -len("+zstd")] if name.endswith("+zstd") and name != "shuffle+zstd" else name
+    base = _base_name(spec.partition(":")[0]) if isinstance(spec, str) else ""
     kinds = sorted(k for n, k in BY_NAME if n == base)
     if not kinds:
         names = sorted({n for n, _ in BY_NAME})

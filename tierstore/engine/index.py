@@ -31,6 +31,7 @@ import lmdb.verify
 from ..errors import CorruptionError, StoreFull, StoreIOError, StoreLocked, TierstoreError
 from ..format import constants as fmt
 from ..format import record as rec
+from .fileio import DEFAULT_IO
 
 _LOC = struct.Struct("<QQ")  # segment id, record offset; followed by the record header bytes
 _APPLIED = struct.Struct("<QQQQ")  # segment, offset of the last applied record, its LSN, log end
@@ -295,15 +296,6 @@ def _file_crc(path: str) -> tuple[int, int]:
     return size, crc
 
 
-def _sync(path: str) -> None:
-    """fsync a file or directory by its path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def stamp(path: str) -> None:
     """Record data.mdb's size and checksum after a clean close (``trusted`` then need not walk it).
     data.mdb is synced first (LMDB, opened with metasync=False, leaves its last meta page to the
@@ -312,14 +304,18 @@ def stamp(path: str) -> None:
     data = os.path.join(path, "data.mdb")
     tmp = os.path.join(path, STAMP_FILE + ".tmp")
     try:
-        _sync(data)
+        fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            DEFAULT_IO.fsync(fd)
+        finally:
+            os.close(fd)
         size, crc = _file_crc(data)
         with open(tmp, "w") as f:
             f.write(f"{size} {crc:08x}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, STAMP_FILE))
-        _sync(path)
+        DEFAULT_IO.fsync_dir(path)
     except OSError:  # (a full disk: no stamp -- the next open walks the index instead of trusting it)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -333,7 +329,7 @@ def unstamp(path: str) -> None:
     except FileNotFoundError:
         return
     with contextlib.suppress(OSError):
-        _sync(path)
+        DEFAULT_IO.fsync_dir(path)
 
 
 def untrusted(path: str) -> str | None:
